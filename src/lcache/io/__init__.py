@@ -1,0 +1,34 @@
+"""Positional, batched file I/O: the engine every lcache byte goes through."""
+
+from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer
+from lcache.io.engine import (
+    IOEngine,
+    ReadRequest,
+    SyncPolicy,
+    pread_full,
+    pwrite_full,
+    sync_fd,
+)
+from lcache.io.files import drop_page_cache, fsync_dir, logical_block_size, open_file
+from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
+
+__all__ = [
+    "BufferPool",
+    "IOEngine",
+    "IOEvent",
+    "ReadRequest",
+    "SyncPolicy",
+    "Tracer",
+    "align_down",
+    "align_up",
+    "aligned_buffer",
+    "drop_page_cache",
+    "fsync_dir",
+    "get_tracer",
+    "logical_block_size",
+    "open_file",
+    "pread_full",
+    "pwrite_full",
+    "set_tracer",
+    "sync_fd",
+]

@@ -1,0 +1,54 @@
+"""Opening files for the engine: O_DIRECT where asked, owner-only permissions, block size."""
+
+from __future__ import annotations
+
+import os
+
+from lcache.errors import ConfigError
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
+    """``os.open`` with ``O_CLOEXEC``, and ``O_DIRECT`` when ``direct`` is true.
+
+    Raises:
+        ConfigError: O_DIRECT was asked for on a platform or filesystem without it.
+    """
+    flags |= os.O_CLOEXEC
+    if direct:
+        if not O_DIRECT:
+            raise ConfigError("O_DIRECT is not available on this platform; use direct_io=False")
+        try:
+            return os.open(path, flags | O_DIRECT, mode)
+        except OSError as exc:
+            if exc.errno == 22:  # EINVAL: the filesystem (e.g. tmpfs) refuses O_DIRECT
+                raise ConfigError(
+                    f"the filesystem of {path} does not support O_DIRECT; use direct_io=False"
+                ) from exc
+            raise
+    return os.open(path, flags, mode)
+
+
+def logical_block_size(path: str) -> int:
+    """The alignment O_DIRECT needs for ``path``'s filesystem (``f_bsize``, at least 512)."""
+    try:
+        return max(512, os.statvfs(path).f_bsize)
+    except OSError:
+        return 4096
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache(fd: int) -> None:
+    """Ask the kernel to forget cached pages of ``fd`` (after they are written back)."""
+    if hasattr(os, "posix_fadvise"):
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -1,0 +1,342 @@
+"""The node-wide index: key -> (segment, offset, record length), shared through ``mmap``.
+
+Two memory-mapped files sit in the store directory:
+
+* ``index-int.bin``: a flat array for dense integer keys, 16 bytes per key, no hashing, no
+  Python object per entry. It grows (sparse file) when a larger key is put.
+* ``index-bytes.bin``: an open-addressing hash table (linear probing) for byte-string keys,
+  keyed by xxh3-64 of the key; 24 bytes per slot, fixed number of slots.
+
+Readers never lock. An entry is two 8-byte words written separately, so a reader can see a torn
+entry; the record header check at the read turns that into a miss (see ``record.py``). Writers of
+the hash table serialize inserts with ``flock`` on its file, which the kernel drops if the
+process dies.
+
+A location is packed into one u64: ``segment_id << 32 | offset``; 0 means empty (segment ids
+start at 1).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.errors import ConfigError, CorruptionError, IndexFullError
+
+INDEX_HEADER = 4096
+_HDR = struct.Struct("<4sIQ")  # magic, version, slots (hash table) or 0
+
+INT_ENTRY = np.dtype([("loc", "<u8"), ("length", "<u4"), ("ref", "u1"), ("pad", "u1", (3,))])
+HASH_ENTRY = np.dtype(
+    [("hash", "<u8"), ("loc", "<u8"), ("length", "<u4"), ("ref", "u1"), ("state", "u1"),
+     ("pad", "u1", (2,))]
+)
+MAX_INT_KEYS = 1 << 36  # a 1 TiB sparse index; larger keys should be byte keys
+EMPTY, USED, TOMBSTONE = 0, 1, 2
+
+U64Array = npt.NDArray[np.uint64]
+
+
+def pack_loc(segment: int, offset: int) -> int:
+    return (segment << 32) | offset
+
+
+def unpack_loc(loc: int) -> tuple[int, int]:
+    return loc >> 32, loc & 0xFFFFFFFF
+
+
+def _create(path: str, magic: bytes, slots: int, data_bytes: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, _HDR.pack(magic, 1, slots), 0)
+        os.ftruncate(fd, INDEX_HEADER + data_bytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _open_checked(path: str, magic: bytes) -> tuple[int, int]:
+    """Open an index file, check its header; returns (fd, slots field)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    head = os.pread(fd, _HDR.size, 0)
+    if len(head) < _HDR.size or _HDR.unpack(head)[0] != magic or _HDR.unpack(head)[1] != 1:
+        os.close(fd)
+        raise CorruptionError(
+            f"{path} is not an lcache index (bad header); run 'lcache fsck --repair' to rebuild it"
+        )
+    return fd, _HDR.unpack(head)[2]
+
+
+class IntIndex:
+    """Flat array index for integer keys."""
+
+    MAGIC = b"LCII"
+
+    def __init__(self, path: str, initial_keys: int = 1 << 16) -> None:
+        self.path = path
+        if not os.path.exists(path):
+            _create(path, self.MAGIC, 0, initial_keys * INT_ENTRY.itemsize)
+        self._fd, _ = _open_checked(path, self.MAGIC)
+        self._map()
+
+    def _map(self) -> None:
+        size = os.fstat(self._fd).st_size
+        self._mm = mmap.mmap(self._fd, size)
+        arr = np.frombuffer(self._mm, dtype=INT_ENTRY, offset=INDEX_HEADER)
+        self._arr = arr
+        self._loc: U64Array = arr["loc"]
+        self._len = arr["length"]
+        self._ref = arr["ref"]
+        self.capacity = len(arr)
+
+    def _refresh(self) -> None:
+        """Another process may have grown the file: map it again if so."""
+        if os.fstat(self._fd).st_size > INDEX_HEADER + self.capacity * INT_ENTRY.itemsize:
+            self._map()
+
+    def grow(self, key: int) -> None:
+        """Make room for ``key``; the caller holds the store's meta lock."""
+        if key >= MAX_INT_KEYS:
+            raise ConfigError(f"int key {key} is too large for the flat index; use byte keys")
+        self._refresh()
+        if key < self.capacity:
+            return
+        new = max(key + 1, self.capacity * 2)
+        os.ftruncate(self._fd, INDEX_HEADER + new * INT_ENTRY.itemsize)
+        self._map()
+
+    def lookup(self, key: int) -> tuple[int, int] | None:
+        if key >= self.capacity:
+            self._refresh()
+            if key >= self.capacity:
+                return None
+        loc = int(self._loc[key])
+        return (loc, int(self._len[key])) if loc else None
+
+    def lookup_many(self, keys: U64Array) -> tuple[U64Array, npt.NDArray[np.uint32]]:
+        if len(keys) and int(keys.max()) >= self.capacity:
+            self._refresh()
+        inside = keys < self.capacity
+        safe = np.where(inside, keys, 0)
+        locs = np.where(inside, self._loc[safe], 0).astype(np.uint64)
+        lens = np.where(inside, self._len[safe], 0).astype(np.uint32)
+        return locs, lens
+
+    def set(self, key: int, loc: int, length: int) -> None:
+        self._len[key] = length
+        self._ref[key] = 0
+        self._loc[key] = loc
+
+    def set_many(self, keys: U64Array, locs: U64Array, lens: npt.NDArray[np.uint32]) -> None:
+        self._len[keys] = lens
+        self._ref[keys] = 0
+        self._loc[keys] = locs
+
+    def remove(self, key: int, expected_loc: int | None = None) -> bool:
+        if key >= self.capacity:
+            self._refresh()
+            if key >= self.capacity:
+                return False
+        loc = int(self._loc[key])
+        if loc == 0 or (expected_loc is not None and loc != expected_loc):
+            return False
+        self._loc[key] = 0
+        return True
+
+    def touch(self, key: int) -> None:
+        if key < self.capacity:
+            self._ref[key] = 1
+
+    def referenced(self, keys: U64Array) -> npt.NDArray[np.bool_]:
+        inside = keys < self.capacity
+        safe = np.where(inside, keys, 0)
+        return np.where(inside, self._ref[safe] != 0, False)
+
+    def clear_ref(self, keys: U64Array) -> None:
+        self._ref[keys[keys < self.capacity]] = 0
+
+    def items(self) -> Iterator[tuple[int, int, int]]:
+        """(key, loc, length) of every used entry."""
+        keys = np.flatnonzero(self._loc)
+        for k in keys:
+            yield int(k), int(self._loc[k]), int(self._len[k])
+
+    def clear_segment(self, segment: int, from_offset: int = 0) -> int:
+        """Remove entries pointing into ``segment`` at or past ``from_offset``; returns count."""
+        lo, hi = pack_loc(segment, from_offset), pack_loc(segment + 1, 0)
+        hit = (self._loc >= lo) & (self._loc < hi)
+        n = int(np.count_nonzero(hit))
+        if n:
+            self._loc[hit] = 0
+        return n
+
+    def live_count(self) -> int:
+        return int(np.count_nonzero(self._loc))
+
+    def bytes_on_disk(self) -> int:
+        return os.fstat(self._fd).st_blocks * 512
+
+    def flush(self) -> None:
+        self._mm.flush()
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class HashIndex:
+    """Open-addressing hash table for byte keys (by their xxh3-64), fixed slot count."""
+
+    MAGIC = b"LCIH"
+
+    def __init__(self, path: str, slots: int) -> None:
+        self.path = path
+        if not os.path.exists(path):
+            slots = 1 << max(4, (slots - 1).bit_length())  # a power of two
+            _create(path, self.MAGIC, slots, slots * HASH_ENTRY.itemsize)
+        self._fd, slots = _open_checked(path, self.MAGIC)
+        if slots <= 0 or slots & (slots - 1):
+            raise CorruptionError(f"{path}: bad slot count {slots}; run 'lcache fsck --repair'")
+        self._mm = mmap.mmap(self._fd, INDEX_HEADER + slots * HASH_ENTRY.itemsize)
+        arr = np.frombuffer(self._mm, dtype=HASH_ENTRY, offset=INDEX_HEADER)
+        self._hash: U64Array = arr["hash"]
+        self._loc: U64Array = arr["loc"]
+        self._len = arr["length"]
+        self._ref = arr["ref"]
+        self._state = arr["state"]
+        self.slots = slots
+        self._mask = slots - 1
+        self._tlock = threading.Lock()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._tlock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _find(self, h: int) -> int:
+        """Slot holding ``h``, or -1."""
+        i = h & self._mask
+        for _ in range(self.slots):
+            state = self._state[i]
+            if state == EMPTY:
+                return -1
+            if state == USED and self._hash[i] == h:
+                return i
+            i = (i + 1) & self._mask
+        return -1
+
+    def lookup(self, h: int) -> tuple[int, int] | None:
+        i = self._find(h)
+        if i < 0:
+            return None
+        loc = int(self._loc[i])
+        return (loc, int(self._len[i])) if loc else None
+
+    def set(self, h: int, loc: int, length: int) -> None:
+        with self._locked():
+            i = self._find(h)
+            if i < 0:
+                i = self._free_slot(h)
+                if i < 0:  # long probe: tombstones have piled up, rebuild the table
+                    self._rehash()
+                    i = self._free_slot(h)
+                self._hash[i] = h
+            self._len[i] = length
+            self._ref[i] = 0
+            self._loc[i] = loc
+            self._state[i] = USED
+
+    def _free_slot(self, h: int) -> int:
+        """A free slot on ``h``'s probe path; -1 if the path is long and tombstones exist."""
+        i = h & self._mask
+        for probe in range(self.slots):
+            if self._state[i] != USED:
+                if probe > 64 and self._state[i] == TOMBSTONE:
+                    return -1
+                return i
+            i = (i + 1) & self._mask
+        raise IndexFullError(
+            f"the byte-key index {self.path} is full ({self.slots} slots); "
+            "create the store with a larger max_byte_keys"
+        )
+
+    def _rehash(self) -> None:
+        """Re-insert every used entry with no tombstones (the caller holds the lock).
+
+        Concurrent readers may miss an entry while this runs; a miss is always allowed.
+        """
+        used = np.flatnonzero(self._state == USED)
+        saved = [(int(self._hash[i]), int(self._loc[i]), int(self._len[i])) for i in used]
+        self._state[:] = EMPTY
+        self._loc[:] = 0
+        for h, loc, length in saved:
+            i = h & self._mask
+            while self._state[i] == USED:
+                i = (i + 1) & self._mask
+            self._hash[i], self._len[i], self._loc[i], self._state[i] = h, length, loc, USED
+
+    def remove(self, h: int, expected_loc: int | None = None) -> bool:
+        with self._locked():
+            i = self._find(h)
+            if i < 0:
+                return False
+            loc = int(self._loc[i])
+            if loc == 0 or (expected_loc is not None and loc != expected_loc):
+                return False
+            self._loc[i] = 0
+            self._state[i] = TOMBSTONE
+            return True
+
+    def touch(self, h: int) -> None:
+        i = self._find(h)
+        if i >= 0:
+            self._ref[i] = 1
+
+    def referenced(self, h: int) -> bool:
+        i = self._find(h)
+        return bool(i >= 0 and self._ref[i])
+
+    def clear_ref(self, h: int) -> None:
+        i = self._find(h)
+        if i >= 0:
+            self._ref[i] = 0
+
+    def items(self) -> Iterator[tuple[int, int, int]]:
+        """(hash, loc, length) of every used slot."""
+        for i in np.flatnonzero((self._state == USED) & (self._loc != 0)):
+            yield int(self._hash[i]), int(self._loc[i]), int(self._len[i])
+
+    def clear_segment(self, segment: int, from_offset: int = 0) -> int:
+        lo, hi = pack_loc(segment, from_offset), pack_loc(segment + 1, 0)
+        with self._locked():
+            hit = (self._state == USED) & (self._loc >= lo) & (self._loc < hi)
+            n = int(np.count_nonzero(hit))
+            if n:
+                self._loc[hit] = 0
+                self._state[hit] = TOMBSTONE
+        return n
+
+    def live_count(self) -> int:
+        return int(np.count_nonzero((self._state == USED) & (self._loc != 0)))
+
+    def bytes_on_disk(self) -> int:
+        return os.fstat(self._fd).st_blocks * 512
+
+    def flush(self) -> None:
+        self._mm.flush()
+
+    def close(self) -> None:
+        os.close(self._fd)

@@ -1,0 +1,806 @@
+"""The log-structured store: put/get records by int or byte key on local SSD.
+
+One ``Store`` object per process (it re-initialises itself after ``fork``). Processes of a node
+share a directory: each appends to its own active segment, all share the memory-mapped index,
+and everything else (allocating segments, eviction, compaction, recovery) happens under an
+``flock`` on ``DIR/lock`` that the kernel releases if the holder dies.
+
+Space: ``capacity`` bounds the bytes on disk. Each active segment reserves a whole segment, and
+one more segment is kept free for compaction, so copying live records forward never pushes the
+directory past the bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.errors import CorruptionError, DiskFullError, StoreFullError
+from lcache.io import (
+    IOEngine,
+    ReadRequest,
+    SyncPolicy,
+    align_down,
+    align_up,
+    aligned_buffer,
+    logical_block_size,
+    open_file,
+    pread_full,
+)
+from lcache.store import record
+from lcache.store.counters import Counters, RateLimitedWarning, add_to_totals
+from lcache.store.index import HashIndex, IntIndex, pack_loc
+from lcache.store.layout import (
+    MetaPage,
+    StoreConfig,
+    format_size,
+    load_config,
+    merge_config,
+    prepare_dir,
+    save_config,
+)
+from lcache.store.policy import EvictionPolicy, make_policy
+from lcache.store.segment import (
+    SegmentWriter,
+    Summary,
+    list_segments,
+    log_path,
+    read_summary,
+    scan_log,
+    segments_dir,
+    sum_path,
+    try_lock,
+    write_summary,
+)
+
+log = logging.getLogger("lcache")
+Key = int | bytes
+MAX_RUN = 4 << 20  # largest coalesced read
+BATCH_WRITE = 8 << 20  # put_many writes at most this much per call into the kernel
+
+
+class Store:
+    """A crash-safe, capacity-bounded, multi-process key/value store of byte records.
+
+    Use :meth:`Store.open`. Every record read is checked (header, key, length, checksum): a
+    damaged or stale record is a miss, never wrong bytes. ``flush()`` is the durability point.
+    """
+
+    def __init__(
+        self, root: str, config: StoreConfig, *, sync: SyncPolicy, direct_io: bool,
+        queue_depth: int,
+    ) -> None:
+        self.root = root
+        self.config = config
+        self.sync = sync
+        self.direct_io = direct_io
+        self.policy: EvictionPolicy = make_policy(config.policy)
+        self.engine = IOEngine(queue_depth)
+        self.counters = Counters()
+        self._block = logical_block_size(root) if direct_io else 1
+        self._closed = False
+        self._tlock = threading.RLock()
+        self._warn_verify = RateLimitedWarning()
+        self._start_process()
+        with self._meta_lock():
+            self._recover_orphans()
+
+    # ----------------------------------------------------------------- opening and closing
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int | str | None = None,
+        segment_size: int | str | None = None,
+        max_writers: int | None = None,
+        policy: str | None = None,
+        max_byte_keys: int | None = None,
+        sync: str | SyncPolicy = SyncPolicy.FLUSH,
+        direct_io: bool = False,
+        queue_depth: int = 16,
+        create: bool = True,
+    ) -> Store:
+        """Open the store in ``path``, creating it (owner-only) if ``create`` and missing.
+
+        Args:
+            capacity: hard bound on bytes on disk (int or "50GB"); default 8 GiB when created.
+            segment_size: bytes per segment (fixed at creation); default 64 MiB.
+            max_writers: processes that may write at once; default 8.
+            policy: eviction policy name, ``lru`` (default) or ``fifo``.
+            max_byte_keys: slots of the byte-key index (fixed at creation); default 2**20.
+            sync: ``flush`` (default), ``always`` or ``never`` (see ``SyncPolicy``).
+            direct_io: read segments with O_DIRECT (bypasses the page cache).
+            queue_depth: reads kept in flight by ``get_many``.
+
+        Raises:
+            ConfigError: a setting is invalid or conflicts with the existing store.
+            StoreNotFoundError, StorePermissionError: see ``prepare_dir``.
+        """
+        root = os.path.abspath(os.fspath(path))
+        prepare_dir(root, create)
+        lock = MetaPage(os.path.join(root, "lock"))
+        try:
+            import fcntl
+
+            fcntl.flock(lock.fd, fcntl.LOCK_EX)
+            stored = load_config(root)
+            config = merge_config(
+                stored,
+                {"capacity": capacity, "segment_size": segment_size, "max_writers": max_writers,
+                 "policy": policy, "max_byte_keys": max_byte_keys},
+            )
+            make_policy(config.policy)  # unknown names fail before anything is written
+            if config != stored:
+                save_config(root, config)
+        finally:
+            lock.close()
+        return cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
+                   queue_depth=queue_depth)
+
+    def _start_process(self) -> None:
+        """Per-process state: opened at start and again in a forked child."""
+        self._pid = os.getpid()
+        self._meta = MetaPage(os.path.join(self.root, "lock"))
+        self._lock_depth = 0
+        self._int_index: IntIndex | None = None
+        self._hash_index: HashIndex | None = None
+        self._writer: SegmentWriter | None = None
+        self._fds: dict[int, int] = {}
+        self._gc_seen = self._meta.gc_generation
+        self._sealed_bytes: dict[int, int] = {}
+        self._summaries: dict[int, Summary] = {}
+        self._persisted = Counters()
+
+    def _check_process(self) -> None:
+        if self._closed:
+            raise ValueError(f"the store at {self.root} is closed")
+        if self._pid != os.getpid():
+            # Forked child (e.g. a DataLoader worker): the parent's descriptors and its
+            # active segment are the parent's; open our own.
+            self._tlock = threading.RLock()
+            self.counters = Counters()
+            self._start_process()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Seal this process's segment, make everything durable and release all files."""
+        if self._closed:
+            return
+        self._check_process()
+        with self._tlock:
+            try:
+                if self._writer is not None:
+                    with self._meta_lock():
+                        self._seal_writer()
+                self._flush_indexes()
+                self._persist_counters()
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        for index in (self._int_index, self._hash_index):
+            if index is not None:
+                index.close()
+        if self._writer is not None:
+            self._writer.close()
+        self._meta.close()
+        self.engine.close()
+        self._closed = True
+
+    def _abandon(self) -> None:
+        """Drop every descriptor without sealing or flushing: what ``kill -9`` leaves (tests)."""
+        self._release()
+
+    # ----------------------------------------------------------------------- locking
+    @contextmanager
+    def _meta_lock(self) -> Iterator[None]:
+        import fcntl
+
+        with self._tlock:
+            if self._lock_depth == 0:
+                fcntl.flock(self._meta.fd, fcntl.LOCK_EX)
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+                if self._lock_depth == 0:
+                    fcntl.flock(self._meta.fd, fcntl.LOCK_UN)
+
+    # ----------------------------------------------------------------------- indexes
+    def _ints(self) -> IntIndex:
+        if self._int_index is None:
+            with self._meta_lock():
+                self._int_index = IntIndex(os.path.join(self.root, "index-int.bin"))
+        return self._int_index
+
+    def _hashes(self) -> HashIndex:
+        if self._hash_index is None:
+            with self._meta_lock():
+                self._hash_index = HashIndex(
+                    os.path.join(self.root, "index-bytes.bin"), self.config.max_byte_keys
+                )
+        return self._hash_index
+
+    def _lookup(self, kind: int, key64: int) -> tuple[int, int] | None:
+        return self._ints().lookup(key64) if kind == record.KIND_INT else \
+            self._hashes().lookup(key64)
+
+    def _publish(self, kind: int, key64: int, loc: int, length: int) -> None:
+        if kind == record.KIND_INT:
+            index = self._ints()
+            if key64 >= index.capacity:
+                with self._meta_lock():
+                    index.grow(key64)
+            index.set(key64, loc, length)
+        else:
+            self._hashes().set(key64, loc, length)
+
+    # ----------------------------------------------------------------------- writing
+    def put(self, key: Key, value: Any) -> None:
+        """Store ``value`` (any C-contiguous buffer) under ``key`` (int >= 0 or bytes).
+
+        Raises:
+            DiskFullError: the device is full; the store is unchanged and stays readable.
+            StoreFullError: nothing can be evicted to make room.
+        """
+        self.put_many([key], [value])
+
+    def put_many(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
+        """Store many records with few large writes (the fast path for bulk loading)."""
+        self._check_process()
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        parts: list[Any] = []
+        entries: list[tuple[int, int, int]] = []
+        pending = 0
+        with self._tlock:
+            for key, value in zip(keys, values, strict=True):
+                kind, key64, kb = record.key_parts(key)
+                payload = _as_bytes_view(value)
+                size = record.HEADER_SIZE + len(kb) + len(payload)
+                if size > self.config.segment_size:
+                    raise ValueError(
+                        f"a record of {format_size(size)} does not fit in a segment "
+                        f"({format_size(self.config.segment_size)}); create the store with a "
+                        "larger segment_size"
+                    )
+                writer = self._writer
+                if writer is None or pending + size > writer.room or pending >= BATCH_WRITE:
+                    self._write_batch(parts, entries)
+                    parts, entries, pending = [], [], 0
+                    self._writer_with_room(size)
+                parts += (record.pack_header(kind, key64, kb, payload), kb, payload)
+                entries.append((kind, key64, size))
+                pending += size
+            self._write_batch(parts, entries)
+
+    def _write_batch(self, parts: list[Any], entries: list[tuple[int, int, int]]) -> None:
+        if not entries:
+            return
+        writer = self._writer
+        assert writer is not None
+        try:
+            start = writer.append(b"".join(parts), entries)
+        except DiskFullError as exc:
+            raise DiskFullError(
+                f"the disk holding the cache {self.root} is full ({exc}); the store is "
+                "unchanged and readable: free space on the device or lower the capacity"
+            ) from exc
+        if self.sync is SyncPolicy.ALWAYS:
+            writer.sync()
+        seg = writer.segment
+        offset = start
+        ints_k: list[int] = []
+        ints_loc: list[int] = []
+        ints_len: list[int] = []
+        for kind, key64, size in entries:
+            if kind == record.KIND_INT:
+                ints_k.append(key64)
+                ints_loc.append(pack_loc(seg, offset))
+                ints_len.append(size)
+            else:
+                self._publish(kind, key64, pack_loc(seg, offset), size)
+            offset += size
+        if ints_k:
+            index = self._ints()
+            top = max(ints_k)
+            if top >= index.capacity:
+                with self._meta_lock():
+                    index.grow(top)
+            index.set_many(np.array(ints_k, np.uint64), np.array(ints_loc, np.uint64),
+                           np.array(ints_len, np.uint32))
+        self.counters.puts += len(entries)
+        self.counters.bytes_written += offset - start
+
+    def _writer_with_room(self, size: int) -> SegmentWriter:
+        writer = self._writer
+        if writer is not None and writer.room >= size:
+            return writer
+        with self._meta_lock():
+            if writer is not None:
+                self._seal_writer()
+            self._writer = self._allocate_writer()
+        return self._writer
+
+    def _seal_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        if writer.offset == 0:  # nothing written: leave no empty segment behind
+            writer.close()
+            os.unlink(writer.path)
+            return
+        try:
+            summary = writer.seal(durable=self.sync is not SyncPolicy.NEVER)
+        except OSError:
+            writer.close()  # left unsealed: the next open recovers it by scanning
+            raise
+        self._summaries[summary.segment] = summary
+
+    def _segment_bytes(self, seg: int) -> int:
+        size = self._sealed_bytes.get(seg)
+        if size is None:
+            size = 0
+            for path in (log_path(self.root, seg), sum_path(self.root, seg)):
+                try:
+                    size += os.stat(path).st_size
+                except FileNotFoundError:
+                    pass
+            self._sealed_bytes[seg] = size
+        return size
+
+    def _survey(self) -> tuple[list[int], int, int]:
+        """(sealed segment ids, bytes they use, active segments of live writers).
+
+        Recovers orphans on the way; the caller holds the meta lock.
+        """
+        logs, sums = list_segments(self.root)
+        sealed: list[int] = []
+        actives = 0
+        for seg in logs:
+            if seg not in sums and not self._recover_if_orphan(seg):
+                actives += 1
+                continue
+            sealed.append(seg)
+        used = sum(self._segment_bytes(s) for s in sealed)
+        for index in (self._int_index, self._hash_index):
+            if index is not None:
+                used += index.bytes_on_disk()
+        return sealed, used, actives
+
+    def _allocate_writer(self) -> SegmentWriter:
+        """A new active segment, after evicting what the capacity bound requires."""
+        sealed, used, actives = self._survey()
+        if actives >= self.config.max_writers:
+            raise StoreFullError(
+                f"{actives} processes already write to {self.root} (max_writers="
+                f"{self.config.max_writers}); reopen the store with a larger max_writers"
+            )
+        seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
+        writer = SegmentWriter(self.root, seg, self.config.segment_size)
+        size = self.config.segment_size
+        budget = self.config.capacity - size  # one segment is kept free for compaction
+        if used + size * (actives + 1) > budget:
+            for victim in self.policy.victim_order(sealed):
+                used -= self._clean_segment(victim, writer)
+                if used + size * (actives + 1) <= budget:
+                    break
+            else:
+                writer.close()
+                os.unlink(writer.path)
+                raise StoreFullError(
+                    f"cannot free space in {self.root}: {format_size(used)} in use, capacity "
+                    f"{format_size(self.config.capacity)}; raise the capacity"
+                )
+        return writer
+
+    # ----------------------------------------------------------------------- recovery
+    def _recover_orphans(self) -> None:
+        logs, sums = list_segments(self.root)
+        for seg in logs:
+            if seg not in sums:
+                self._recover_if_orphan(seg)
+        for name in os.listdir(segments_dir(self.root)):
+            if ".tmp" in name:  # a summary whose publish was interrupted
+                os.unlink(os.path.join(segments_dir(self.root), name))
+        for seg in sums - set(logs):  # a cleaned segment whose summary removal was interrupted
+            os.unlink(sum_path(self.root, seg))
+
+    def _recover_if_orphan(self, seg: int) -> bool:
+        """Seal ``seg`` if its writer is dead; False if a live writer holds it."""
+        try:
+            fd = os.open(log_path(self.root, seg), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        try:
+            if not try_lock(fd):
+                return False
+            self._recover(seg, fd)
+            return True
+        finally:
+            os.close(fd)
+
+    def _recover(self, seg: int, fd: int) -> None:
+        """Scan an orphaned segment, cut its torn tail, drop index entries past it, seal it."""
+        size = os.fstat(fd).st_size
+        summary = scan_log(fd, seg, size)
+        if summary.data_len < size:
+            log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
+                        size - summary.data_len)
+            os.ftruncate(fd, summary.data_len)
+            self._ints().clear_segment(seg, summary.data_len)
+            self._hashes().clear_segment(seg, summary.data_len)
+        durable = self.sync is not SyncPolicy.NEVER
+        if durable:
+            os.fdatasync(fd)
+        write_summary(self.root, summary, durable)
+        self._summaries[seg] = summary
+        self.counters.recovered_segments += 1
+
+    # ----------------------------------------------------------------------- cleaning
+    def _summary(self, seg: int) -> Summary:
+        summary = self._summaries.get(seg)
+        if summary is None:
+            try:
+                summary = read_summary(self.root, seg)
+            except (CorruptionError, FileNotFoundError):
+                log.warning("segment %d: summary unreadable, rebuilding it by a scan", seg)
+                fd = os.open(log_path(self.root, seg), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    summary = scan_log(fd, seg, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+            self._summaries[seg] = summary
+        return summary
+
+    def _live(self, summary: Summary) -> npt.NDArray[np.bool_]:
+        """Which records of a segment the index still points at."""
+        old = (np.uint64(summary.segment) << np.uint64(32)) | summary.offsets.astype(np.uint64)
+        live = np.zeros(len(old), dtype=bool)
+        is_int = summary.kinds == record.KIND_INT
+        if is_int.any():
+            locs, _ = self._ints().lookup_many(summary.keys[is_int])
+            live[is_int] = locs == old[is_int]
+        for i in np.flatnonzero(~is_int):
+            entry = self._hashes().lookup(int(summary.keys[i]))
+            live[i] = entry is not None and entry[0] == int(old[i])
+        return live
+
+    def _referenced(self, summary: Summary) -> npt.NDArray[np.bool_]:
+        refs = np.zeros(len(summary.keys), dtype=bool)
+        is_int = summary.kinds == record.KIND_INT
+        if is_int.any():
+            refs[is_int] = self._ints().referenced(summary.keys[is_int])
+        for i in np.flatnonzero(~is_int):
+            refs[i] = self._hashes().referenced(int(summary.keys[i]))
+        return refs
+
+    def _clean_segment(self, seg: int, dest: SegmentWriter, keep_all: bool = False) -> int:
+        """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
+
+        Order matters for crashes: copies are written (and synced) and the index re-pointed
+        before the segment is unlinked, so a crash at any point loses no kept record.
+        Returns the bytes freed. The caller holds the meta lock.
+        """
+        summary = self._summary(seg)
+        live = self._live(summary)
+        if keep_all:
+            keep = live.copy()
+        else:
+            refs = self._referenced(summary) if self.policy.tracks_references else \
+                np.zeros(len(live), dtype=bool)
+            keep = live & self.policy.keep(summary.keys, summary.kinds, refs)
+        copied = self._copy_forward(summary, keep, dest) if keep.any() else 0
+        for i in np.flatnonzero(live & ~keep):
+            old = pack_loc(seg, int(summary.offsets[i]))
+            key64 = int(summary.keys[i])
+            index = self._ints() if summary.kinds[i] == record.KIND_INT else self._hashes()
+            if index.remove(key64, old):
+                self.counters.evictions += 1
+        if copied and self.sync is not SyncPolicy.NEVER:
+            dest.sync()
+        freed = self._segment_bytes(seg)
+        for path in (log_path(self.root, seg), sum_path(self.root, seg)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._meta.bump_gc_generation()
+        self._forget_segment(seg)
+        self.counters.gc_segments += 1
+        self.counters.gc_bytes_copied += copied
+        return freed
+
+    def _copy_forward(self, summary: Summary, keep: npt.NDArray[np.bool_],
+                      dest: SegmentWriter) -> int:
+        """Append the kept records (checked again, never copying a bad one) to ``dest``."""
+        fd = os.open(log_path(self.root, summary.segment), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = bytearray(summary.data_len)
+            got = pread_full(fd, 0, memoryview(data), "cache-gc")
+        finally:
+            os.close(fd)
+        view = memoryview(data)[:got]
+        parts: list[memoryview] = []
+        entries: list[tuple[int, int, int]] = []
+        olds: list[int] = []
+        room = dest.room
+        for i in np.flatnonzero(keep):
+            off, length = int(summary.offsets[i]), int(summary.lengths[i])
+            rec = view[off : off + length]
+            if length > room or record.verify_any(rec) is None:
+                keep[i] = False  # no room left, or damaged: evicted below by the caller
+                continue
+            parts.append(rec)
+            entries.append((int(summary.kinds[i]), int(summary.keys[i]), length))
+            olds.append(pack_loc(summary.segment, off))
+            room -= length
+        if not parts:
+            return 0
+        start = dest.append(b"".join(parts), entries, "cache-gc")
+        pos = start
+        for (kind, key64, length), old in zip(entries, olds, strict=True):
+            current = self._lookup(kind, key64)
+            if current is not None and current[0] == old:  # not overwritten meanwhile
+                self._publish(kind, key64, pack_loc(dest.segment, pos), length)
+            pos += length
+        return pos - start
+
+    def _forget_segment(self, seg: int) -> None:
+        self._summaries.pop(seg, None)
+        self._sealed_bytes.pop(seg, None)
+        fd = self._fds.pop(seg, None)
+        if fd is not None:
+            os.close(fd)
+
+    def gc(self, min_dead_fraction: float = 0.5) -> int:
+        """Compact sealed segments whose dead share is at least ``min_dead_fraction``.
+
+        Live records are copied forward into this process's segment. Returns bytes freed.
+        """
+        self._check_process()
+        freed = 0
+        with self._meta_lock():
+            sealed, _, _ = self._survey()
+            for seg in sealed:
+                if not os.path.exists(log_path(self.root, seg)):
+                    continue  # cleaned while making room for a new writer
+                summary = self._summary(seg)
+                live = self._live(summary)
+                live_bytes = int(summary.lengths[live].sum())
+                if summary.data_len and 1 - live_bytes / summary.data_len < min_dead_fraction:
+                    continue
+                dest = self._writer_with_room(live_bytes) if live_bytes else self._writer
+                if dest is None:
+                    dest = self._writer_with_room(0)
+                if not os.path.exists(log_path(self.root, seg)):
+                    continue
+                freed += self._clean_segment(seg, dest, keep_all=True)
+        return freed
+
+    # ----------------------------------------------------------------------- reading
+    def _reader_fd(self, seg: int) -> int | None:
+        fd = self._fds.get(seg)
+        if fd is None:
+            try:
+                fd = open_file(log_path(self.root, seg), os.O_RDONLY, self.direct_io)
+            except FileNotFoundError:
+                return None
+            self._fds[seg] = fd
+        return fd
+
+    def _drop_deleted_fds(self) -> None:
+        """Close descriptors of segments deleted by any process, so their space is freed."""
+        gen = self._meta.gc_generation
+        if gen == self._gc_seen:
+            return
+        self._gc_seen = gen
+        for seg, fd in list(self._fds.items()):
+            if os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                del self._fds[seg]
+                self._summaries.pop(seg, None)
+                self._sealed_bytes.pop(seg, None)
+
+    def __contains__(self, key: Key) -> bool:
+        """Whether the index has ``key`` (a later get may still miss if the record is bad)."""
+        self._check_process()
+        kind, key64, _ = record.key_parts(key)
+        return self._lookup(kind, key64) is not None
+
+    def get(self, key: Key) -> bytes | None:
+        """The value stored under ``key``, or ``None`` (a miss)."""
+        view = self.get_many([key])[0]
+        return None if view is None else bytes(view)
+
+    def get_many(self, keys: Sequence[Key] | npt.NDArray[np.integer[Any]]) -> list[
+            memoryview | None]:
+        """Values for ``keys`` (``None`` for misses) as views into one fresh buffer.
+
+        The batch is planned as a whole: records adjacent on disk are read with one call, and
+        up to ``queue_depth`` reads are in flight at once.
+        """
+        self._check_process()
+        self._drop_deleted_fds()
+        n = len(keys)
+        parts = [record.key_parts(k) for k in keys] if not isinstance(keys, np.ndarray) else \
+            [(record.KIND_INT, int(k), b"") for k in keys]
+        locs = np.zeros(n, np.uint64)
+        lens = np.zeros(n, np.uint32)
+        is_int = np.fromiter((p[0] == record.KIND_INT for p in parts), bool, n)
+        if is_int.all() and n:
+            locs, lens = self._ints().lookup_many(
+                np.fromiter((p[1] for p in parts), np.uint64, n))
+        else:
+            for i, (kind, key64, _) in enumerate(parts):
+                entry = self._lookup(kind, key64)
+                if entry is not None:
+                    locs[i], lens[i] = entry
+        out: list[memoryview | None] = [None] * n
+        runs = self._plan_reads(locs, lens)
+        if runs:
+            self._read_runs(runs, parts, locs, lens, out)
+        hits = sum(v is not None for v in out)
+        self.counters.gets += n
+        self.counters.hits += hits
+        self.counters.misses += n - hits
+        if hits and self.policy.tracks_references:
+            self._touch([parts[i] for i in range(n) if out[i] is not None])
+        return out
+
+    def _plan_reads(self, locs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint32]
+                    ) -> list[tuple[int, int, int, list[int]]]:
+        """Group the wanted records into runs (segment, start, end, indices) read at once."""
+        found = np.flatnonzero(locs)
+        order = found[np.argsort(locs[found], kind="stable")]
+        runs: list[tuple[int, int, int, list[int]]] = []
+        block = self._block
+        for i in order.tolist():
+            loc = int(locs[i])
+            seg, off = loc >> 32, loc & 0xFFFFFFFF
+            start, end = align_down(off, block), align_up(off + int(lens[i]), block)
+            if runs:
+                rseg, rstart, rend, members = runs[-1]
+                if rseg == seg and start <= rend and end - rstart <= MAX_RUN:
+                    runs[-1] = (rseg, rstart, max(rend, end), members)
+                    members.append(i)
+                    continue
+            runs.append((seg, start, end, [i]))
+        return runs
+
+    def _read_runs(self, runs: list[tuple[int, int, int, list[int]]],
+                   parts: list[tuple[int, int, bytes]], locs: npt.NDArray[np.uint64],
+                   lens: npt.NDArray[np.uint32], out: list[memoryview | None]) -> None:
+        total = sum(end - start for _, start, end, _ in runs)
+        buf = memoryview(aligned_buffer(total))
+        requests: list[ReadRequest] = []
+        placed: list[tuple[int, int, list[int]]] = []
+        pos = 0
+        for seg, start, end, members in runs:
+            fd = self._reader_fd(seg)
+            if fd is None:
+                continue  # segment deleted since the lookup: these are misses
+            requests.append(ReadRequest(fd, start, buf[pos : pos + end - start]))
+            placed.append((pos, start, members))
+            pos += end - start
+        got = self.engine.read_batch(requests, "cache-read")
+        for (base, start, members), n_read in zip(placed, got, strict=True):
+            for i in members:
+                off, length = int(locs[i]) & 0xFFFFFFFF, int(lens[i])
+                lo = base + off - start
+                if off - start + length > n_read:
+                    self._verify_failed(i, parts)
+                    continue
+                kind, key64, kb = parts[i]
+                payload = record.verify(buf[lo : lo + length], kind, key64, kb)
+                if payload is None:
+                    self._verify_failed(i, parts)
+                    continue
+                out[i] = payload
+                self.counters.bytes_read += length
+
+    def _verify_failed(self, i: int, parts: list[tuple[int, int, bytes]]) -> None:
+        self.counters.verify_failures += 1
+        self._warn_verify("record for key %r failed verification (stale, torn or corrupt); "
+                          "served as a miss", parts[i][1])
+
+    def _touch(self, hits: list[tuple[int, int, bytes]]) -> None:
+        ints = [k for kind, k, _ in hits if kind == record.KIND_INT]
+        if ints:
+            index = self._ints()
+            for k in ints:
+                index.touch(k)
+        for kind, k, _ in hits:
+            if kind == record.KIND_BYTES:
+                self._hashes().touch(k)
+
+    # ----------------------------------------------------------------------- other ops
+    def delete(self, key: Key) -> bool:
+        """Remove ``key``; True if it was there. Its bytes are reclaimed by compaction."""
+        self._check_process()
+        kind, key64, _ = record.key_parts(key)
+        index = self._ints() if kind == record.KIND_INT else self._hashes()
+        removed = index.remove(key64)
+        self.counters.deletes += int(removed)
+        return removed
+
+    def flush(self) -> None:
+        """The durability point: every put before it survives a crash or power loss."""
+        self._check_process()
+        with self._tlock:
+            if self._writer is not None and self.sync is not SyncPolicy.NEVER:
+                self._writer.sync()
+            self._flush_indexes()
+            self._persist_counters()
+
+    def _flush_indexes(self) -> None:
+        if self.sync is SyncPolicy.NEVER:
+            return
+        for index in (self._int_index, self._hash_index):
+            if index is not None:
+                index.flush()
+
+    def _persist_counters(self) -> None:
+        delta = self.counters.minus(self._persisted)
+        with self._meta_lock():
+            add_to_totals(self.root, delta)
+        self._persisted = self.counters.copy()
+
+    def drop_page_cache(self) -> None:
+        """Evict this store's segments from the page cache (for honest read benchmarks)."""
+        logs, _ = list_segments(self.root)
+        for seg in logs:
+            try:
+                fd = os.open(log_path(self.root, seg), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def stats(self) -> dict[str, Any]:
+        """Structure (segments, bytes on disk, keys) and this process's counters."""
+        self._check_process()
+        with self._meta_lock():
+            sealed, used, actives = self._survey()
+        index_bytes = sum(i.bytes_on_disk() for i in (self._ints(), self._hashes()))
+        if self._writer is not None:
+            used += self._writer.offset
+        return {
+            "path": self.root,
+            "capacity": self.config.capacity,
+            "segment_size": self.config.segment_size,
+            "policy": self.config.policy,
+            "bytes_on_disk": used,
+            "segments": len(sealed) + actives,
+            "active_segments": actives,
+            "live_keys": self._ints().live_count() + self._hashes().live_count(),
+            "index_bytes": index_bytes,
+            **self.counters.as_dict(),
+        }
+
+
+def _as_bytes_view(value: Any) -> memoryview:
+    view = value if isinstance(value, memoryview) else memoryview(value)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
