@@ -507,7 +507,11 @@ class Store:
             refs = self._referenced(summary) if self.policy.tracks_references else \
                 np.zeros(len(live), dtype=bool)
             keep = live & self.policy.keep(summary.keys, summary.kinds, refs)
-        copied = self._copy_forward(summary, keep, dest) if keep.any() else 0
+        # Copies may take at most half of the new segment, so the writer that asked for room
+        # always gets some: without this, a cache whose records were all read (every CLOCK bit
+        # set) would fill each new segment with copies and starve new writes.
+        reserve = 0 if keep_all else self.config.segment_size // 2
+        copied = self._copy_forward(summary, keep, dest, reserve) if keep.any() else 0
         for i in np.flatnonzero(live & ~keep):
             old = pack_loc(seg, int(summary.offsets[i]))
             key64 = int(summary.keys[i])
@@ -529,7 +533,7 @@ class Store:
         return freed
 
     def _copy_forward(self, summary: Summary, keep: npt.NDArray[np.bool_],
-                      dest: SegmentWriter) -> int:
+                      dest: SegmentWriter, reserve: int) -> int:
         """Append the kept records (checked again, never copying a bad one) to ``dest``."""
         fd = os.open(log_path(self.root, summary.segment), os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -541,7 +545,7 @@ class Store:
         parts: list[memoryview] = []
         entries: list[tuple[int, int, int]] = []
         olds: list[int] = []
-        room = dest.room
+        room = dest.room - reserve
         for i in np.flatnonzero(keep):
             off, length = int(summary.offsets[i]), int(summary.lengths[i])
             rec = view[off : off + length]
