@@ -1,0 +1,1 @@
+"""The ``lcache`` command line: parses, calls library functions, prints."""

@@ -1,0 +1,121 @@
+"""``lcache`` subcommands. Thin: every figure comes from a library call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from lcache import __version__
+from lcache.errors import LCacheError
+from lcache.store import Store, format_size, fsck
+from lcache.store.counters import read_totals
+
+console = Console()
+err_console = Console(stderr=True)
+
+_SIZE_KEYS = {"capacity", "segment_size", "bytes_on_disk", "index_bytes", "bytes_read",
+              "bytes_written", "gc_bytes_copied"}
+
+
+def _emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def _table(title: str, rows: dict[str, Any]) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in rows.items():
+        shown = format_size(value) if key in _SIZE_KEYS and isinstance(value, int) else value
+        table.add_row(key, str(shown))
+    return table
+
+
+class _Group(click.Group):
+    """Turns an LCacheError into one clear line and exit status 1, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LCacheError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="lcache")
+@click.option("-v", "--verbose", is_flag=True, help="Log what lcache does (warnings always).")
+def cli(verbose: bool) -> None:
+    """LCache: the storage side of deep-learning training on local NVMe SSD."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def stats(directory: str, as_json: bool) -> None:
+    """Show a store's size, keys and counters (summed over processes that flushed)."""
+    with Store.open(directory, create=False) as store:
+        structure = store.stats()
+    for key in list(structure):
+        if key not in ("path", "capacity", "segment_size", "policy", "bytes_on_disk",
+                       "segments", "active_segments", "live_keys", "index_bytes"):
+            del structure[key]
+    doc = {**structure, "totals": read_totals(structure["path"]).as_dict()}
+    if as_json:
+        _emit_json(doc)
+        return
+    totals = doc.pop("totals")
+    console.print(_table(f"lcache store {directory}", doc))
+    console.print(_table("counters (all processes, as of their last flush/close)", totals))
+
+
+@cli.command("fsck")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--repair", is_flag=True, help="Fix what can be fixed (bad records become misses).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
+    """Check a store; exit status 0 when clean, 2 when problems remain."""
+    report = fsck(directory, repair=repair)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        console.print(
+            f"{report.segments} segments ({report.active_segments} active), "
+            f"{report.records} records, {report.indexed_keys} indexed keys",
+            highlight=False,
+        )
+        for text in report.repaired:
+            console.print(f"[green]repaired:[/] {text}", highlight=False)
+        for text in report.problems:
+            console.print(f"[red]problem:[/] {text}", highlight=False)
+        console.print("[bold green]clean[/]" if report.clean else "[bold red]NOT clean[/]")
+    sys.exit(0 if report.clean else 2)
+
+
+@cli.command()
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Where to put the demo store (default: a temporary directory).")
+@click.option("--samples", default=8000, show_default=True, help="Samples to write.")
+@click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def demo(directory: str | None, samples: int, sample_size: str, as_json: bool) -> None:
+    """Write, read, crash a writer with kill -9 and recover, printing figures."""
+    from lcache.demo import run_store_demo
+
+    figures = run_store_demo(directory, samples, sample_size, show_progress=not as_json)
+    if as_json:
+        _emit_json(figures)
+    else:
+        console.print(_table("lcache store demo", figures))
+
+
+def main() -> None:
+    cli(prog_name="lcache")
