@@ -17,14 +17,24 @@ import errno
 import fcntl
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from lcache.errors import CorruptionError
-from lcache.io import pread_full, pwrite_full, sync_fd
+from lcache.errors import ConfigError, CorruptionError
+from lcache.io import (
+    align_down,
+    align_up,
+    aligned_buffer,
+    logical_block_size,
+    open_file,
+    pread_full,
+    pwrite_full,
+    sync_fd,
+)
 from lcache.store import record
 from lcache.store.layout import atomic_write
 
@@ -180,9 +190,15 @@ class SegmentWriter:
     """The active segment of one process: appends records, then seals.
 
     Created by the store under its meta lock; holds ``flock`` on the file until sealed.
+
+    With ``direct`` (the default where the filesystem allows it) appends bypass the page cache:
+    on this class of machine buffered writes reach ~0.45 GB/s and O_DIRECT ~1.6-1.9 GB/s. Each
+    append writes whole blocks from the block holding the current end, re-writing that partial
+    block from a copy kept in memory and zero-padding the last one; the zeros past the end are
+    never a valid header, and sealing cuts them off.
     """
 
-    def __init__(self, root: str, seg: int, segment_size: int) -> None:
+    def __init__(self, root: str, seg: int, segment_size: int, direct: bool = False) -> None:
         self.root = root
         self.segment = seg
         self.segment_size = segment_size
@@ -194,6 +210,16 @@ class SegmentWriter:
             os.close(self.fd)
             raise CorruptionError(f"{self.path} is locked by another process")
         self.offset = 0
+        self._direct_fd = -1
+        self._block = 1
+        if direct:
+            try:
+                self._direct_fd = open_file(self.path, os.O_WRONLY, direct=True)
+                self._block = logical_block_size(root)
+            except (ConfigError, OSError):
+                self._direct_fd = -1  # e.g. tmpfs: fall back to buffered writes
+        self._tail = bytearray()  # bytes of the partial last block (direct mode)
+        self._stage = aligned_buffer(0)  # aligned staging buffer for direct writes
         self._keys: list[int] = []
         self._offsets: list[int] = []
         self._lengths: list[int] = []
@@ -203,16 +229,19 @@ class SegmentWriter:
     def room(self) -> int:
         return self.segment_size - self.offset
 
-    def append(self, data: bytes | bytearray | memoryview, entries: list[tuple[int, int, int]],
-               io_class: str = "cache-write") -> int:
-        """Write ``data`` (whole records) at the end; ``entries`` are (kind, key64, length).
+    def append(self, parts: Sequence[bytes | bytearray | memoryview],
+               entries: list[tuple[int, int, int]], io_class: str = "cache-write") -> int:
+        """Write ``parts`` (whole records) at the end; ``entries`` are (kind, key64, length).
 
         Returns the offset the data starts at. On failure the file is cut back, so the segment
         holds only whole records.
         """
         start = self.offset
         try:
-            pwrite_full(self.fd, start, [data], io_class)
+            if self._direct_fd >= 0:
+                end = self._write_direct(parts, io_class)
+            else:
+                end = start + pwrite_full(self.fd, start, parts, io_class)
         except OSError:
             try:
                 os.ftruncate(self.fd, start)
@@ -226,8 +255,30 @@ class SegmentWriter:
             self._lengths.append(length)
             self._kinds.append(kind)
             pos += length
-        self.offset = pos
+        if pos != end:
+            raise AssertionError(f"entries describe {pos - start} bytes, wrote {end - start}")
+        self.offset = end
         return start
+
+    def _write_direct(self, parts: Sequence[bytes | bytearray | memoryview], io_class: str) -> int:
+        block = self._block
+        base = align_down(self.offset, block)
+        size = sum(len(p) for p in parts)
+        end = self.offset + size
+        need = align_up(end, block) - base
+        if len(self._stage) < need:  # reused across appends: no page faults per batch
+            self._stage = aligned_buffer(max(need, 2 * len(self._stage)))
+        view = memoryview(self._stage)
+        pos = len(self._tail)
+        view[:pos] = self._tail
+        for part in parts:
+            view[pos : pos + len(part)] = part
+            pos += len(part)
+        view[pos:need] = bytes(need - pos)  # zero padding up to the block boundary
+        pwrite_full(self._direct_fd, base, [view[:need]], io_class)
+        self._tail = bytearray(view[align_down(end, block) - base : end - base])
+        view.release()
+        return end
 
     def sync(self) -> None:
         sync_fd(self.fd, True, "cache-write")
@@ -240,6 +291,8 @@ class SegmentWriter:
 
     def seal(self, durable: bool) -> Summary:
         """Make the segment immutable: sync, publish its summary, drop the lock."""
+        if os.fstat(self.fd).st_size > self.offset:
+            os.ftruncate(self.fd, self.offset)  # the zero padding of direct writes
         if durable:
             self.sync()
         summary = self.summary()
@@ -249,6 +302,10 @@ class SegmentWriter:
 
     def close(self) -> None:
         """Close without sealing (a crash looks like this); the kernel drops the lock."""
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
+        self._stage.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

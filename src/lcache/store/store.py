@@ -75,12 +75,13 @@ class Store:
 
     def __init__(
         self, root: str, config: StoreConfig, *, sync: SyncPolicy, direct_io: bool,
-        queue_depth: int,
+        direct_writes: bool, queue_depth: int,
     ) -> None:
         self.root = root
         self.config = config
         self.sync = sync
         self.direct_io = direct_io
+        self.direct_writes = direct_writes
         self.policy: EvictionPolicy = make_policy(config.policy)
         self.engine = IOEngine(queue_depth)
         self.counters = Counters()
@@ -105,6 +106,7 @@ class Store:
         max_byte_keys: int | None = None,
         sync: str | SyncPolicy = SyncPolicy.FLUSH,
         direct_io: bool = False,
+        direct_writes: bool = True,
         queue_depth: int = 16,
         create: bool = True,
     ) -> Store:
@@ -118,6 +120,10 @@ class Store:
             max_byte_keys: slots of the byte-key index (fixed at creation); default 2**20.
             sync: ``flush`` (default), ``always`` or ``never`` (see ``SyncPolicy``).
             direct_io: read segments with O_DIRECT (bypasses the page cache).
+            direct_writes: append with O_DIRECT where the filesystem allows it (default; about
+                3x faster than buffered writes here, and the page cache keeps room for reads).
+                Each write call re-writes the partial block at the end, so many tiny ``put``
+                calls write more than ``put_many`` batches do.
             queue_depth: reads kept in flight by ``get_many``.
 
         Raises:
@@ -143,7 +149,7 @@ class Store:
         finally:
             lock.close()
         return cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
-                   queue_depth=queue_depth)
+                   direct_writes=direct_writes, queue_depth=queue_depth)
 
     def _start_process(self) -> None:
         """Per-process state: opened at start and again in a forked child."""
@@ -297,7 +303,7 @@ class Store:
         writer = self._writer
         assert writer is not None
         try:
-            start = writer.append(b"".join(parts), entries)
+            start = writer.append(parts, entries)
         except DiskFullError as exc:
             raise DiskFullError(
                 f"the disk holding the cache {self.root} is full ({exc}); the store is "
@@ -394,7 +400,7 @@ class Store:
                 f"{self.config.max_writers}); reopen the store with a larger max_writers"
             )
         seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
-        writer = SegmentWriter(self.root, seg, self.config.segment_size)
+        writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes)
         size = self.config.segment_size
         budget = self.config.capacity - size  # one segment is kept free for compaction
         if used + size * (actives + 1) > budget:
@@ -558,7 +564,7 @@ class Store:
             room -= length
         if not parts:
             return 0
-        start = dest.append(b"".join(parts), entries, "cache-gc")
+        start = dest.append(parts, entries, "cache-gc")
         pos = start
         for (kind, key64, length), old in zip(entries, olds, strict=True):
             current = self._lookup(kind, key64)
@@ -763,8 +769,14 @@ class Store:
 
     def _persist_counters(self) -> None:
         delta = self.counters.minus(self._persisted)
-        with self._meta_lock():
-            add_to_totals(self.root, delta)
+        try:
+            with self._meta_lock():
+                add_to_totals(self.root, delta)
+        except DiskFullError:
+            # Why: stats.json is advisory; a full disk must not make flush()/close() fail
+            # after the data itself was made durable. The delta is kept for the next try.
+            log.warning("could not update %s/stats.json: the disk is full", self.root)
+            return
         self._persisted = self.counters.copy()
 
     def drop_page_cache(self) -> None:
