@@ -448,8 +448,10 @@ class Store:
         size = os.fstat(fd).st_size
         summary = scan_log(fd, seg, size)
         if summary.data_len < size:
-            log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
-                        size - summary.data_len)
+            tail = os.pread(fd, min(size - summary.data_len, 1 << 20), summary.data_len)
+            if tail.count(0) != len(tail):  # all zeros is just the padding of a direct write
+                log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
+                            size - summary.data_len)
             os.ftruncate(fd, summary.data_len)
             self._ints().clear_segment(seg, summary.data_len)
             self._hashes().clear_segment(seg, summary.data_len)
