@@ -70,8 +70,10 @@ def crash_writer(root: str, first_key: int, size: int, progress_file: str) -> No
             os.fsync(marks.fileno())
 
 
-def _start_crash_writer(root: str, first_key: int, size: int, marks: str) -> subprocess.Popen[bytes]:
-    code = f"from lcache.demo import crash_writer; crash_writer({root!r}, {first_key}, {size}, {marks!r})"
+def _start_crash_writer(root: str, first_key: int, size: int,
+                        marks: str) -> subprocess.Popen[bytes]:
+    args = f"{root!r}, {first_key}, {size}, {marks!r}"
+    code = f"from lcache.demo import crash_writer; crash_writer({args})"
     return subprocess.Popen([sys.executable, "-c", code])
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lcache.errors import CorruptionError, StoreNotFoundError
 from lcache.store import record
@@ -30,6 +31,8 @@ from lcache.store.segment import (
     try_lock,
     write_summary,
 )
+
+_Index = TypeVar("_Index", IntIndex, HashIndex)
 
 
 @dataclass
@@ -109,26 +112,25 @@ class _Checker:
         return self.report
 
     def _open_indexes(self) -> None:
-        for name, opener in (
-            ("index-int.bin", lambda p: IntIndex(p)),
-            ("index-bytes.bin", lambda p: HashIndex(p, self.byte_slots)),
-        ):
-            path = os.path.join(self.root, name)
-            if not os.path.exists(path):
-                continue
-            try:
-                index = opener(path)
-            except CorruptionError as exc:
-                self.problem(str(exc))
-                if not self.fix:
-                    continue
-                os.unlink(path)  # rebuilt below from the segment summaries
-                index = opener(path)
-                self._rebuild(index)
-            if name == "index-int.bin":
-                self.ints = index
-            else:
-                self.hashes = index
+        int_path = os.path.join(self.root, "index-int.bin")
+        if os.path.exists(int_path):
+            self.ints = self._open_index(int_path, lambda: IntIndex(int_path))
+        bytes_path = os.path.join(self.root, "index-bytes.bin")
+        if os.path.exists(bytes_path):
+            self.hashes = self._open_index(
+                bytes_path, lambda: HashIndex(bytes_path, self.byte_slots))
+
+    def _open_index(self, path: str, opener: Callable[[], _Index]) -> _Index | None:
+        try:
+            return opener()
+        except CorruptionError as exc:
+            self.problem(str(exc))
+            if not self.fix:
+                return None
+            os.unlink(path)  # rebuilt from the segment summaries
+            index = opener()
+            self._rebuild(index)
+            return index
 
     def _rebuild(self, index: IntIndex | HashIndex) -> None:
         kind = record.KIND_INT if isinstance(index, IntIndex) else record.KIND_BYTES
