@@ -12,6 +12,7 @@ is SEALED when its ``.sum`` exists (published atomically); sealed segments are i
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -243,10 +244,8 @@ class SegmentWriter:
             else:
                 end = start + pwrite_full(self.fd, start, parts, io_class)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(self.fd, start)
-            except OSError:
-                pass
             raise
         pos = start
         for kind, key64, length in entries:

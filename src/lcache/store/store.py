@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -365,10 +365,8 @@ class Store:
         if size is None:
             size = 0
             for path in (log_path(self.root, seg), sum_path(self.root, seg)):
-                try:
+                with suppress(FileNotFoundError):
                     size += os.stat(path).st_size
-                except FileNotFoundError:
-                    pass
             self._sealed_bytes[seg] = size
         return size
 
@@ -530,10 +528,8 @@ class Store:
             dest.sync()
         freed = self._segment_bytes(seg)
         for path in (log_path(self.root, seg), sum_path(self.root, seg)):
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         self._meta.bump_gc_generation()
         self._forget_segment(seg)
         self.counters.gc_segments += 1
