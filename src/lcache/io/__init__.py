@@ -1,6 +1,6 @@
 """Positional, batched file I/O: the engine every lcache byte goes through."""
 
-from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer
+from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer, aligned_empty
 from lcache.io.engine import (
     IOEngine,
     ReadRequest,
@@ -22,6 +22,7 @@ __all__ = [
     "align_down",
     "align_up",
     "aligned_buffer",
+    "aligned_empty",
     "drop_page_cache",
     "fsync_dir",
     "get_tracer",

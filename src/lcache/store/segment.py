@@ -16,9 +16,11 @@ import contextlib
 import enum
 import errno
 import fcntl
+import mmap
 import os
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,7 @@ import xxhash
 
 from lcache.errors import ConfigError, CorruptionError
 from lcache.io import (
+    BufferPool,
     align_down,
     align_up,
     aligned_buffer,
@@ -42,6 +45,8 @@ from lcache.store.layout import atomic_write
 _SUM_HDR = struct.Struct("<4sIQQQQ")  # magic, version, segment, count, data_len, checksum
 _SUM_MAGIC = b"LCSM"
 SCAN_CHUNK = 4 << 20
+BATCH_HINT = 8 << 20  # staging buffers start at this size
+Buffer = bytes | bytearray | memoryview
 
 
 class SegmentState(enum.Enum):
@@ -187,6 +192,20 @@ def scan_log(fd: int, seg: int, size: int) -> Summary:
     )
 
 
+@dataclass(slots=True)
+class StagedWrite:
+    """A batch laid out at [start, end) of the segment, to be written from ``base``."""
+
+    start: int
+    end: int
+    base: int
+    data: list[Buffer]
+    entries_before: int
+    tail_before: bytearray
+    future: Future[int] | None = None
+    done: bool = False  # waited for, whatever the outcome
+
+
 class SegmentWriter:
     """The active segment of one process: appends records, then seals.
 
@@ -199,7 +218,8 @@ class SegmentWriter:
     never a valid header, and sealing cuts them off.
     """
 
-    def __init__(self, root: str, seg: int, segment_size: int, direct: bool = False) -> None:
+    def __init__(self, root: str, seg: int, segment_size: int, direct: bool = False,
+                 pool: BufferPool | None = None) -> None:
         self.root = root
         self.segment = seg
         self.segment_size = segment_size
@@ -220,7 +240,10 @@ class SegmentWriter:
             except (ConfigError, OSError):
                 self._direct_fd = -1  # e.g. tmpfs: fall back to buffered writes
         self._tail = bytearray()  # bytes of the partial last block (direct mode)
-        self._stage = aligned_buffer(0)  # aligned staging buffer for direct writes
+        self._pool_of_buffers = pool or BufferPool(2)
+        self._stages: list[mmap.mmap] = []  # two, alternating between batches
+        self._which = 0
+        self._pool: ThreadPoolExecutor | None = None
         self._keys: list[int] = []
         self._offsets: list[int] = []
         self._lengths: list[int] = []
@@ -230,23 +253,29 @@ class SegmentWriter:
     def room(self) -> int:
         return self.segment_size - self.offset
 
-    def append(self, parts: Sequence[bytes | bytearray | memoryview],
-               entries: list[tuple[int, int, int]], io_class: str = "cache-write") -> int:
-        """Write ``parts`` (whole records) at the end; ``entries`` are (kind, key64, length).
+    def append(self, parts: Sequence[Buffer], entries: list[tuple[int, int, int]],
+               io_class: str = "cache-write") -> int:
+        """Write ``parts`` (whole records) at the end and wait; returns their offset."""
+        staged = self.stage(parts, entries)
+        self.submit(staged, io_class)
+        self.wait(staged)
+        return staged.start
 
-        Returns the offset the data starts at. On failure the file is cut back, so the segment
-        holds only whole records.
+    def stage(self, parts: Sequence[Buffer], entries: list[tuple[int, int, int]]) -> StagedWrite:
+        """Lay out ``parts`` (whole records; ``entries`` are (kind, key64, length)) after the
+        records staged so far, without writing them yet.
+
+        With direct I/O the bytes are copied into one of two aligned staging buffers, so the
+        next batch can be prepared while this one is written.
         """
         start = self.offset
-        try:
-            if self._direct_fd >= 0:
-                end = self._write_direct(parts, io_class)
-            else:
-                end = start + pwrite_full(self.fd, start, parts, io_class)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, start)
-            raise
+        size = sum(len(p) for p in parts)
+        if size != sum(e[2] for e in entries):
+            raise AssertionError(f"entries describe other lengths than the {size} bytes given")
+        staged = StagedWrite(start, start + size, start, list(parts), len(self._keys),
+                             self._tail)
+        if self._direct_fd >= 0:
+            self._stage_direct(staged)
         pos = start
         for kind, key64, length in entries:
             self._keys.append(key64)
@@ -254,30 +283,56 @@ class SegmentWriter:
             self._lengths.append(length)
             self._kinds.append(kind)
             pos += length
-        if pos != end:
-            raise AssertionError(f"entries describe {pos - start} bytes, wrote {end - start}")
-        self.offset = end
-        return start
+        self.offset = staged.end
+        return staged
 
-    def _write_direct(self, parts: Sequence[bytes | bytearray | memoryview], io_class: str) -> int:
+    def _stage_direct(self, staged: StagedWrite) -> None:
         block = self._block
-        base = align_down(self.offset, block)
-        size = sum(len(p) for p in parts)
-        end = self.offset + size
-        need = align_up(end, block) - base
-        if len(self._stage) < need:  # reused across appends: no page faults per batch
-            self._stage = aligned_buffer(max(need, 2 * len(self._stage)))
-        view = memoryview(self._stage)
+        base = align_down(staged.start, block)
+        need = align_up(staged.end, block) - base
+        self._which ^= 1
+        while len(self._stages) < 2:
+            self._stages.append(self._pool_of_buffers.take(BATCH_HINT))
+        if len(self._stages[self._which]) < need:
+            self._stages[self._which] = aligned_buffer(need)
+        view = memoryview(self._stages[self._which])
         pos = len(self._tail)
         view[:pos] = self._tail
-        for part in parts:
+        for part in staged.data:
             view[pos : pos + len(part)] = part
             pos += len(part)
         view[pos:need] = bytes(need - pos)  # zero padding up to the block boundary
-        pwrite_full(self._direct_fd, base, [view[:need]], io_class)
-        self._tail = bytearray(view[align_down(end, block) - base : end - base])
+        staged.base = base
+        staged.data = [view[:need]]
+        self._tail = bytearray(view[align_down(staged.end, block) - base : staged.end - base])
         view.release()
-        return end
+
+    def submit(self, staged: StagedWrite, io_class: str = "cache-write") -> None:
+        """Start writing a staged batch in the background (the previous one must be done)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lcache-append")
+        fd = self._direct_fd if self._direct_fd >= 0 else self.fd
+        staged.future = self._pool.submit(pwrite_full, fd, staged.base, staged.data, io_class)
+
+    def wait(self, staged: StagedWrite) -> None:
+        """Wait for a submitted batch. On failure, forget it and everything staged after it
+        and cut the file back, so the segment holds only whole records; then re-raise."""
+        if staged.future is None:
+            raise AssertionError("wait() on a batch that was never submitted")
+        staged.done = True
+        try:
+            staged.future.result()
+            staged.data = []
+        except BaseException:
+            del self._keys[staged.entries_before :]
+            del self._offsets[staged.entries_before :]
+            del self._lengths[staged.entries_before :]
+            del self._kinds[staged.entries_before :]
+            self.offset = staged.start
+            self._tail = staged.tail_before
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, staged.start)
+            raise
 
     def sync(self) -> None:
         sync_fd(self.fd, True, "cache-write")
@@ -304,7 +359,12 @@ class SegmentWriter:
         if self._direct_fd >= 0:
             os.close(self._direct_fd)
             self._direct_fd = -1
-        self._stage.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for buf in self._stages:  # reused by the next writer: no fresh page faults
+            self._pool_of_buffers.give(buf)
+        self._stages = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -17,19 +17,20 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from lcache.errors import CorruptionError, DiskFullError, StoreFullError
 from lcache.io import (
+    BufferPool,
     IOEngine,
     ReadRequest,
     SyncPolicy,
     align_down,
     align_up,
-    aligned_buffer,
+    aligned_empty,
     logical_block_size,
     open_file,
     pread_full,
@@ -49,6 +50,7 @@ from lcache.store.layout import (
 from lcache.store.policy import EvictionPolicy, make_policy
 from lcache.store.segment import (
     SegmentWriter,
+    StagedWrite,
     Summary,
     list_segments,
     log_path,
@@ -64,6 +66,12 @@ log = logging.getLogger("lcache")
 Key = int | bytes
 MAX_RUN = 4 << 20  # largest coalesced read
 BATCH_WRITE = 8 << 20  # put_many writes at most this much per call into the kernel
+
+
+class _Inflight(NamedTuple):
+    writer: SegmentWriter
+    staged: StagedWrite
+    entries: list[tuple[int, int, int]]
 
 
 class Store:
@@ -164,6 +172,7 @@ class Store:
         self._sealed_bytes: dict[int, int] = {}
         self._summaries: dict[int, Summary] = {}
         self._persisted = Counters()
+        self._buffers = BufferPool(2)  # the writers' staging buffers, kept across segments
 
     def _check_process(self) -> None:
         if self._closed:
@@ -269,41 +278,65 @@ class Store:
         self.put_many([key], [value])
 
     def put_many(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
-        """Store many records with few large writes (the fast path for bulk loading)."""
+        """Store many records with few large writes (the fast path for bulk loading).
+
+        Batches are pipelined: while one is written (the GIL released), the next is checksummed
+        and staged. A record is visible to other processes once its batch is on disk.
+        """
         self._check_process()
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         parts: list[Any] = []
         entries: list[tuple[int, int, int]] = []
         pending = 0
+        inflight: _Inflight | None = None
         with self._tlock:
-            for key, value in zip(keys, values, strict=True):
-                kind, key64, kb = record.key_parts(key)
-                payload = _as_bytes_view(value)
-                size = record.HEADER_SIZE + len(kb) + len(payload)
-                if size > self.config.segment_size:
-                    raise ValueError(
-                        f"a record of {format_size(size)} does not fit in a segment "
-                        f"({format_size(self.config.segment_size)}); create the store with a "
-                        "larger segment_size"
-                    )
-                writer = self._writer
-                if writer is None or pending + size > writer.room or pending >= BATCH_WRITE:
-                    self._write_batch(parts, entries)
-                    parts, entries, pending = [], [], 0
-                    self._writer_with_room(size)
-                parts += (record.pack_header(kind, key64, kb, payload), kb, payload)
-                entries.append((kind, key64, size))
-                pending += size
-            self._write_batch(parts, entries)
+            try:
+                for key, value in zip(keys, values, strict=True):
+                    kind, key64, kb = record.key_parts(key)
+                    payload = _as_bytes_view(value)
+                    size = record.HEADER_SIZE + len(kb) + len(payload)
+                    if size > self.config.segment_size:
+                        raise ValueError(
+                            f"a record of {format_size(size)} does not fit in a segment "
+                            f"({format_size(self.config.segment_size)}); create the store "
+                            "with a larger segment_size"
+                        )
+                    writer = self._writer
+                    if writer is None or pending + size > writer.room or pending >= BATCH_WRITE:
+                        if entries:
+                            inflight = self._pipeline(inflight, parts, entries)
+                            parts, entries, pending = [], [], 0
+                        if self._writer is None or size > self._writer.room:
+                            done, inflight = inflight, None
+                            self._finish(done)
+                            self._writer_with_room(size)
+                    parts += (record.pack_header(kind, key64, kb, payload), kb, payload)
+                    entries.append((kind, key64, size))
+                    pending += size
+                if entries:
+                    inflight = self._pipeline(inflight, parts, entries)
+            finally:
+                done, inflight = inflight, None
+                self._finish(done)
 
-    def _write_batch(self, parts: list[Any], entries: list[tuple[int, int, int]]) -> None:
-        if not entries:
-            return
+    def _pipeline(self, inflight: _Inflight | None, parts: list[Any],
+                  entries: list[tuple[int, int, int]]) -> _Inflight:
+        """Stage a batch, finish the one in flight, then start writing the new one."""
         writer = self._writer
         assert writer is not None
+        staged = writer.stage(parts, entries)
+        self._finish(inflight)
+        writer.submit(staged)
+        return _Inflight(writer, staged, entries)
+
+    def _finish(self, inflight: _Inflight | None) -> None:
+        """Wait for a batch to reach the file, then publish its records in the index."""
+        if inflight is None or inflight.staged.done:
+            return
+        writer, staged, entries = inflight
         try:
-            start = writer.append(parts, entries)
+            writer.wait(staged)
         except DiskFullError as exc:
             raise DiskFullError(
                 f"the disk holding the cache {self.root} is full ({exc}); the store is "
@@ -312,7 +345,7 @@ class Store:
         if self.sync is SyncPolicy.ALWAYS:
             writer.sync()
         seg = writer.segment
-        offset = start
+        offset = staged.start
         ints_k: list[int] = []
         ints_loc: list[int] = []
         ints_len: list[int] = []
@@ -333,7 +366,7 @@ class Store:
             index.set_many(np.array(ints_k, np.uint64), np.array(ints_loc, np.uint64),
                            np.array(ints_len, np.uint32))
         self.counters.puts += len(entries)
-        self.counters.bytes_written += offset - start
+        self.counters.bytes_written += offset - staged.start
 
     def _writer_with_room(self, size: int) -> SegmentWriter:
         writer = self._writer
@@ -398,7 +431,8 @@ class Store:
                 f"{self.config.max_writers}); reopen the store with a larger max_writers"
             )
         seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
-        writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes)
+        writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes,
+                               self._buffers)
         size = self.config.segment_size
         budget = self.config.capacity - size  # one segment is kept free for compaction
         if used + size * (actives + 1) > budget:
@@ -697,7 +731,7 @@ class Store:
                    parts: list[tuple[int, int, bytes]], locs: npt.NDArray[np.uint64],
                    lens: npt.NDArray[np.uint32], out: list[memoryview | None]) -> None:
         total = sum(end - start for _, start, end, _ in runs)
-        buf = memoryview(aligned_buffer(total))
+        buf = aligned_empty(total)
         requests: list[ReadRequest] = []
         placed: list[tuple[int, int, list[int]]] = []
         pos = 0
