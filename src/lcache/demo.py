@@ -153,7 +153,12 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
         stats = store.stats()
         store.close()
 
-        flushed_to = _kill_mid_write(root, samples, size, batches=4)
+        # Records the crashed writer flushed must all survive, so it writes no more than the
+        # cache is sure to hold: capacity less the active and compaction-reserve segments,
+        # less the batch it is killed in.
+        sure = capacity - SEGMENT_SIZE * (MAX_WRITERS + 1)
+        batches = max(1, min(4, sure // (BATCH * size) - 1))
+        flushed_to = _kill_mid_write(root, samples, size, batches)
         t0 = time.perf_counter()
         store = Store.open(root)
         recovery_s = time.perf_counter() - t0

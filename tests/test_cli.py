@@ -1,0 +1,98 @@
+"""The lcache command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lcache.store import Store
+
+LCACHE = [sys.executable, "-m", "lcache"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LCACHE, *args], capture_output=True, text=True, timeout=300)
+
+
+def make_store(root: Path) -> None:
+    with Store.open(root, capacity="8MiB", segment_size="256KiB", max_writers=2) as store:
+        store.put_many(range(100), [os.urandom(3000) for _ in range(100)])
+        store.put(b"name", b"value")
+        store.get_many(range(50))
+
+
+def test_stats_json(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    out = run("stats", str(tmp_path / "s"), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["live_keys"] == 101
+    assert doc["capacity"] == 8 << 20
+    assert doc["totals"]["puts"] == 101
+    assert doc["totals"]["hits"] == 50
+    assert 0 < doc["bytes_on_disk"] <= doc["capacity"]
+
+
+def test_stats_table(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    out = run("stats", str(tmp_path / "s"))
+    assert out.returncode == 0, out.stderr
+    assert "live_keys" in out.stdout and "101" in out.stdout
+
+
+def test_stats_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
+    out = run("stats", str(tmp_path / "nothing"))
+    assert out.returncode == 1
+    assert "no lcache store" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_fsck_clean_then_damaged_then_repaired(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    make_store(root)
+    out = run("fsck", str(root), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["clean"] is True
+
+    seg = sorted((root / "segments").glob("*.log"))[0]
+    data = bytearray(seg.read_bytes())
+    data[40] ^= 0xFF  # inside the payload of the first record
+    seg.write_bytes(bytes(data))
+    out = run("fsck", str(root), "--json")
+    assert out.returncode == 2
+    report = json.loads(out.stdout)
+    assert not report["clean"]
+    assert any("damaged record" in p for p in report["problems"])
+
+    out = run("fsck", str(root), "--repair")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "repaired" in out.stdout and "clean" in out.stdout
+    with Store.open(root) as store:
+        assert store.get(0) is None  # the damaged record is now a miss
+        assert store.get(99) is not None
+
+
+def test_bad_capacity_is_refused_with_what_to_change(tmp_path: Path) -> None:
+    code = ("from lcache.store import Store; "
+            f"Store.open({str(tmp_path / 's')!r}, capacity='1MiB', segment_size='1MiB')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "raise capacity" in out.stderr
+
+
+def test_demo_json(tmp_path: Path) -> None:
+    out = run("demo", "--dir", str(tmp_path), "--samples", "3000", "--sample-size", "16KiB",
+              "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["wrong_bytes_served"] == 0
+    assert figures["crash_flushed_records"] > 0
+    assert figures["crash_flushed_records_lost"] == 0
+    assert figures["crash_segments_recovered"] >= 1
+    assert figures["fsck_clean"] is True
+    # the dataset is larger than the cache: some samples were evicted, the rest hit
+    assert figures["evictions"] > 0
+    assert 0.3 < figures["hit_ratio"] < 1.0
