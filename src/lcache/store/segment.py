@@ -200,7 +200,7 @@ class StagedWrite:
     end: int
     base: int
     data: list[Buffer]
-    entries_before: int
+    batches_before: int
     tail_before: bytearray
     future: Future[int] | None = None
     done: bool = False  # waited for, whatever the outcome
@@ -244,10 +244,7 @@ class SegmentWriter:
         self._stages: list[mmap.mmap] = []  # two, alternating between batches
         self._which = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._keys: list[int] = []
-        self._offsets: list[int] = []
-        self._lengths: list[int] = []
-        self._kinds: list[int] = []
+        self._batches: list[tuple[int, list[tuple[int, int, int]]]] = []  # (start, entries)
 
     @property
     def room(self) -> int:
@@ -269,20 +266,12 @@ class SegmentWriter:
         next batch can be prepared while this one is written.
         """
         start = self.offset
-        size = sum(len(p) for p in parts)
-        if size != sum(e[2] for e in entries):
-            raise AssertionError(f"entries describe other lengths than the {size} bytes given")
-        staged = StagedWrite(start, start + size, start, list(parts), len(self._keys),
+        size = sum(e[2] for e in entries)
+        staged = StagedWrite(start, start + size, start, list(parts), len(self._batches),
                              self._tail)
         if self._direct_fd >= 0:
             self._stage_direct(staged)
-        pos = start
-        for kind, key64, length in entries:
-            self._keys.append(key64)
-            self._offsets.append(pos)
-            self._lengths.append(length)
-            self._kinds.append(kind)
-            pos += length
+        self._batches.append((start, entries))
         self.offset = staged.end
         return staged
 
@@ -324,10 +313,7 @@ class SegmentWriter:
             staged.future.result()
             staged.data = []
         except BaseException:
-            del self._keys[staged.entries_before :]
-            del self._offsets[staged.entries_before :]
-            del self._lengths[staged.entries_before :]
-            del self._kinds[staged.entries_before :]
+            del self._batches[staged.batches_before :]
             self.offset = staged.start
             self._tail = staged.tail_before
             with contextlib.suppress(OSError):
@@ -338,9 +324,17 @@ class SegmentWriter:
         sync_fd(self.fd, True, "cache-write")
 
     def summary(self) -> Summary:
+        entries = [e for _, batch in self._batches for e in batch]
+        lengths = np.array([e[2] for e in entries], np.uint32)
+        offsets = np.zeros(len(entries), np.uint32)
+        i = 0
+        for start, batch in self._batches:  # records of a batch follow each other
+            offsets[i : i + len(batch)] = start + np.concatenate(
+                ([0], np.cumsum(lengths[i : i + len(batch) - 1], dtype=np.uint64)))
+            i += len(batch)
         return Summary(
-            self.segment, np.array(self._keys, np.uint64), np.array(self._offsets, np.uint32),
-            np.array(self._lengths, np.uint32), np.array(self._kinds, np.uint8), self.offset,
+            self.segment, np.array([e[1] for e in entries], np.uint64), offsets, lengths,
+            np.array([e[0] for e in entries], np.uint8), self.offset,
         )
 
     def seal(self, durable: bool) -> Summary:

@@ -311,7 +311,10 @@ class Store:
                             done, inflight = inflight, None
                             self._finish(done)
                             self._writer_with_room(size)
-                    parts += (record.pack_header(kind, key64, kb, payload), kb, payload)
+                    parts.append(record.pack_header(kind, key64, kb, payload))
+                    if kb:
+                        parts.append(kb)
+                    parts.append(payload)
                     entries.append((kind, key64, size))
                     pending += size
                 if entries:
@@ -485,8 +488,10 @@ class Store:
                 log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
                             size - summary.data_len)
             os.ftruncate(fd, summary.data_len)
-            self._ints().clear_segment(seg, summary.data_len)
-            self._hashes().clear_segment(seg, summary.data_len)
+        # Why outside the if: the file may already be shorter than what the index points at
+        # (a torn write or lost tail, not cut by us); those entries must go too.
+        self._ints().clear_segment(seg, summary.data_len)
+        self._hashes().clear_segment(seg, summary.data_len)
         durable = self.sync is not SyncPolicy.NEVER
         if durable:
             os.fdatasync(fd)
@@ -846,7 +851,9 @@ class Store:
         }
 
 
-def _as_bytes_view(value: Any) -> memoryview:
+def _as_bytes_view(value: Any) -> bytes | memoryview:
+    if type(value) is bytes:
+        return value
     view = value if isinstance(value, memoryview) else memoryview(value)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
