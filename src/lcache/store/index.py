@@ -153,9 +153,8 @@ class IntIndex:
         self._loc[key] = 0
         return True
 
-    def touch(self, key: int) -> None:
-        if key < self.capacity:
-            self._ref[key] = 1
+    def touch_many(self, keys: U64Array) -> None:
+        self._ref[keys[keys < self.capacity]] = 1
 
     def referenced(self, keys: U64Array) -> npt.NDArray[np.bool_]:
         inside = keys < self.capacity

@@ -769,11 +769,10 @@ class Store:
                           "served as a miss", parts[i][1])
 
     def _touch(self, hits: list[tuple[int, int, bytes]]) -> None:
+        """Set the CLOCK reference bits of records just read."""
         ints = [k for kind, k, _ in hits if kind == record.KIND_INT]
         if ints:
-            index = self._ints()
-            for k in ints:
-                index.touch(k)
+            self._ints().touch_many(np.array(ints, np.uint64))
         for kind, k, _ in hits:
             if kind == record.KIND_BYTES:
                 self._hashes().touch(k)
