@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lcache.errors import DiskFullError
@@ -26,6 +26,7 @@ from lcache.io import tracer as _tracing
 from lcache.io.tracer import IOEvent
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
 
 
 class SyncPolicy(enum.Enum):
@@ -85,6 +86,10 @@ def pwrite_full(
     t0 = time.perf_counter_ns() if _tracing._tracer is not None else 0
     size = sum(len(b) for b in bufs)
     total = 0
+    if len(bufs) > _IOV_MAX:
+        # Why: pwritev fails with EINVAL beyond IOV_MAX buffers, and put_many of small records
+        # hands over one buffer per record part; one flat copy is cheap next to that.
+        bufs = [b"".join(bufs)]
     try:
         n = os.pwritev(fd, list(bufs), offset)
         total = n
@@ -116,9 +121,11 @@ def sync_fd(fd: int, data_only: bool = True, io_class: str = "other") -> None:
 class _Batch:
     """One batch of reads shared by the workers; each pulls the next index from a counter."""
 
-    def __init__(self, requests: Sequence[ReadRequest], io_class: str, parties: int) -> None:
+    def __init__(self, requests: Sequence[ReadRequest], io_class: str, parties: int,
+                 on_done: Callable[[int, int], None] | None) -> None:
         self.requests = requests
         self.io_class = io_class
+        self.on_done = on_done
         self.results = [0] * len(requests)
         self.error: BaseException | None = None
         self._next = itertools.count()
@@ -128,12 +135,15 @@ class _Batch:
 
     def work(self) -> None:
         requests, results, n = self.requests, self.results, len(self.requests)
+        on_done = self.on_done
         try:
             for i in self._next:  # next() on itertools.count is atomic under the GIL
                 if i >= n or self.error is not None:
                     break
                 req = requests[i]
-                results[i] = pread_full(req.fd, req.offset, req.buf, self.io_class)
+                results[i] = got = pread_full(req.fd, req.offset, req.buf, self.io_class)
+                if on_done is not None:
+                    on_done(i, got)
         except BaseException as exc:
             self.error = exc
         with self._lock:
@@ -181,17 +191,20 @@ class IOEngine:
                 return
             batch.work()
 
-    def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other") -> list[int]:
+    def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
+                   on_done: Callable[[int, int], None] | None = None) -> list[int]:
         """Perform every request; returns the bytes read for each (short only at end of file).
 
-        Raises the first ``OSError`` a request met, after every worker has stopped.
+        ``on_done(i, nbytes)`` runs in the I/O thread as soon as request ``i`` is read, so
+        processing overlaps the reads still in flight. Raises the first exception a request
+        or ``on_done`` met, after every worker has stopped.
         """
         if not requests:
             return []
         helpers = min(self.queue_depth, len(requests)) - 1
         if helpers > 0:
             self._ensure_pool()
-        batch = _Batch(requests, io_class, helpers + 1)
+        batch = _Batch(requests, io_class, helpers + 1, on_done)
         for _ in range(helpers):
             self._queue.put(batch)
         batch.work()

@@ -378,7 +378,7 @@ class Store:
         with self._meta_lock():
             if writer is not None:
                 self._seal_writer()
-            self._writer = self._allocate_writer()
+            self._writer = self._allocate_writer(size)
         return self._writer
 
     def _seal_writer(self) -> None:
@@ -425,8 +425,11 @@ class Store:
                 used += index.bytes_on_disk()
         return sealed, used, actives
 
-    def _allocate_writer(self) -> SegmentWriter:
-        """A new active segment, after evicting what the capacity bound requires."""
+    def _allocate_writer(self, need: int = 0) -> SegmentWriter:
+        """A new active segment, after evicting what the capacity bound requires.
+
+        ``need`` bytes of it are kept free of eviction copies for the caller's records.
+        """
         sealed, used, actives = self._survey()
         if actives >= self.config.max_writers:
             raise StoreFullError(
@@ -440,7 +443,7 @@ class Store:
         budget = self.config.capacity - size  # one segment is kept free for compaction
         if used + size * (actives + 1) > budget:
             for victim in self.policy.victim_order(sealed):
-                used -= self._clean_segment(victim, writer)
+                used -= self._clean_segment(victim, writer, need=need)
                 if used + size * (actives + 1) <= budget:
                     break
             else:
@@ -458,6 +461,13 @@ class Store:
         for seg in logs:
             if seg not in sums:
                 self._recover_if_orphan(seg)
+        for name in os.listdir(self.root):
+            # Why: a process killed inside atomic_write (stats.json, store.json, an index being
+            # created) leaves NAME.tmpPID here; every such publish happens under the meta lock,
+            # which we hold, so none of these belongs to a live process.
+            if ".tmp" in name:
+                with suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, name))
         for name in os.listdir(segments_dir(self.root)):
             if ".tmp" in name:  # a summary whose publish was interrupted
                 os.unlink(os.path.join(segments_dir(self.root), name))
@@ -481,7 +491,11 @@ class Store:
     def _recover(self, seg: int, fd: int) -> None:
         """Scan an orphaned segment, cut its torn tail, drop index entries past it, seal it."""
         size = os.fstat(fd).st_size
-        summary = scan_log(fd, seg, size)
+        damaged: list[tuple[int, int, int]] = []
+        summary = scan_log(fd, seg, size, damaged)
+        for kind, key64, offset in damaged:  # skipped by the scan: no index entry may stay
+            index = self._ints() if kind == record.KIND_INT else self._hashes()
+            index.remove(key64, pack_loc(seg, offset))
         if summary.data_len < size:
             tail = os.pread(fd, min(size - summary.data_len, 1 << 20), summary.data_len)
             if tail.count(0) != len(tail):  # all zeros is just the padding of a direct write
@@ -537,7 +551,8 @@ class Store:
             refs[i] = self._hashes().referenced(int(summary.keys[i]))
         return refs
 
-    def _clean_segment(self, seg: int, dest: SegmentWriter, keep_all: bool = False) -> int:
+    def _clean_segment(self, seg: int, dest: SegmentWriter, keep_all: bool = False,
+                       need: int = 0) -> int:
         """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
 
         Order matters for crashes: copies are written (and synced) and the index re-pointed
@@ -555,7 +570,9 @@ class Store:
         # Copies may take at most half of the new segment, so the writer that asked for room
         # always gets some: without this, a cache whose records were all read (every CLOCK bit
         # set) would fill each new segment with copies and starve new writes.
-        reserve = 0 if keep_all else self.config.segment_size // 2
+        # Why ``need``: half a segment is not enough for a record larger than that; the new
+        # segment then overflowed segment_size (and gc() evicted live records it meant to copy).
+        reserve = 0 if keep_all else max(self.config.segment_size // 2, need)
         copied = self._copy_forward(summary, keep, dest, reserve) if keep.any() else 0
         for i in np.flatnonzero(live & ~keep):
             old = pack_loc(seg, int(summary.offsets[i]))
@@ -747,21 +764,24 @@ class Store:
             requests.append(ReadRequest(fd, start, buf[pos : pos + end - start]))
             placed.append((pos, start, members))
             pos += end - start
-        got = self.engine.read_batch(requests, "cache-read")
-        for (base, start, members), n_read in zip(placed, got, strict=True):
+        def check(run: int, n_read: int) -> None:
+            """Verify one run's records as soon as it is read (in the I/O thread), so checking
+            overlaps the other reads in flight."""
+            base, start, members = placed[run]
             for i in members:
-                off, length = int(locs[i]) & 0xFFFFFFFF, int(lens[i])
-                lo = base + off - start
-                if off - start + length > n_read:
+                lo = base + (int(locs[i]) & 0xFFFFFFFF) - start
+                length = int(lens[i])
+                if lo + length <= base + n_read:
+                    kind, key64, kb = parts[i]
+                    out[i] = record.verify(buf[lo : lo + length], kind, key64, kb)
+
+        self.engine.read_batch(requests, "cache-read", check)
+        for _, _, members in placed:
+            for i in members:
+                if out[i] is None:
                     self._verify_failed(i, parts)
-                    continue
-                kind, key64, kb = parts[i]
-                payload = record.verify(buf[lo : lo + length], kind, key64, kb)
-                if payload is None:
-                    self._verify_failed(i, parts)
-                    continue
-                out[i] = payload
-                self.counters.bytes_read += length
+                else:
+                    self.counters.bytes_read += int(lens[i])
 
     def _verify_failed(self, i: int, parts: list[tuple[int, int, bytes]]) -> None:
         self.counters.verify_failures += 1
