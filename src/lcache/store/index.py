@@ -18,6 +18,7 @@ start at 1).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 import numpy.typing as npt
 
-from lcache.errors import ConfigError, CorruptionError, IndexFullError
+from lcache.errors import ConfigError, CorruptionError, DiskFullError, IndexFullError
 
 INDEX_HEADER = 4096
 _HDR = struct.Struct("<4sIQ")  # magic, version, slots (hash table) or 0
@@ -51,6 +52,26 @@ def pack_loc(segment: int, offset: int) -> int:
 
 def unpack_loc(loc: int) -> tuple[int, int]:
     return loc >> 32, loc & 0xFFFFFFFF
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _back(fd: int, path: str, start: int, end: int) -> None:
+    """Give the file blocks under bytes [start, end) before they are stored to through the map.
+
+    Why: the index files are sparse, and a store into a hole of a shared mapping needs a new
+    block; on a full filesystem the kernel answers with SIGBUS, which kills the process instead
+    of raising DiskFullError. ``posix_fallocate`` asks for the block first, where it can fail.
+    """
+    start = start // _PAGE * _PAGE
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"no space left on the device for the index {path}") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 def _create(path: str, magic: bytes, slots: int, data_bytes: int) -> None:
@@ -98,6 +119,26 @@ class IntIndex:
         self._len = arr["length"]
         self._ref = arr["ref"]
         self.capacity = len(arr)
+        pages = (size + _PAGE - 1) // _PAGE
+        old = getattr(self, "_backed", bytearray())
+        # 1 = the page is known to have blocks (allocation never shrinks); a bytearray so
+        # the hot path checks a range with one C-level find().
+        self._backed = old[:pages] + bytearray(max(0, pages - len(old)))
+
+    def _back_keys(self, keys: U64Array) -> None:
+        """Allocate the pages holding these keys' entries (see ``_back``)."""
+        item = INT_ENTRY.itemsize  # divides the page size: an entry never straddles pages
+        first, last = (int(keys[0]),) * 2 if len(keys) == 1 else (int(keys.min()),
+                                                                  int(keys.max()))
+        lo = (INDEX_HEADER + first * item) // _PAGE
+        hi = (INDEX_HEADER + last * item) // _PAGE
+        if self._backed.find(0, lo, hi + 1) < 0:
+            return
+        pages = np.unique((INDEX_HEADER + keys.astype(np.uint64) * np.uint64(item)) // _PAGE)
+        for page in pages.tolist():
+            if not self._backed[page]:
+                _back(self._fd, self.path, page * _PAGE, min((page + 1) * _PAGE, len(self._mm)))
+                self._backed[page] = 1
 
     def _refresh(self) -> None:
         """Another process may have grown the file: map it again if so."""
@@ -133,11 +174,14 @@ class IntIndex:
         return locs, lens
 
     def set(self, key: int, loc: int, length: int) -> None:
+        self._back_keys(np.array([key], np.uint64))
         self._len[key] = length
         self._ref[key] = 0
         self._loc[key] = loc
 
     def set_many(self, keys: U64Array, locs: U64Array, lens: npt.NDArray[np.uint32]) -> None:
+        if len(keys):
+            self._back_keys(keys)
         self._len[keys] = lens
         self._ref[keys] = 0
         self._loc[keys] = locs
@@ -213,6 +257,7 @@ class HashIndex:
         self._ref = arr["ref"]
         self._state = arr["state"]
         self.slots = slots
+        self._backed = bytearray((len(self._mm) + _PAGE - 1) // _PAGE)  # as in IntIndex
         self._mask = slots - 1
         self._tlock = threading.Lock()
 
@@ -253,10 +298,20 @@ class HashIndex:
                     self._rehash()
                     i = self._free_slot(h)
                 self._hash[i] = h
+            self._back_slot(i)
             self._len[i] = length
             self._ref[i] = 0
             self._loc[i] = loc
             self._state[i] = USED
+
+    def _back_slot(self, i: int) -> None:
+        """Allocate the page(s) holding slot ``i`` (see ``_back``)."""
+        start = INDEX_HEADER + i * HASH_ENTRY.itemsize
+        end = start + HASH_ENTRY.itemsize
+        lo, hi = start // _PAGE, (end - 1) // _PAGE
+        if self._backed.find(0, lo, hi + 1) >= 0:
+            _back(self._fd, self.path, start, end)
+            self._backed[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
 
     def _free_slot(self, h: int) -> int:
         """A free slot on ``h``'s probe path; -1 if the path is long and tombstones exist."""
@@ -277,6 +332,9 @@ class HashIndex:
 
         Concurrent readers may miss an entry while this runs; a miss is always allowed.
         """
+        # Why: the stores below touch every page; get them all first, or fail here cleanly.
+        _back(self._fd, self.path, 0, len(self._mm))
+        self._backed[:] = b"\x01" * len(self._backed)
         used = np.flatnonzero(self._state == USED)
         saved = [(int(self._hash[i]), int(self._loc[i]), int(self._len[i])) for i in used]
         self._state[:] = EMPTY

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -26,6 +27,7 @@ from typing import Any
 from lcache.errors import (
     ConfigError,
     CorruptionError,
+    DiskFullError,
     StoreNotFoundError,
     StorePermissionError,
 )
@@ -146,9 +148,15 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        # Why: a full disk must surface as DiskFullError (an OSError too) wherever it happens,
+        # e.g. sealing a segment or writing stats.json, not as a bare OSError.
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in (
+            errno.ENOSPC, errno.EDQUOT
+        ):
+            raise DiskFullError(f"no space left on the device writing {path}") from exc
         raise
 
 

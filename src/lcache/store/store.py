@@ -180,6 +180,14 @@ class Store:
         if self._pid != os.getpid():
             # Forked child (e.g. a DataLoader worker): the parent's descriptors and its
             # active segment are the parent's; open our own.
+            writer = self._writer
+            if writer is not None:
+                # Why: the inherited descriptors share the parent's flock on its active
+                # segment; kept open they would make it look alive after the parent died.
+                for fd in (writer.fd, writer._direct_fd):
+                    if fd >= 0:
+                        with suppress(OSError):
+                            os.close(fd)
             self._tlock = threading.RLock()
             self.counters = Counters()
             self._start_process()
