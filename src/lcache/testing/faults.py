@@ -1,0 +1,119 @@
+"""Fault injection on a store directory: flip bits, cut files, measure what is on disk.
+
+These work on the files themselves, as a failing disk or a crash would, never through the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from lcache.store import record
+from lcache.store.index import unpack_loc
+from lcache.store.segment import list_segments, log_path, sum_path
+from lcache.store.store import Store
+
+INDEX_FILES = ("index-int.bin", "index-bytes.bin")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLocation:
+    """Where the index says a key's record lies."""
+
+    segment: int
+    path: str
+    offset: int
+    length: int
+
+    @property
+    def payload_offset(self) -> int:
+        """First payload byte (for int keys; byte keys add their key length)."""
+        return self.offset + record.HEADER_SIZE
+
+
+def locate(store: Store, key: int | bytes) -> RecordLocation | None:
+    """The record the store's index points at for ``key`` (``None`` if not indexed)."""
+    kind, key64, _ = record.key_parts(key)
+    entry = store._lookup(kind, key64)
+    if entry is None:
+        return None
+    loc, length = entry
+    seg, off = unpack_loc(loc)
+    return RecordLocation(seg, log_path(store.root, seg), off, length)
+
+
+def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
+    """Invert one bit of the byte at ``offset`` of the file, in place, and sync it."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        old = os.pread(fd, 1, offset)
+        if len(old) != 1:
+            raise ValueError(f"{path} has no byte at offset {offset}")
+        os.pwrite(fd, bytes([old[0] ^ (1 << bit)]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def truncate(path: str | os.PathLike[str], size: int) -> None:
+    """Cut the file to ``size`` bytes (a torn write, a lost tail)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def segment_ids(root: str | os.PathLike[str]) -> tuple[list[int], set[int]]:
+    """(every segment id with a ``.log``, sorted; the ids that are sealed)."""
+    return list_segments(os.fspath(root))
+
+
+def unsealed_segments(root: str | os.PathLike[str]) -> list[int]:
+    logs, sums = segment_ids(root)
+    return [seg for seg in logs if seg not in sums]
+
+
+def segment_log(root: str | os.PathLike[str], seg: int) -> str:
+    return log_path(os.fspath(root), seg)
+
+
+def segment_sum(root: str | os.PathLike[str], seg: int) -> str:
+    return sum_path(os.fspath(root), seg)
+
+
+def index_path(root: str | os.PathLike[str], kind: str = "int") -> str:
+    """Path of the ``int`` or ``bytes`` index file."""
+    name = INDEX_FILES[0] if kind == "int" else INDEX_FILES[1]
+    return os.path.join(os.fspath(root), name)
+
+
+def disk_usage(root: str | os.PathLike[str]) -> int:
+    """Bytes the store's capacity bounds: segment files (apparent size) plus index files.
+
+    Index files are sparse memory-mapped arrays, so they count by allocated blocks, as the
+    store itself counts them; segment files count by their length.
+    """
+    root = os.fspath(root)
+    total = 0
+    seg_dir = os.path.join(root, "segments")
+    for name in os.listdir(seg_dir):
+        with contextlib.suppress(FileNotFoundError):  # removed by a concurrent clean-up
+            total += os.stat(os.path.join(seg_dir, name)).st_size
+    for name in INDEX_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def largest_segment(root: str | os.PathLike[str]) -> int:
+    """Length of the longest ``.log`` (0 if none)."""
+    seg_dir = os.path.join(os.fspath(root), "segments")
+    sizes = [0]
+    for name in os.listdir(seg_dir):
+        if name.endswith(".log"):
+            with contextlib.suppress(FileNotFoundError):
+                sizes.append(os.stat(os.path.join(seg_dir, name)).st_size)
+    return max(sizes)

@@ -1,0 +1,57 @@
+"""Shared fixtures for the store and I/O tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache.store import Store
+
+KIB = 1024
+MIB = 1024 * KIB
+SEG = 64 * KIB
+
+#: A small store: 64 KiB segments, room for a handful of them.
+SMALL = {"segment_size": SEG, "capacity": 16 * SEG, "max_writers": 2, "max_byte_keys": 256}
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for child Python processes: this interpreter's lcache, no stray output."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def open_store(store_dir: Path) -> Iterator[Any]:
+    """``open_store(**overrides)`` opens a store in ``store_dir`` (SMALL settings by default);
+    every store opened this way is closed at the end of the test."""
+    opened: list[Store] = []
+
+    def factory(path: Path | None = None, **overrides: Any) -> Store:
+        settings = {**SMALL, **overrides}
+        store = Store.open(path or store_dir, **settings)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        if not store._closed:
+            store.close()

@@ -1,0 +1,170 @@
+"""A full device: puts raise DiskFullError (an OSError with ENOSPC), the store stays readable.
+
+The real variant mounts a 3 MiB tmpfs (root only) under a store whose capacity is far larger,
+and runs the scenario in a child process: when an index page cannot be allocated, the kernel
+answers a store into the shared mapping with SIGBUS, which must not take the test runner down.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache import DiskFullError, LCacheError
+from lcache.store import Store, fsck
+from lcache.testing import pattern_bytes
+
+from .conftest import KIB, MIB
+
+VALUE = 16 * KIB
+
+
+def _key(i: int) -> int | bytes:
+    # Int keys 64 apart touch a new index page every few puts (staying inside the index's
+    # initial 1 MiB); a few byte keys too.
+    return b"bytes-%d" % i if i % 7 == 3 else i * 64
+
+
+def _disk_full_scenario(root: str, filler: str, out: str) -> None:
+    """Runs in a child process; writes what it saw to ``out`` as JSON."""
+    seen: dict[str, Any] = {}
+    store = Store.open(root, capacity=64 * MIB, segment_size=256 * KIB, max_writers=2,
+                       max_byte_keys=64)
+    flushed: list[int] = []
+    i = 0
+    try:
+        while i < 1000:
+            store.put(_key(i), pattern_bytes(VALUE, i))
+            i += 1
+            if i % 4 == 0:
+                store.flush()
+                flushed = list(range(i))
+        seen["error"] = None
+    except DiskFullError as exc:
+        seen.update(error=type(exc).__name__, errno=exc.errno, message=str(exc),
+                    is_oserror=isinstance(exc, OSError), is_lcache=isinstance(exc, LCacheError))
+    seen["puts_before_full"] = i
+    failed = i
+    # Still readable: everything flushed, with the right bytes; the failed put is not there.
+    got = store.get_many([_key(j) for j in flushed])
+    seen["flushed"] = len(flushed)
+    seen["flushed_ok"] = sum(v is not None and bytes(v) == pattern_bytes(VALUE, j)
+                             for j, v in zip(flushed, got, strict=True))
+    failed_value = store.get(_key(failed))
+    seen["failed_put_readable_as"] = None if failed_value is None else (
+        "its value" if failed_value == pattern_bytes(VALUE, failed) else "WRONG BYTES")
+    # Still full. Tiny values still fit in the segment's last page, but each key's index entry
+    # lies in a page of the index never used before: that page cannot be had either.
+    again = []
+    for j in range(8):
+        key = (200 + j) * 256
+        try:
+            store.put(key, b"tiny")
+            again.append("ok" if store.get(key) == b"tiny" else "WRONG BYTES")
+        except DiskFullError:
+            again.append("full")
+    seen["again"] = again
+    # Free space: puts work again. (fsck comes after this: on tmpfs even *reading* a hole of
+    # the sparse index takes a page, and fsck reads the whole index.)
+    os.unlink(filler)
+    after = []
+    for j in range(failed + 10, failed + 15):
+        store.put(_key(j), pattern_bytes(VALUE, j))
+        after.append(store.get(_key(j)) == pattern_bytes(VALUE, j))
+    seen["after_freeing"] = after
+    store.flush()
+    seen["fsck_open"] = fsck(root).problems
+    store.close()
+    seen["fsck_closed"] = fsck(root).problems
+    store = Store.open(root)
+    got = store.get_many([_key(j) for j in flushed])
+    seen["flushed_ok_after_reopen"] = sum(
+        v is not None and bytes(v) == pattern_bytes(VALUE, j)
+        for j, v in zip(flushed, got, strict=True))
+    store.close()
+    Path(out).write_text(json.dumps(seen))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Any:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.root
+def test_disk_full_on_a_small_tmpfs(small_tmpfs: Path, tmp_path: Path) -> None:
+    filler = small_tmpfs / "filler"
+    filler.write_bytes(b"\0" * (1536 * KIB))  # freed later to make room again
+    out = tmp_path / "seen.json"
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_disk_full_scenario,
+                        args=(str(small_tmpfs / "store"), str(filler), str(out)))
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the disk-full scenario hung")
+    assert child.exitcode == 0, (
+        f"the store's process died with exit code {child.exitcode}"
+        + (" (SIGBUS: a store into an index page the full filesystem could not back)"
+           if child.exitcode == -7 else "")
+    )
+    seen = json.loads(out.read_text())
+    assert seen["error"] == "DiskFullError", seen
+    assert seen["errno"] == errno.ENOSPC and seen["is_oserror"] and seen["is_lcache"]
+    assert "full" in seen["message"]
+    assert 10 < seen["puts_before_full"] < 1000
+    assert seen["flushed"] > 0
+    assert seen["flushed_ok"] == seen["flushed"]
+    assert seen["failed_put_readable_as"] != "WRONG BYTES"
+    assert "WRONG BYTES" not in seen["again"] and "full" in seen["again"], seen["again"]
+    assert all(seen["after_freeing"]), seen["after_freeing"]
+    assert seen["fsck_open"] == [] and seen["fsck_closed"] == []
+    assert seen["flushed_ok_after_reopen"] == seen["flushed"]
+
+
+def test_disk_full_from_patched_pwritev(open_store: Any, store_dir: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(direct_writes=False)
+    for k in range(20):
+        store.put(k, pattern_bytes(3000, k))
+    store.flush()
+
+    def full(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(DiskFullError) as info:
+        store.put(99, pattern_bytes(3000, 99))
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):  # catchable as the builtin too
+        store.put_many([100, 101], [b"a", b"b"])
+    assert store.get(99) is None
+    for k, v in zip(range(20), store.get_many(list(range(20))), strict=True):
+        assert v is not None and bytes(v) == pattern_bytes(3000, k)
+    monkeypatch.setattr(os, "pwritev", real)
+    store.put(99, b"after")
+    assert store.get(99) == b"after"
+    store.close()
+    assert fsck(store_dir).clean

@@ -1,0 +1,140 @@
+"""Eviction policies: FIFO evicts oldest first, copying nothing; LRU (CLOCK) keeps what was read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from lcache.store import EvictionPolicy, make_policy, register_policy
+from lcache.store import policy as policy_module
+from lcache.testing import disk_usage, largest_segment, pattern_bytes
+
+from .conftest import KIB, SEG
+
+VALUE = 4 * KIB  # 15 records of 4 KiB + header fill a 64 KiB segment
+PER_SEG = SEG // (VALUE + 32)
+
+
+def fill(store: Any, keys: range) -> None:
+    for k in keys:
+        store.put(k, pattern_bytes(VALUE, k))
+
+
+def present(store: Any, keys: Sequence[int]) -> list[int]:
+    got = store.get_many(list(keys))
+    for k, v in zip(keys, got, strict=True):
+        assert v is None or bytes(v) == pattern_bytes(VALUE, k), f"wrong bytes for {k}"
+    return [k for k, v in zip(keys, got, strict=True) if v is not None]
+
+
+def test_fifo_evicts_oldest_first_and_copies_nothing(open_store: Any) -> None:
+    store = open_store(policy="fifo", capacity=6 * SEG, max_writers=1)
+    n = 20 * PER_SEG  # far more than fits
+    fill(store, range(n))
+    store.get_many(list(range(0, n, 3)))  # reads must not change FIFO order
+    fill(store, range(n, n + 2 * PER_SEG))
+    total = n + 2 * PER_SEG
+    alive = present(store, range(total))
+    assert store.counters.evictions > 0
+    assert store.counters.gc_bytes_copied == 0, "FIFO must not copy (write amplification 1)"
+    assert alive, "the newest records must still be there"
+    first = alive[0]
+    assert alive == list(range(first, total)), "FIFO kept an older record over a newer one"
+    # capacity - segment x (writers + 1) of sealed data stays: at least 2 segments' worth
+    assert total - first >= 2 * PER_SEG
+    assert disk_usage(store.root) <= 6 * SEG
+
+
+def test_lru_keeps_records_that_were_read(open_store: Any) -> None:
+    store = open_store(policy="lru", capacity=8 * SEG, max_writers=1)
+    old = range(0, 2 * PER_SEG)  # the two oldest segments
+    fill(store, old)
+    # A third of each segment: copies may fill at most half of the segment they go to.
+    hot = range(0, 2 * PER_SEG, 3)
+    cold = [k for k in old if k % 3]
+    assert len(present(store, hot)) == len(hot)  # sets their reference bits
+    # Push the old segments out: enough new data to evict them once, not the copies too
+    # (sealed data may reach 6 segments here).
+    fill(store, range(1000, 1000 + 7 * PER_SEG))
+    assert store.counters.evictions > 0
+    assert store.counters.gc_bytes_copied > 0, "CLOCK copies referenced records forward"
+    assert present(store, cold) == [], "unread records of the same age should be gone"
+    assert present(store, hot) == list(hot), "records that were read should have been kept"
+
+
+def test_lru_second_chance_is_given_once(open_store: Any) -> None:
+    """A copied record's bit is cleared: unless read again, the next pass evicts it."""
+    store = open_store(policy="lru", capacity=8 * SEG, max_writers=1)
+    fill(store, range(PER_SEG))
+    present(store, range(PER_SEG))
+    fill(store, range(1000, 1000 + 24 * PER_SEG))  # several full passes over the capacity
+    assert present(store, range(PER_SEG)) == []
+
+
+def test_lru_copy_forward_leaves_room_for_the_put(open_store: Any) -> None:
+    """Copying referenced records into a new segment must not push a put past segment_size.
+
+    Regression: the new writer was filled by CLOCK copies, then the record that asked for it
+    was appended anyway, so a 64 KiB segment grew past 64 KiB.
+    """
+    store = open_store(policy="lru", capacity=5 * SEG, max_writers=1)
+    small = range(60)  # ~62 KiB of 1 KiB records in one segment, all read (referenced)
+    for k in small:
+        store.put(k, pattern_bytes(KIB, k))
+    store.get_many(list(small))
+    for k in range(1000, 1012):  # one 40 KiB record per segment pushes the small ones out
+        store.put(k, pattern_bytes(40 * KIB, k))
+        assert largest_segment(store.root) <= SEG, f"after put({k})"
+        assert disk_usage(store.root) <= 5 * SEG
+    assert store.counters.gc_bytes_copied > 0
+    assert store.get(1011) == pattern_bytes(40 * KIB, 1011)
+    for k, v in zip(small, store.get_many(list(small)), strict=True):
+        assert v is None or bytes(v) == pattern_bytes(KIB, k)
+
+
+def test_gc_compacts_mostly_dead_segments_without_evicting(open_store: Any) -> None:
+    store = open_store(policy="fifo", capacity=16 * SEG, max_writers=1)
+    fill(store, range(4 * PER_SEG))
+    for k in range(4 * PER_SEG):
+        if k % 4:
+            store.delete(k)
+    store.flush()
+    before = disk_usage(store.root)
+    freed = store.gc(0.5)
+    assert freed > 0
+    assert store.counters.evictions == 0
+    assert store.counters.gc_bytes_copied > 0
+    assert disk_usage(store.root) < before
+    assert present(store, range(4 * PER_SEG)) == list(range(0, 4 * PER_SEG, 4))
+
+
+def test_policy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy_module, "_REGISTRY", dict(policy_module._REGISTRY))
+    assert make_policy("fifo").name == "fifo"
+    assert make_policy("lru").tracks_references
+
+    class KeepAll:
+        name = "keep-all-test"
+        tracks_references = False
+
+        def victim_order(self, sealed: Any) -> list[int]:
+            return sorted(sealed, reverse=True)
+
+        def keep(self, keys: Any, kinds: Any, referenced: Any) -> Any:
+            return referenced | True
+
+    register_policy("keep-all-test", KeepAll)
+    policy: EvictionPolicy = make_policy("keep-all-test")
+    assert policy.victim_order([1, 3, 2]) == [3, 2, 1]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_policy_may_change_on_reopen(open_store: Any, store_dir: Any, policy: str) -> None:
+    store = open_store(policy="fifo" if policy == "lru" else "lru")
+    store.put(1, b"x")
+    store.close()
+    again = open_store(policy=policy)
+    assert again.config.policy == policy
+    assert again.get(1) == b"x"

@@ -1,0 +1,259 @@
+"""What the store refuses, and that each refusal says what was wrong and what to change."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lcache
+from lcache import (
+    ConfigError,
+    CorruptionError,
+    DiskFullError,
+    IndexFullError,
+    LCacheError,
+    StoreFullError,
+    StoreNotFoundError,
+    StorePermissionError,
+)
+from lcache.store import Store, parse_size
+
+from .conftest import KIB, SEG, subprocess_env
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize(("error", "builtin"), [
+    (ConfigError, ValueError),
+    (CorruptionError, ValueError),
+    (StoreNotFoundError, FileNotFoundError),
+    (StorePermissionError, PermissionError),
+    (DiskFullError, OSError),
+    (StoreFullError, RuntimeError),
+    (IndexFullError, RuntimeError),
+])
+def test_errors_inherit_the_builtins(error: type[Exception], builtin: type[Exception]) -> None:
+    assert issubclass(error, LCacheError)
+    assert issubclass(error, builtin)
+    assert getattr(lcache, error.__name__) is error
+
+
+def test_disk_full_error_is_an_enospc_oserror() -> None:
+    err = DiskFullError("the disk is full")
+    assert err.errno == 28
+    assert str(err) == "the disk is full"
+
+
+def test_capacity_below_segments_times_writers(store_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        Store.open(store_dir, capacity=128 * KIB, segment_size=SEG, max_writers=2)
+    message = str(info.value)
+    for part in ("128.0 KiB", "64.0 KiB", "writers (2)", "192.0 KiB", "raise capacity"):
+        assert part in message, message
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"segment_size": 1000}, "between 4 KiB and 4 GiB"),
+    ({"segment_size": 8 << 30}, "between 4 KiB and 4 GiB"),
+    ({"max_writers": 0}, "max_writers must be >= 1"),
+    ({"max_byte_keys": 3}, "max_byte_keys must be >= 16"),
+    ({"capacity": "lots"}, "cannot read 'lots' as a size"),
+    ({"policy": "mru"}, "unknown eviction policy 'mru'; choose one of fifo, lru"),
+])
+def test_bad_settings(store_dir: Path, settings: dict[str, Any], words: str) -> None:
+    base = {"capacity": 16 * SEG, "segment_size": SEG, "max_writers": 2}
+    with pytest.raises(ConfigError, match=words):
+        Store.open(store_dir, **{**base, **settings})
+    assert not (store_dir / "store.json").exists(), "a refused store must not be created"
+
+
+def test_unknown_policy_on_reopen(open_store: Any, store_dir: Path) -> None:
+    open_store().close()
+    with pytest.raises(ConfigError, match="unknown eviction policy 'belady-typo'"):
+        Store.open(store_dir, policy="belady-typo")
+    assert Store.open(store_dir).config.policy == "lru"  # the stored config is unchanged
+
+
+@pytest.mark.parametrize(("setting", "value"), [("segment_size", 2 * SEG),
+                                                ("max_byte_keys", 4096)])
+def test_fixed_settings_cannot_change_on_reopen(open_store: Any, store_dir: Path,
+                                                setting: str, value: int) -> None:
+    store = open_store()
+    store.put(1, b"one")
+    store.close()
+    with pytest.raises(ConfigError) as info:
+        Store.open(store_dir, **{setting: value})
+    message = str(info.value)
+    assert f"{setting} is fixed" in message and str(value) in message
+    assert "new directory" in message
+    again = Store.open(store_dir)
+    assert again.get(1) == b"one"
+    again.close()
+
+
+def test_changeable_settings_on_reopen(open_store: Any, store_dir: Path) -> None:
+    open_store().close()
+    store = Store.open(store_dir, capacity="2MiB", max_writers=3, policy="fifo")
+    assert (store.config.capacity, store.config.max_writers, store.config.policy) == (
+        2 << 20, 3, "fifo")
+    store.close()
+
+
+def test_sizes_parse() -> None:
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("50GB") == 50 * 10**9
+    assert parse_size("4096") == 4096
+    assert parse_size(123) == 123
+    for bad in ("", "MiB", "1.2.3KB", True, None):
+        with pytest.raises(ConfigError):
+            parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_missing_store_without_create(tmp_path: Path) -> None:
+    with pytest.raises(StoreNotFoundError, match="no lcache store"):
+        Store.open(tmp_path / "nothing-here", create=False)
+    assert not (tmp_path / "nothing-here").exists()
+
+
+def test_corrupt_config_file(open_store: Any, store_dir: Path) -> None:
+    open_store().close()
+    (store_dir / "store.json").write_text("{not json")
+    with pytest.raises(CorruptionError, match=r"store\.json"):
+        Store.open(store_dir)
+    (store_dir / "store.json").write_text('{"format": 99}')
+    with pytest.raises(CorruptionError, match="not an lcache store configuration"):
+        Store.open(store_dir)
+
+
+def test_directory_owned_by_another_user(store_dir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a directory away")
+    store_dir.mkdir(mode=0o700)
+    os.chown(store_dir, NOBODY, NOBODY)
+    with pytest.raises(StorePermissionError) as info:
+        Store.open(store_dir)
+    message = str(info.value)
+    assert f"uid {NOBODY}" in message and "never shared between users" in message
+    assert isinstance(info.value, PermissionError)
+    assert not (store_dir / "store.json").exists()
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A directory under /tmp that the user ``nobody`` can reach (tmp_path's parents are 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    top = Path(tempfile.mkdtemp(prefix="lcache-nobody-"))
+    top.chmod(0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+# Everything is imported first: nobody cannot read root's Python installation.
+AS_NOBODY = """
+import fcntl, os, sys
+from lcache import StorePermissionError
+from lcache.store import Store
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+try:
+    Store.open(sys.argv[1])
+except StorePermissionError as exc:
+    print("refused:", exc)
+else:
+    print("opened")
+"""
+
+
+def _as_nobody(path: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True,
+                          text=True, timeout=60, env=subprocess_env(), check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_not_writable_directory(nobody_dir: Path) -> None:
+    store_dir = nobody_dir / "store"
+    store_dir.mkdir(mode=0o500)
+    os.chown(store_dir, NOBODY, NOBODY)
+    out = _as_nobody(store_dir)
+    assert out.startswith("refused:"), out
+    assert "not writable" in out and "fix its permissions" in out
+
+
+def test_cannot_create_directory(nobody_dir: Path) -> None:
+    parent = nobody_dir / "locked"
+    parent.mkdir(mode=0o555)
+    out = _as_nobody(parent / "store")
+    assert out.startswith("refused:"), out
+    assert "cannot create the cache directory" in out
+
+
+@pytest.mark.parametrize(("key", "error"), [
+    (1.5, TypeError),
+    ("text", TypeError),
+    (True, TypeError),
+    (None, TypeError),
+    (-1, ValueError),
+    (2**63, ValueError),
+    (b"", ValueError),
+    (b"k" * 1025, ValueError),
+])
+def test_bad_keys(open_store: Any, key: Any, error: type[Exception]) -> None:
+    store = open_store()
+    with pytest.raises(error):
+        store.put(key, b"value")
+    with pytest.raises(error):
+        store.get(key)
+    with pytest.raises(error):
+        store.delete(key)
+    with pytest.raises(error):
+        store.get_many([1, key])
+
+
+def test_int_key_beyond_the_flat_index(open_store: Any) -> None:
+    store = open_store()
+    with pytest.raises(ConfigError, match="use byte keys"):
+        store.put(1 << 40, b"value")
+    store.put(b"%d" % (1 << 40), b"value")  # as the message says
+    assert store.get(b"%d" % (1 << 40)) == b"value"
+
+
+def test_value_larger_than_a_segment(open_store: Any) -> None:
+    store = open_store()
+    with pytest.raises(ValueError) as info:
+        store.put(1, b"x" * SEG)
+    message = str(info.value)
+    assert "does not fit in a segment" in message and "64.0 KiB" in message
+    assert "larger segment_size" in message
+    store.put(1, b"x" * (SEG - 32))  # exactly one segment with its header fits
+    assert store.get(1) == b"x" * (SEG - 32)
+
+
+def test_values_that_are_not_buffers(open_store: Any) -> None:
+    store = open_store()
+    with pytest.raises(TypeError):
+        store.put(1, "text")
+    with pytest.raises(TypeError):
+        store.put(1, 12345)
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        store.put_many([1, 2], [b"a"])
+
+
+def test_use_after_close(open_store: Any) -> None:
+    store = open_store()
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.get(1)
+    store.close()  # closing twice is harmless
