@@ -15,6 +15,7 @@ Prints one JSON object per sample size with ``--json``, else a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ log = Console(stderr=True)
 
 @dataclass(frozen=True, slots=True)
 class Options:
+    """The command line, parsed."""
+
     directory: Path
     sizes: list[int]
     total_bytes: int
@@ -91,6 +94,7 @@ def store_kwargs(capacity: int) -> dict[str, Any]:
 
 
 def batches(n: int, size: int) -> Iterator[slice]:
+    size = max(1, size)
     for start in range(0, n, size):
         yield slice(start, min(n, start + size))
 
@@ -110,11 +114,10 @@ def fresh_dir(path: Path) -> Path:
 
 def bench_put(path: Path, data: Dataset, kwargs: dict[str, Any]) -> dict[str, Any]:
     """put_many in ~8 MiB batches into a fresh store, then flush: payload MB/s."""
-    per_batch = max(1, PUT_BATCH_BYTES // data.sample_bytes)
     keys = list(range(data.samples))
     with Store.open(str(path), **kwargs) as store:
         t0 = time.perf_counter()
-        for part in batches(data.samples, per_batch):
+        for part in batches(data.samples, PUT_BATCH_BYTES // data.sample_bytes):
             store.put_many(keys[part], data.values[part])
         store.flush()
         elapsed = time.perf_counter() - t0
@@ -143,7 +146,7 @@ def timed_open(path: Path, kwargs: dict[str, Any]) -> tuple[Store, float]:
 def bench_get(store: Store, data: Dataset, concurrency: int, seed: int) -> dict[str, Any]:
     """Read every sample once in random order with get_many, from a cold page cache."""
     order = np.random.default_rng(seed).permutation(data.samples).tolist()
-    per_batch = max(1, min(GET_BATCH_KEYS, GET_BATCH_BYTES // data.sample_bytes))
+    per_batch = min(GET_BATCH_KEYS, GET_BATCH_BYTES // data.sample_bytes)
     method = sb.drop_page_cache(store.drop_page_cache)
     misses = wrong = nbytes = 0
     t0 = time.perf_counter()
@@ -186,9 +189,12 @@ def bench_crash_reopen(path: Path, data: Dataset, kwargs: dict[str, Any]) -> dic
     n = min(CRASH_SAMPLES, data.samples)
     argv = [sys.executable, "-c", _CRASH_CHILD, str(path), str(data.sample_bytes), str(n)]
     child = subprocess.run(
-        [*argv, json.dumps(kwargs)], capture_output=True, text=True,
-        timeout=SUBPROCESS_TIMEOUT_S, check=False,
-    )  # fmt: skip
+        [*argv, json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        check=False,
+    )
     if child.returncode != -signal.SIGKILL:
         raise RuntimeError(f"crash child exited {child.returncode}: {child.stderr[-1000:]}")
     store, elapsed = timed_open(path, kwargs)
@@ -196,7 +202,8 @@ def bench_crash_reopen(path: Path, data: Dataset, kwargs: dict[str, Any]) -> dic
         flushed_ok = all(
             store.get(k) == bytes([k % 251]) * data.sample_bytes for k in range(0, n, 7)
         )
-        untouched_ok = store.get(data.samples - 1) == data.values[-1] if data.samples > n else True
+        last = data.samples - 1  # a record the child never touched must survive as it was
+        untouched_ok = last < n or store.get(last) == bytes(data.values[last])
     return {
         "reopen_after_crash_s": elapsed,
         "crash_check": "ok" if flushed_ok and untouched_ok else "wrong or missing records",
@@ -225,17 +232,18 @@ def bench_churn(path: Path, data: Dataset, device: str | None) -> dict[str, Any]
     evicted (FIFO) before it comes round again, so each put is a fresh admission.
     """
     capacity = max(data.nbytes // 2, MIN_CAPACITY)
-    per_batch = max(1, PUT_BATCH_BYTES // data.sample_bytes)
+    if data.nbytes <= capacity:
+        log.log("churn: dataset fits in the capacity, so puts overwrite live keys")
     keys = list(range(data.samples))
+    # one cursor over both phases: the churn goes on where the fill stopped
+    parts = itertools.cycle(list(batches(data.samples, PUT_BATCH_BYTES // data.sample_bytes)))
 
     def admit(store: Store, nbytes: int) -> int:
         done = 0
         while done < nbytes:
-            for part in batches(data.samples, per_batch):
-                store.put_many(keys[part], data.values[part])
-                done += (part.stop - part.start) * data.sample_bytes
-                if done >= nbytes:
-                    break
+            part = next(parts)
+            store.put_many(keys[part], data.values[part])
+            done += (part.stop - part.start) * data.sample_bytes
         return done
 
     with Store.open(str(fresh_dir(path)), **store_kwargs(capacity)) as store:
@@ -250,6 +258,8 @@ def bench_churn(path: Path, data: Dataset, device: str | None) -> dict[str, Any]
         written = sb.WriteCounters.take(device).since(start)
         after_stats = store.stats()
     shutil.rmtree(path)
+
+    live = after_stats.get("live_keys")
 
     def delta(key: str) -> int | None:
         if key not in after_stats or key not in before_stats:
@@ -267,6 +277,8 @@ def bench_churn(path: Path, data: Dataset, device: str | None) -> dict[str, Any]
         "churn_evictions": delta("evictions"),
         "churn_capacity_bytes": capacity,
         "churn_bytes_on_disk": after_stats.get("bytes_on_disk"),
+        # how much of the capacity still holds servable samples once the store is full
+        "churn_live_fraction": ratio(live * data.sample_bytes, capacity) if live else None,
         "churn_put_MBps": sb.mbps(payload, elapsed),
         "churn_device": device,
     }
@@ -309,17 +321,19 @@ def run_size(sample_bytes: int, opts: Options, device: str | None) -> dict[str, 
     data = Dataset.make(sample_bytes, opts.total_bytes, opts.seed)
     label = sb.format_size(sample_bytes)
     row: dict[str, Any] = {"sample_bytes": sample_bytes, "samples": data.samples}
-    phases = (
+    phases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("fio", lambda: bench_fio(opts.directory, data, opts)),
         ("store", lambda: bench_store(opts.directory / f"store-{label}", data, opts)),
         ("churn", lambda: bench_churn(opts.directory / f"churn-{label}", data, device)),
         ("files", lambda: bench_files(opts.directory / f"files-{label}", data, opts)),
-    )
+    ]
     for name, phase in phases:
         t0 = time.perf_counter()
         row.update(phase())
         log.log(f"{label}: {name} done in {time.perf_counter() - t0:.1f} s")
     row.update(
+        # other work on a shared machine skews every figure; keep the evidence with them
+        load_1m=os.getloadavg()[0],
         get_vs_fio=ratio(row["get_MBps"], row["fio_randread_MBps"]),
         put_vs_fio=ratio(row["put_MBps"], row["fio_seqwrite_MBps"]),
         put_vs_files=ratio(row["put_MBps"], row["files_put_MBps"]),
@@ -334,7 +348,7 @@ def _fmt(value: Any, digits: int = 0) -> str:
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     table = Table(title="lcache store vs device (fio) vs file per sample; MB/s = 1e6 B/s")
-    columns = [
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("sample", lambda r: sb.format_size(r["sample_bytes"])),
         ("samples", lambda r: _fmt(r["samples"])),
         ("put", lambda r: _fmt(r["put_MBps"])),
@@ -353,7 +367,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         table.add_column(name, justify="right")
     for row in rows:
         table.add_row(*(cell(row) for _, cell in columns))
-    Console().print(table)
+    # piped output would otherwise wrap at 80 columns and truncate every header
+    Console(width=max(shutil.get_terminal_size().columns, 150)).print(table)
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:
@@ -366,18 +381,16 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object per size")
     args = parser.parse_args(argv)
-    opts = Options(
-        directory=args.dir,
-        sizes=[sb.parse_size(s) for s in args.sizes.split(",")],
-        total_bytes=sb.parse_size(args.total_bytes),
-        concurrency=args.concurrency,
-        fio_runtime_s=args.fio_runtime,
-        seed=args.seed,
-        as_json=args.json,
-    )
-    if opts.concurrency < 1 or any(s < 1 for s in opts.sizes):
+    try:
+        sizes = [sb.parse_size(s) for s in args.sizes.split(",")]
+        total_bytes = sb.parse_size(args.total_bytes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.concurrency < 1 or min(sizes) < 1:
         parser.error("--concurrency and every --sizes entry must be at least 1")
-    return opts
+    return Options(
+        args.dir, sizes, total_bytes, args.concurrency, args.fio_runtime, args.seed, args.json
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
