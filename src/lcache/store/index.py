@@ -41,7 +41,7 @@ HASH_ENTRY = np.dtype(
      ("pad", "u1", (2,))]
 )
 MAX_INT_KEYS = 1 << 36  # a 1 TiB sparse index; larger keys should be byte keys
-EMPTY, USED, TOMBSTONE = 0, 1, 2
+EMPTY, USED = 0, 1
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -274,10 +274,9 @@ class HashIndex:
         """Slot holding ``h``, or -1."""
         i = h & self._mask
         for _ in range(self.slots):
-            state = self._state[i]
-            if state == EMPTY:
+            if self._state[i] == EMPTY:
                 return -1
-            if state == USED and self._hash[i] == h:
+            if self._hash[i] == h:
                 return i
             i = (i + 1) & self._mask
         return -1
@@ -294,11 +293,8 @@ class HashIndex:
             i = self._find(h)
             if i < 0:
                 i = self._free_slot(h)
-                if i < 0:  # long probe: tombstones have piled up, rebuild the table
-                    self._rehash()
-                    i = self._free_slot(h)
-                self._hash[i] = h
             self._back_slot(i)
+            self._hash[i] = h
             self._len[i] = length
             self._ref[i] = 0
             self._loc[i] = loc
@@ -314,12 +310,9 @@ class HashIndex:
             self._backed[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
 
     def _free_slot(self, h: int) -> int:
-        """A free slot on ``h``'s probe path; -1 if the path is long and tombstones exist."""
         i = h & self._mask
-        for probe in range(self.slots):
+        for _ in range(self.slots):
             if self._state[i] != USED:
-                if probe > 64 and self._state[i] == TOMBSTONE:
-                    return -1
                 return i
             i = (i + 1) & self._mask
         raise IndexFullError(
@@ -327,35 +320,44 @@ class HashIndex:
             "create the store with a larger max_byte_keys"
         )
 
-    def _rehash(self) -> None:
-        """Re-insert every used entry with no tombstones (the caller holds the lock).
+    def _delete_slot(self, i: int) -> None:
+        """Empty slot ``i`` by backward-shift deletion (the caller holds the lock).
 
-        Concurrent readers may miss an entry while this runs; a miss is always allowed.
+        Later entries of the probe run that may live at ``i`` move back, so no tombstones pile
+        up and probes stay short. Each move copies before it clears, so a crash part-way leaves
+        at worst a duplicate of an entry (``remove`` removes all copies), never loses one.
+        Concurrent readers may miss a moving entry; a miss is always allowed.
         """
-        # Why: the stores below touch every page; get them all first, or fail here cleanly.
-        _back(self._fd, self.path, 0, len(self._mm))
-        self._backed[:] = b"\x01" * len(self._backed)
-        used = np.flatnonzero(self._state == USED)
-        saved = [(int(self._hash[i]), int(self._loc[i]), int(self._len[i])) for i in used]
-        self._state[:] = EMPTY
-        self._loc[:] = 0
-        for h, loc, length in saved:
-            i = h & self._mask
-            while self._state[i] == USED:
-                i = (i + 1) & self._mask
-            self._hash[i], self._len[i], self._loc[i], self._state[i] = h, length, loc, USED
+        mask = self._mask
+        j = i
+        for _ in range(self.slots - 1):  # bounded: a full table has no empty slot to stop at
+            j = (j + 1) & mask
+            if self._state[j] != USED:
+                break
+            home = int(self._hash[j]) & mask
+            stays = (i < home <= j) if i <= j else (home > i or home <= j)
+            if stays:
+                continue
+            self._hash[i] = self._hash[j]
+            self._len[i] = self._len[j]
+            self._ref[i] = self._ref[j]
+            self._loc[i] = self._loc[j]
+            i = j
+        self._loc[i] = 0
+        self._state[i] = EMPTY
 
     def remove(self, h: int, expected_loc: int | None = None) -> bool:
         with self._locked():
-            i = self._find(h)
-            if i < 0:
-                return False
-            loc = int(self._loc[i])
-            if loc == 0 or (expected_loc is not None and loc != expected_loc):
-                return False
-            self._loc[i] = 0
-            self._state[i] = TOMBSTONE
-            return True
+            return self._remove(h, expected_loc)
+
+    def _remove(self, h: int, expected_loc: int | None) -> bool:
+        removed = False
+        while (i := self._find(h)) >= 0:
+            if expected_loc is not None and int(self._loc[i]) != expected_loc:
+                break
+            self._delete_slot(i)
+            removed = True
+        return removed
 
     def touch(self, h: int) -> None:
         i = self._find(h)
@@ -379,12 +381,9 @@ class HashIndex:
     def clear_segment(self, segment: int, from_offset: int = 0) -> int:
         lo, hi = pack_loc(segment, from_offset), pack_loc(segment + 1, 0)
         with self._locked():
-            hit = (self._state == USED) & (self._loc >= lo) & (self._loc < hi)
-            n = int(np.count_nonzero(hit))
-            if n:
-                self._loc[hit] = 0
-                self._state[hit] = TOMBSTONE
-        return n
+            hit = np.flatnonzero((self._state == USED) & (self._loc >= lo) & (self._loc < hi))
+            doomed = [(int(self._hash[i]), int(self._loc[i])) for i in hit]
+            return sum(self._remove(h, loc) for h, loc in doomed)
 
     def live_count(self) -> int:
         return int(np.count_nonzero((self._state == USED) & (self._loc != 0)))
