@@ -290,7 +290,7 @@ def test_damaged_index_header(open_store: Any, store_dir: Path, kind: str) -> No
     assert_intact(store, KEYS)
 
 
-@pytest.mark.xfail(strict=True, reason="known issue: an index rebuilt from the segment "
+@pytest.mark.xfail(strict=True, reason="documented limit: an index rebuilt from the segment "
                    "summaries brings back deleted keys (deletes leave no trace in the log)")
 def test_rebuilt_index_does_not_resurrect_deleted_keys(open_store: Any,
                                                        store_dir: Path) -> None:
@@ -328,3 +328,16 @@ def test_summary_without_log_is_removed(open_store: Any, store_dir: Path) -> Non
     store = open_store()
     store.close()
     assert fsck(store_dir).clean
+
+
+def test_rebuilt_index_leaves_out_keys_with_two_records(open_store: Any,
+                                                         store_dir: Path) -> None:
+    store = open_store()
+    populate(store)
+    store.put(4, b"new value of four")  # key 4 now has two records in the log
+    store.close()
+    flip_bit(faults.index_path(store_dir, "int"), 1, 2)
+    assert fsck(store_dir, repair=True).clean
+    store = open_store()
+    assert store.get(4) is None  # which record is newer is unknown: a miss, not a stale value
+    assert store.get(5) is not None

@@ -133,7 +133,14 @@ class _Checker:
             return index
 
     def _rebuild(self, index: IntIndex | HashIndex) -> None:
+        """Index every key that has exactly one record in the sealed segments.
+
+        The log does not say which of two records of one key was written last (writers
+        interleave across segments), so such keys are left out: a miss, never a stale value.
+        Deletes leave no trace in the log, so a deleted key comes back with its last value.
+        """
         kind = record.KIND_INT if isinstance(index, IntIndex) else record.KIND_BYTES
+        found: dict[int, tuple[int, int] | None] = {}
         logs, sums = list_segments(self.root)
         for seg in logs:
             if seg not in sums:
@@ -142,14 +149,17 @@ class _Checker:
                 summary = read_summary(self.root, seg)
             except CorruptionError:
                 continue
-            for key, off, length, k in zip(summary.keys.tolist(), summary.offsets.tolist(),
-                                           summary.lengths.tolist(), summary.kinds.tolist(),
-                                           strict=True):
-                if k != kind:
-                    continue
-                if isinstance(index, IntIndex):
-                    index.grow(key)
-                index.set(key, pack_loc(seg, off), length)
+            mine = summary.kinds == kind
+            for key, off, length in zip(summary.keys[mine].tolist(),
+                                        summary.offsets[mine].tolist(),
+                                        summary.lengths[mine].tolist(), strict=True):
+                found[key] = None if key in found else (pack_loc(seg, off), length)
+        for key, entry in found.items():
+            if entry is None:
+                continue
+            if isinstance(index, IntIndex):
+                index.grow(key)
+            index.set(key, *entry)
 
     def _check_temp_files(self) -> None:
         for folder in (self.root, segments_dir(self.root)):
