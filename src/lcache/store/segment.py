@@ -45,8 +45,8 @@ from lcache.store.layout import atomic_write
 _SUM_HDR = struct.Struct("<4sIQQQQ")  # magic, version, segment, count, data_len, checksum
 _SUM_MAGIC = b"LCSM"
 SCAN_CHUNK = 4 << 20
-BATCH_HINT = 8 << 20  # staging buffers start at this size
-WRITE_DEPTH = 2  # direct writes in flight per batch
+BATCH_HINT = 16 << 20
+WRITE_DEPTH = 4  # direct writes in flight per batch
 SPLIT_ABOVE = 1 << 20  # smaller batches go out as one write
 Buffer = bytes | bytearray | memoryview
 

@@ -65,7 +65,7 @@ from lcache.store.segment import (
 log = logging.getLogger("lcache")
 Key = int | bytes
 MAX_RUN = 4 << 20  # largest coalesced read
-BATCH_WRITE = 8 << 20  # put_many writes at most this much per call into the kernel
+BATCH_WRITE = 16 << 20
 
 
 class _Inflight(NamedTuple):
