@@ -28,14 +28,12 @@ from lcache.io import (
     IOEngine,
     ReadRequest,
     SyncPolicy,
-    align_down,
-    align_up,
     aligned_empty,
     logical_block_size,
     open_file,
-    pread_full,
 )
 from lcache.store import record
+from lcache.store.compaction import copy_forward, live_records, referenced_records
 from lcache.store.counters import Counters, RateLimitedWarning, add_to_totals
 from lcache.store.index import HashIndex, IntIndex, pack_loc
 from lcache.store.layout import (
@@ -48,6 +46,7 @@ from lcache.store.layout import (
     save_config,
 )
 from lcache.store.policy import EvictionPolicy, make_policy
+from lcache.store.readplan import Run, plan_reads
 from lcache.store.segment import (
     SegmentWriter,
     StagedWrite,
@@ -64,7 +63,6 @@ from lcache.store.segment import (
 
 log = logging.getLogger("lcache")
 Key = int | bytes
-MAX_RUN = 4 << 20  # largest coalesced read
 BATCH_WRITE = 16 << 20
 
 
@@ -180,14 +178,19 @@ class Store:
         if self._pid != os.getpid():
             # Forked child (e.g. a DataLoader worker): the parent's descriptors and its
             # active segment are the parent's; open our own.
-            writer = self._writer
-            if writer is not None:
-                # Why: the inherited descriptors share the parent's flock on its active
-                # segment; kept open they would make it look alive after the parent died.
-                for fd in (writer.fd, writer._direct_fd):
-                    if fd >= 0:
-                        with suppress(OSError):
-                            os.close(fd)
+            # Why close them: inherited descriptors share the parent's flocks (on its active
+            # segment, the meta lock, the hash index); kept open here they would keep a dead
+            # parent's segment looking alive, or a lock it held taken.
+            inherited = [self._meta.fd, *self._fds.values()]
+            if self._writer is not None:
+                inherited += [self._writer.fd, self._writer._direct_fd]
+            for index in (self._int_index, self._hash_index):
+                if index is not None:
+                    inherited.append(index._fd)
+            for fd in inherited:
+                if fd >= 0:
+                    with suppress(OSError):
+                        os.close(fd)
             self._tlock = threading.RLock()
             self.counters = Counters()
             self._start_process()
@@ -537,28 +540,6 @@ class Store:
             self._summaries[seg] = summary
         return summary
 
-    def _live(self, summary: Summary) -> npt.NDArray[np.bool_]:
-        """Which records of a segment the index still points at."""
-        old = (np.uint64(summary.segment) << np.uint64(32)) | summary.offsets.astype(np.uint64)
-        live = np.zeros(len(old), dtype=bool)
-        is_int = summary.kinds == record.KIND_INT
-        if is_int.any():
-            locs, _ = self._ints().lookup_many(summary.keys[is_int])
-            live[is_int] = locs == old[is_int]
-        for i in np.flatnonzero(~is_int):
-            entry = self._hashes().lookup(int(summary.keys[i]))
-            live[i] = entry is not None and entry[0] == int(old[i])
-        return live
-
-    def _referenced(self, summary: Summary) -> npt.NDArray[np.bool_]:
-        refs = np.zeros(len(summary.keys), dtype=bool)
-        is_int = summary.kinds == record.KIND_INT
-        if is_int.any():
-            refs[is_int] = self._ints().referenced(summary.keys[is_int])
-        for i in np.flatnonzero(~is_int):
-            refs[i] = self._hashes().referenced(int(summary.keys[i]))
-        return refs
-
     def _clean_segment(self, seg: int, dest: SegmentWriter, keep_all: bool = False,
                        need: int = 0) -> int:
         """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
@@ -568,12 +549,13 @@ class Store:
         Returns the bytes freed. The caller holds the meta lock.
         """
         summary = self._summary(seg)
-        live = self._live(summary)
+        ints, hashes = self._ints(), self._hashes()
+        live = live_records(summary, ints, hashes)
         if keep_all:
             keep = live.copy()
         else:
-            refs = self._referenced(summary) if self.policy.tracks_references else \
-                np.zeros(len(live), dtype=bool)
+            refs = referenced_records(summary, ints, hashes) if self.policy.tracks_references \
+                else np.zeros(len(live), dtype=bool)
             keep = live & self.policy.keep(summary.keys, summary.kinds, refs)
         # Copies may take at most half of the new segment, so the writer that asked for room
         # always gets some: without this, a cache whose records were all read (every CLOCK bit
@@ -581,7 +563,8 @@ class Store:
         # Why ``need``: half a segment is not enough for a record larger than that; the new
         # segment then overflowed segment_size (and gc() evicted live records it meant to copy).
         reserve = 0 if keep_all else max(self.config.segment_size // 2, need)
-        copied = self._copy_forward(summary, keep, dest, reserve) if keep.any() else 0
+        copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes) \
+            if keep.any() else 0
         for i in np.flatnonzero(live & ~keep):
             old = pack_loc(seg, int(summary.offsets[i]))
             key64 = int(summary.keys[i])
@@ -599,41 +582,6 @@ class Store:
         self.counters.gc_segments += 1
         self.counters.gc_bytes_copied += copied
         return freed
-
-    def _copy_forward(self, summary: Summary, keep: npt.NDArray[np.bool_],
-                      dest: SegmentWriter, reserve: int) -> int:
-        """Append the kept records (checked again, never copying a bad one) to ``dest``."""
-        fd = os.open(log_path(self.root, summary.segment), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = bytearray(summary.data_len)
-            got = pread_full(fd, 0, memoryview(data), "cache-gc")
-        finally:
-            os.close(fd)
-        view = memoryview(data)[:got]
-        parts: list[memoryview] = []
-        entries: list[tuple[int, int, int]] = []
-        olds: list[int] = []
-        room = dest.room - reserve
-        for i in np.flatnonzero(keep):
-            off, length = int(summary.offsets[i]), int(summary.lengths[i])
-            rec = view[off : off + length]
-            if length > room or record.verify_any(rec) is None:
-                keep[i] = False  # no room left, or damaged: evicted below by the caller
-                continue
-            parts.append(rec)
-            entries.append((int(summary.kinds[i]), int(summary.keys[i]), length))
-            olds.append(pack_loc(summary.segment, off))
-            room -= length
-        if not parts:
-            return 0
-        start = dest.append(parts, entries, "cache-gc")
-        pos = start
-        for (kind, key64, length), old in zip(entries, olds, strict=True):
-            current = self._lookup(kind, key64)
-            if current is not None and current[0] == old:  # not overwritten meanwhile
-                self._publish(kind, key64, pack_loc(dest.segment, pos), length)
-            pos += length
-        return pos - start
 
     def _forget_segment(self, seg: int) -> None:
         self._summaries.pop(seg, None)
@@ -655,7 +603,7 @@ class Store:
                 if not os.path.exists(log_path(self.root, seg)):
                     continue  # cleaned while making room for a new writer
                 summary = self._summary(seg)
-                live = self._live(summary)
+                live = live_records(summary, self._ints(), self._hashes())
                 live_bytes = int(summary.lengths[live].sum())
                 if summary.data_len and 1 - live_bytes / summary.data_len < min_dead_fraction:
                     continue
@@ -726,7 +674,7 @@ class Store:
                 if entry is not None:
                     locs[i], lens[i] = entry
         out: list[memoryview | None] = [None] * n
-        runs = self._plan_reads(locs, lens)
+        runs = plan_reads(locs, lens, self._block)
         if runs:
             self._read_runs(runs, parts, locs, lens, out)
         hits = sum(v is not None for v in out)
@@ -737,41 +685,20 @@ class Store:
             self._touch([parts[i] for i in range(n) if out[i] is not None])
         return out
 
-    def _plan_reads(self, locs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint32]
-                    ) -> list[tuple[int, int, int, list[int]]]:
-        """Group the wanted records into runs (segment, start, end, indices) read at once."""
-        found = np.flatnonzero(locs)
-        order = found[np.argsort(locs[found], kind="stable")]
-        runs: list[tuple[int, int, int, list[int]]] = []
-        block = self._block
-        for i in order.tolist():
-            loc = int(locs[i])
-            seg, off = loc >> 32, loc & 0xFFFFFFFF
-            start, end = align_down(off, block), align_up(off + int(lens[i]), block)
-            if runs:
-                rseg, rstart, rend, members = runs[-1]
-                if rseg == seg and start <= rend and end - rstart <= MAX_RUN:
-                    runs[-1] = (rseg, rstart, max(rend, end), members)
-                    members.append(i)
-                    continue
-            runs.append((seg, start, end, [i]))
-        return runs
-
-    def _read_runs(self, runs: list[tuple[int, int, int, list[int]]],
-                   parts: list[tuple[int, int, bytes]], locs: npt.NDArray[np.uint64],
-                   lens: npt.NDArray[np.uint32], out: list[memoryview | None]) -> None:
-        total = sum(end - start for _, start, end, _ in runs)
-        buf = aligned_empty(total)
+    def _read_runs(self, runs: list[Run], parts: list[tuple[int, int, bytes]],
+                   locs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint32],
+                   out: list[memoryview | None]) -> None:
+        buf = aligned_empty(sum(run.end - run.start for run in runs))
         requests: list[ReadRequest] = []
         placed: list[tuple[int, int, list[int]]] = []
         pos = 0
-        for seg, start, end, members in runs:
-            fd = self._reader_fd(seg)
+        for run in runs:
+            fd = self._reader_fd(run.segment)
             if fd is None:
                 continue  # segment deleted since the lookup: these are misses
-            requests.append(ReadRequest(fd, start, buf[pos : pos + end - start]))
-            placed.append((pos, start, members))
-            pos += end - start
+            requests.append(ReadRequest(fd, run.start, buf[pos : pos + run.end - run.start]))
+            placed.append((pos, run.start, run.members))
+            pos += run.end - run.start
         def check(run: int, n_read: int) -> None:
             """Verify one run's records as soon as it is read (in the I/O thread), so checking
             overlaps the other reads in flight."""

@@ -1,0 +1,86 @@
+"""What cleaning a segment needs to know and do: which records are live, which were read
+lately, and copying the ones worth keeping into a new segment."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.io import pread_full
+from lcache.store import record
+from lcache.store.index import HashIndex, IntIndex, pack_loc
+from lcache.store.segment import SegmentWriter, Summary, log_path
+
+
+def _old_locs(summary: Summary) -> npt.NDArray[np.uint64]:
+    return (np.uint64(summary.segment) << np.uint64(32)) | summary.offsets.astype(np.uint64)
+
+
+def live_records(summary: Summary, ints: IntIndex, hashes: HashIndex) -> npt.NDArray[np.bool_]:
+    """Which records of a segment the index still points at."""
+    old = _old_locs(summary)
+    live = np.zeros(len(old), dtype=bool)
+    is_int = summary.kinds == record.KIND_INT
+    if is_int.any():
+        locs, _ = ints.lookup_many(summary.keys[is_int])
+        live[is_int] = locs == old[is_int]
+    for i in np.flatnonzero(~is_int):
+        entry = hashes.lookup(int(summary.keys[i]))
+        live[i] = entry is not None and entry[0] == int(old[i])
+    return live
+
+
+def referenced_records(summary: Summary, ints: IntIndex,
+                       hashes: HashIndex) -> npt.NDArray[np.bool_]:
+    """Which records of a segment have their CLOCK reference bit set."""
+    refs = np.zeros(len(summary.keys), dtype=bool)
+    is_int = summary.kinds == record.KIND_INT
+    if is_int.any():
+        refs[is_int] = ints.referenced(summary.keys[is_int])
+    for i in np.flatnonzero(~is_int):
+        refs[i] = hashes.referenced(int(summary.keys[i]))
+    return refs
+
+
+def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest: SegmentWriter,
+                 reserve: int, ints: IntIndex, hashes: HashIndex) -> int:
+    """Append the kept records to ``dest`` and re-point the index at the copies.
+
+    Each record is checked again first, so a damaged one is never copied. Records that do not
+    fit in ``dest.room - reserve`` or fail the check get ``keep[i] = False`` (the caller evicts
+    them). A key overwritten meanwhile keeps its new value. Returns the bytes copied.
+    """
+    fd = os.open(log_path(root, summary.segment), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = bytearray(summary.data_len)
+        got = pread_full(fd, 0, memoryview(data), "cache-gc")
+    finally:
+        os.close(fd)
+    view = memoryview(data)[:got]
+    parts: list[memoryview] = []
+    entries: list[tuple[int, int, int]] = []
+    olds: list[int] = []
+    room = dest.room - reserve
+    for i in np.flatnonzero(keep):
+        off, length = int(summary.offsets[i]), int(summary.lengths[i])
+        rec = view[off : off + length]
+        if length > room or record.verify_any(rec) is None:
+            keep[i] = False
+            continue
+        parts.append(rec)
+        entries.append((int(summary.kinds[i]), int(summary.keys[i]), length))
+        olds.append(pack_loc(summary.segment, off))
+        room -= length
+    if not parts:
+        return 0
+    start = dest.append(parts, entries, "cache-gc")
+    pos = start
+    for (kind, key64, length), old in zip(entries, olds, strict=True):
+        index: IntIndex | HashIndex = ints if kind == record.KIND_INT else hashes
+        current = index.lookup(key64)
+        if current is not None and current[0] == old:
+            index.set(key64, pack_loc(dest.segment, pos), length)
+        pos += length
+    return pos - start
