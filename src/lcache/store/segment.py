@@ -48,6 +48,7 @@ SCAN_CHUNK = 4 << 20
 BATCH_HINT = 16 << 20
 WRITE_DEPTH = 4  # direct writes in flight per batch
 SPLIT_ABOVE = 1 << 20  # smaller batches go out as one write
+MAX_GAP = 64 << 10  # the largest run of padding zeros a scan steps over
 Buffer = bytes | bytearray | memoryview
 
 
@@ -147,6 +148,16 @@ def write_summary(root: str, summary: Summary, durable: bool) -> None:
     atomic_write(sum_path(root, summary.segment), summary.encode(), durable)
 
 
+def _zero_gap(view: memoryview, used: int, pos: int) -> int:
+    """Length of the zeros at ``view[used:]`` if a valid header follows them on a 512-byte
+    boundary (the padding before a batch that starts on a fresh block), else 0."""
+    window = bytes(view[used : used + MAX_GAP])
+    zeros = len(window) - len(window.lstrip(b"\0"))
+    if zeros == 0 or zeros == len(window) or (pos + used + zeros) % 512:
+        return 0
+    return zeros if record.parse_header(view[used + zeros :]) is not None else 0
+
+
 def scan_log(fd: int, seg: int, size: int,
              damaged: list[tuple[int, int, int]] | None = None) -> Summary:
     """Rebuild a summary by reading a segment front to back; stops at the first bad header.
@@ -170,6 +181,10 @@ def scan_log(fd: int, seg: int, size: int,
         while used < n:
             head = record.parse_header(view[used:])
             if head is None:
+                gap = _zero_gap(view, used, pos)
+                if gap:
+                    used += gap
+                    continue
                 break
             if head.size > n - used:
                 if used == 0:  # one record larger than the chunk: read it whole
@@ -216,7 +231,9 @@ class StagedWrite:
     base: int
     data: list[Buffer]
     batches_before: int
+    offset_before: int
     tail_before: bytearray
+    independent: bool = False  # starts on a fresh block: may be written beside the previous
     futures: list[Future[int]] = field(default_factory=list)
     done: bool = False  # waited for, whatever the outcome
 
@@ -259,11 +276,13 @@ class SegmentWriter:
         self._stages: list[mmap.mmap] = []  # two, alternating between batches
         self._which = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._inflight: list[StagedWrite] = []
         self._batches: list[tuple[int, list[tuple[int, int, int]]]] = []  # (start, entries)
 
     @property
     def room(self) -> int:
-        return self.segment_size - self.offset
+        # a large direct batch starts on the next block boundary (see stage)
+        return self.segment_size - align_up(self.offset, self._block)
 
     def append(self, parts: Sequence[Buffer], entries: list[tuple[int, int, int]],
                io_class: str = "cache-write") -> int:
@@ -278,12 +297,16 @@ class SegmentWriter:
         records staged so far, without writing them yet.
 
         With direct I/O the bytes are copied into one of two aligned staging buffers, so the
-        next batch can be prepared while this one is written.
+        next batch can be prepared while this one is written. A direct batch of 1 MiB or more
+        starts on the next block boundary (the zeros before it are already on disk as the
+        padding of the previous write), so it shares no block with the batch before it and
+        both may be in flight at once; a scan steps over such gaps.
         """
-        start = self.offset
         size = sum(e[2] for e in entries)
+        independent = self._direct_fd >= 0 and size >= SPLIT_ABOVE
+        start = align_up(self.offset, self._block) if independent else self.offset
         staged = StagedWrite(start, start + size, start, list(parts), len(self._batches),
-                             self._tail)
+                             self.offset, self._tail, independent)
         if self._direct_fd >= 0:
             self._stage_direct(staged)
         self._batches.append((start, entries))
@@ -300,8 +323,8 @@ class SegmentWriter:
         if len(self._stages[self._which]) < need:
             self._stages[self._which] = aligned_buffer(need)
         view = memoryview(self._stages[self._which])
-        pos = len(self._tail)
-        view[:pos] = self._tail
+        pos = staged.start - base  # the bytes of the partial block before start, or none
+        view[:pos] = self._tail[:pos]
         for part in staged.data:
             view[pos : pos + len(part)] = part
             pos += len(part)
@@ -312,13 +335,15 @@ class SegmentWriter:
         view.release()
 
     def submit(self, staged: StagedWrite, io_class: str = "cache-write") -> None:
-        """Start writing a staged batch in the background (the previous one must be done).
+        """Start writing a staged batch in the background. The previous batch must be done,
+        unless this one is ``independent``.
 
         A large direct batch goes out as ``WRITE_DEPTH`` block-aligned pieces at once: one
         write in flight leaves this class of SSD at about two thirds of its sequential speed.
         """
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(WRITE_DEPTH, thread_name_prefix="lcache-append")
+            self._pool = ThreadPoolExecutor(2 * WRITE_DEPTH, thread_name_prefix="lcache-append")
+        self._inflight.append(staged)
         if self._direct_fd < 0:
             staged.futures = [
                 self._pool.submit(pwrite_full, self.fd, staged.base, staged.data, io_class)]
@@ -337,16 +362,23 @@ class SegmentWriter:
         if not staged.futures:
             raise AssertionError("wait() on a batch that was never submitted")
         staged.done = True
+        self._inflight.remove(staged)
         try:
             for future in staged.futures:
                 future.result()
             staged.data = []
         except BaseException:
+            for later in self._inflight:  # let them land before the file is cut back
+                for future in later.futures:
+                    with contextlib.suppress(BaseException):
+                        future.result()
+                later.done = True
+            self._inflight.clear()
             del self._batches[staged.batches_before :]
-            self.offset = staged.start
+            self.offset = staged.offset_before
             self._tail = staged.tail_before
             with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, staged.start)
+                os.ftruncate(self.fd, staged.offset_before)
             raise
 
     def sync(self) -> None:

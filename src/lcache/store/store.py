@@ -340,8 +340,12 @@ class Store:
         writer = self._writer
         assert writer is not None
         staged = writer.stage(parts, entries)
-        self._finish(inflight)
-        writer.submit(staged)
+        if staged.independent:  # shares no block with the batch in flight: write both at once
+            writer.submit(staged)
+            self._finish(inflight)
+        else:
+            self._finish(inflight)
+            writer.submit(staged)
         return _Inflight(writer, staged, entries)
 
     def _finish(self, inflight: _Inflight | None) -> None:
