@@ -12,6 +12,7 @@ directory past the bound.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -63,7 +64,7 @@ from lcache.store.segment import (
 
 log = logging.getLogger("lcache")
 Key = int | bytes
-BATCH_WRITE = 16 << 20
+BATCH_WRITE = 16 << 20  # bytes staged per append batch (two staging buffers of this size)
 
 
 class _Inflight(NamedTuple):
@@ -140,8 +141,6 @@ class Store:
         prepare_dir(root, create)
         lock = MetaPage(os.path.join(root, "lock"))
         try:
-            import fcntl
-
             fcntl.flock(lock.fd, fcntl.LOCK_EX)
             stored = load_config(root)
             config = merge_config(
@@ -236,8 +235,6 @@ class Store:
     # ----------------------------------------------------------------------- locking
     @contextmanager
     def _meta_lock(self) -> Iterator[None]:
-        import fcntl
-
         with self._tlock:
             if self._lock_depth == 0:
                 fcntl.flock(self._meta.fd, fcntl.LOCK_EX)
@@ -544,7 +541,7 @@ class Store:
             self._summaries[seg] = summary
         return summary
 
-    def _clean_segment(self, seg: int, dest: SegmentWriter, keep_all: bool = False,
+    def _clean_segment(self, seg: int, dest: SegmentWriter | None, keep_all: bool = False,
                        need: int = 0) -> int:
         """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
 
@@ -567,15 +564,18 @@ class Store:
         # Why ``need``: half a segment is not enough for a record larger than that; the new
         # segment then overflowed segment_size (and gc() evicted live records it meant to copy).
         reserve = 0 if keep_all else max(self.config.segment_size // 2, need)
-        copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes) \
-            if keep.any() else 0
+        copied = 0
+        if keep.any() and dest is not None:
+            copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes)
+        else:
+            keep[:] = False
         for i in np.flatnonzero(live & ~keep):
             old = pack_loc(seg, int(summary.offsets[i]))
             key64 = int(summary.keys[i])
             index = self._ints() if summary.kinds[i] == record.KIND_INT else self._hashes()
             if index.remove(key64, old):
                 self.counters.evictions += 1
-        if copied and self.sync is not SyncPolicy.NEVER:
+        if copied and dest is not None and self.sync is not SyncPolicy.NEVER:
             dest.sync()
         freed = self._segment_bytes(seg)
         for path in (log_path(self.root, seg), sum_path(self.root, seg)):
@@ -611,9 +611,8 @@ class Store:
                 live_bytes = int(summary.lengths[live].sum())
                 if summary.data_len and 1 - live_bytes / summary.data_len < min_dead_fraction:
                     continue
-                dest = self._writer_with_room(live_bytes) if live_bytes else self._writer
-                if dest is None:
-                    dest = self._writer_with_room(0)
+                # a fully dead segment is just deleted: no new segment (and eviction) for it
+                dest = self._writer_with_room(live_bytes) if live_bytes else None
                 if not os.path.exists(log_path(self.root, seg)):
                     continue
                 freed += self._clean_segment(seg, dest, keep_all=True)
