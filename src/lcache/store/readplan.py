@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-
-from lcache.io import align_down, align_up
 
 MAX_RUN = 4 << 20  # largest coalesced read
 
@@ -32,16 +31,28 @@ def plan_reads(locs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint32], block
     """
     found = np.flatnonzero(locs)
     order = found[np.argsort(locs[found], kind="stable")]
+    if len(order) == 0:
+        return []
+    seg = (locs[order] >> np.uint64(32)).astype(np.int64)
+    off = (locs[order] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    start = off // block * block
+    end = -(-(off + lens[order].astype(np.int64)) // block) * block
+    # a new run where the segment changes or a gap opens; long runs are split below
+    new = np.ones(len(order), dtype=bool)
+    reach = np.maximum.accumulate((seg << 32) + end)  # in location space: offsets restart
+    new[1:] = (seg[1:] != seg[:-1]) | ((seg[1:] << 32) + start[1:] > reach[:-1])
     runs: list[Run] = []
-    for i in order.tolist():
-        loc = int(locs[i])
-        seg, off = loc >> 32, loc & 0xFFFFFFFF
-        start, end = align_down(off, block), align_up(off + int(lens[i]), block)
-        if runs:
-            last = runs[-1]
-            if last.segment == seg and start <= last.end and end - last.start <= max_run:
-                last.end = max(last.end, end)
-                last.members.append(i)
+    bounds = [*np.flatnonzero(new).tolist(), len(order)]
+    members_all = order.tolist()
+    starts, ends, segs = start.tolist(), end.tolist(), seg.tolist()
+    for lo, hi in itertools.pairwise(bounds):
+        run = Run(segs[lo], starts[lo], ends[lo], [members_all[lo]])
+        runs.append(run)
+        for j in range(lo + 1, hi):
+            if max(run.end, ends[j]) - run.start > max_run:
+                run = Run(segs[j], starts[j], ends[j], [members_all[j]])
+                runs.append(run)
                 continue
-        runs.append(Run(seg, start, end, [i]))
+            run.end = max(run.end, ends[j])
+            run.members.append(members_all[j])
     return runs

@@ -86,7 +86,7 @@ def parse_header(buf: bytes | memoryview) -> Header | None:
     magic, version, kind, key_len, plen, key64, csum, check = HEADER.unpack_from(buf)
     if magic != MAGIC or version != VERSION or kind > KIND_BYTES:
         return None
-    if check != _xxh32(bytes(buf[: HEADER_SIZE - 4])):
+    if check != _xxh32(buf[: HEADER_SIZE - 4]):
         return None
     if (kind == KIND_INT) != (key_len == 0):
         return None
@@ -94,15 +94,22 @@ def parse_header(buf: bytes | memoryview) -> Header | None:
 
 
 def verify(buf: memoryview, kind: int, key64: int, key_bytes: bytes) -> memoryview | None:
-    """The payload of the record in ``buf`` if it is intact and holds this key, else ``None``."""
-    h = parse_header(buf)
-    if h is None or h.kind != kind or h.key64 != key64 or h.size != len(buf):
+    """The payload of the record in ``buf`` if it is intact and holds this key, else ``None``.
+
+    The hot path of every read: the header is checked inline rather than through
+    ``parse_header`` (same checks, no object per record).
+    """
+    if len(buf) < HEADER_SIZE:
         return None
-    stored_key = buf[HEADER_SIZE : HEADER_SIZE + h.key_len]
-    if stored_key != key_bytes:
+    magic, version, r_kind, key_len, plen, r_key, csum, check = HEADER.unpack_from(buf)
+    if (magic != MAGIC or version != VERSION or r_kind != kind or r_key != key64
+            or key_len != len(key_bytes) or HEADER_SIZE + key_len + plen != len(buf)
+            or check != _xxh32(buf[: HEADER_SIZE - 4])):
         return None
-    payload = buf[HEADER_SIZE + h.key_len :]
-    if checksum(key64, key_bytes, payload) != h.checksum:
+    if key_len and buf[HEADER_SIZE : HEADER_SIZE + key_len] != key_bytes:
+        return None
+    payload = buf[HEADER_SIZE + key_len :]
+    if checksum(key64, key_bytes, payload) != csum:
         return None
     return payload
 
