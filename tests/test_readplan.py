@@ -21,7 +21,7 @@ def reference(locs: list[int], lens: list[int], block: int, max_run: int) -> lis
             runs[-1][3].append(i)
         else:
             runs.append([seg, start, end, [i]])
-    return [tuple(r[:3]) + (sorted(r[3]),) for r in runs]
+    return [(r[0], r[1], r[2], sorted(r[3])) for r in runs]
 
 
 records = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20), st.integers(1, 9000)),
