@@ -49,7 +49,7 @@ def plan_reads(locs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint32], block
         run = Run(segs[lo], starts[lo], ends[lo], [members_all[lo]])
         runs.append(run)
         for j in range(lo + 1, hi):
-            if max(run.end, ends[j]) - run.start > max_run:
+            if starts[j] > run.end or max(run.end, ends[j]) - run.start > max_run:
                 run = Run(segs[j], starts[j], ends[j], [members_all[j]])
                 runs.append(run)
                 continue
