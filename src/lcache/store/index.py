@@ -205,9 +205,6 @@ class IntIndex:
         safe = np.where(inside, keys, 0)
         return np.where(inside, self._ref[safe] != 0, False)
 
-    def clear_ref(self, keys: U64Array) -> None:
-        self._ref[keys[keys < self.capacity]] = 0
-
     def items(self) -> Iterator[tuple[int, int, int]]:
         """(key, loc, length) of every used entry."""
         keys = np.flatnonzero(self._loc)
@@ -367,11 +364,6 @@ class HashIndex:
     def referenced(self, h: int) -> bool:
         i = self._find(h)
         return bool(i >= 0 and self._ref[i])
-
-    def clear_ref(self, h: int) -> None:
-        i = self._find(h)
-        if i >= 0:
-            self._ref[i] = 0
 
     def items(self) -> Iterator[tuple[int, int, int]]:
         """(hash, loc, length) of every used slot."""

@@ -31,6 +31,7 @@ from lcache.errors import (
     StoreNotFoundError,
     StorePermissionError,
 )
+from lcache.io.files import fsync_dir
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -148,6 +149,8 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(os.path.dirname(path) or ".")
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -33,6 +33,7 @@ from lcache.io import (
     align_down,
     align_up,
     aligned_buffer,
+    fsync_dir,
     logical_block_size,
     open_file,
     pread_full,
@@ -277,6 +278,7 @@ class SegmentWriter:
         self._which = 0
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: list[StagedWrite] = []
+        self._entry_synced = False
         self._batches: list[tuple[int, list[tuple[int, int, int]]]] = []  # (start, entries)
 
     @property
@@ -383,6 +385,9 @@ class SegmentWriter:
 
     def sync(self) -> None:
         sync_fd(self.fd, True, "cache-write")
+        if not self._entry_synced:  # a new file's directory entry must be durable too
+            fsync_dir(segments_dir(self.root))
+            self._entry_synced = True
 
     def summary(self) -> Summary:
         entries = [e for _, batch in self._batches for e in batch]

@@ -30,6 +30,7 @@ from lcache.io import (
     ReadRequest,
     SyncPolicy,
     aligned_empty,
+    drop_page_cache,
     logical_block_size,
     open_file,
 )
@@ -782,7 +783,7 @@ class Store:
             except FileNotFoundError:
                 continue
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                drop_page_cache(fd)
             finally:
                 os.close(fd)
 
