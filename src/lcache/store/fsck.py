@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from lcache.errors import CorruptionError, StoreNotFoundError
+from lcache.io import pread_full, sync_fd
 from lcache.store import record
 from lcache.store.index import HashIndex, IntIndex, pack_loc
 from lcache.store.layout import MetaPage, load_config, prepare_dir
@@ -206,11 +207,11 @@ class _Checker:
     def _truncate(self, fd: int, seg: int, size: int, data_len: int) -> None:
         if size > data_len:
             os.ftruncate(fd, data_len)
-            os.fsync(fd)
+            sync_fd(fd, False, "cache-fsck")
 
     def _check_records(self, fd: int, summary: Summary) -> None:
         data = bytearray(summary.data_len)
-        n = os.preadv(fd, [data], 0)
+        n = pread_full(fd, 0, memoryview(data), "cache-fsck")
         view = memoryview(data)[:n]
         for key, off, length, kind in zip(summary.keys.tolist(), summary.offsets.tolist(),
                                           summary.lengths.tolist(), summary.kinds.tolist(),

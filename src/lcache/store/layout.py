@@ -31,6 +31,7 @@ from lcache.errors import (
     StoreNotFoundError,
     StorePermissionError,
 )
+from lcache.io.engine import pwrite_full, sync_fd
 from lcache.io.files import fsync_dir
 
 CONFIG_NAME = "store.json"
@@ -141,11 +142,9 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            pwrite_full(fd, 0, [data], "cache-meta")
             if durable:
-                os.fsync(fd)
+                sync_fd(fd, False, "cache-meta")
         finally:
             os.close(fd)
         os.replace(tmp, path)

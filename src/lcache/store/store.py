@@ -33,6 +33,8 @@ from lcache.io import (
     drop_page_cache,
     logical_block_size,
     open_file,
+    pread_full,
+    sync_fd,
 )
 from lcache.store import record
 from lcache.store.compaction import copy_forward, live_records, referenced_records
@@ -510,7 +512,8 @@ class Store:
             index = self._ints() if kind == record.KIND_INT else self._hashes()
             index.remove(key64, pack_loc(seg, offset))
         if summary.data_len < size:
-            tail = os.pread(fd, min(size - summary.data_len, 1 << 20), summary.data_len)
+            tail = bytearray(min(size - summary.data_len, 1 << 20))
+            pread_full(fd, summary.data_len, memoryview(tail), "cache-recovery")
             if tail.count(0) != len(tail):  # all zeros is just the padding of a direct write
                 log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
                             size - summary.data_len)
@@ -521,7 +524,7 @@ class Store:
         self._hashes().clear_segment(seg, summary.data_len)
         durable = self.sync is not SyncPolicy.NEVER
         if durable:
-            os.fdatasync(fd)
+            sync_fd(fd, True, "cache-recovery")
         write_summary(self.root, summary, durable)
         self._summaries[seg] = summary
         self.counters.recovered_segments += 1
