@@ -300,11 +300,15 @@ class Store:
         parts: list[Any] = []
         entries: list[tuple[int, int, int]] = []
         pending = 0
+        room = -1  # the writer's room, read again only when the writer's end moves
         inflight: _Inflight | None = None
         with self._tlock:
             try:
                 for key, value in zip(keys, values, strict=True):
-                    kind, key64, kb = record.key_parts(key)
+                    if type(key) is int and 0 <= key <= record.MAX_INT_KEY:  # the common case
+                        kind, key64, kb = record.KIND_INT, key, b""
+                    else:
+                        kind, key64, kb = record.key_parts(key)
                     payload = _as_bytes_view(value)
                     size = record.HEADER_SIZE + len(kb) + len(payload)
                     if size > self.config.segment_size:
@@ -313,15 +317,16 @@ class Store:
                             f"({format_size(self.config.segment_size)}); create the store "
                             "with a larger segment_size"
                         )
-                    writer = self._writer
-                    if writer is None or pending + size > writer.room or pending >= BATCH_WRITE:
+                    if pending + size > room or pending >= BATCH_WRITE:
                         if entries:
                             inflight = self._pipeline(inflight, parts, entries)
                             parts, entries, pending = [], [], 0
-                        if self._writer is None or size > self._writer.room:
+                        writer = self._writer
+                        if writer is None or size > writer.room:
                             done, inflight = inflight, None
                             self._finish(done)
-                            self._writer_with_room(size)
+                            writer = self._writer_with_room(size)
+                        room = writer.room
                     parts.append(record.pack_header(kind, key64, kb, payload))
                     if kb:
                         parts.append(kb)
