@@ -33,8 +33,6 @@ from lcache.io import (
     drop_page_cache,
     logical_block_size,
     open_file,
-    pread_full,
-    sync_fd,
 )
 from lcache.store import record
 from lcache.store.compaction import copy_forward, live_records, referenced_records
@@ -51,6 +49,7 @@ from lcache.store.layout import (
 )
 from lcache.store.policy import EvictionPolicy, make_policy
 from lcache.store.readplan import Run, plan_reads
+from lcache.store.recovery import remove_leftovers, seal_if_orphan
 from lcache.store.segment import (
     SegmentWriter,
     StagedWrite,
@@ -59,10 +58,7 @@ from lcache.store.segment import (
     log_path,
     read_summary,
     scan_log,
-    segments_dir,
     sum_path,
-    try_lock,
-    write_summary,
 )
 
 log = logging.getLogger("lcache")
@@ -481,58 +477,17 @@ class Store:
         for seg in logs:
             if seg not in sums:
                 self._recover_if_orphan(seg)
-        for name in os.listdir(self.root):
-            # Why: a process killed inside atomic_write (stats.json, store.json, an index being
-            # created) leaves NAME.tmpPID here; every such publish happens under the meta lock,
-            # which we hold, so none of these belongs to a live process.
-            if ".tmp" in name:
-                with suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, name))
-        for name in os.listdir(segments_dir(self.root)):
-            if ".tmp" in name:  # a summary whose publish was interrupted
-                os.unlink(os.path.join(segments_dir(self.root), name))
-        for seg in sums - set(logs):  # a cleaned segment whose summary removal was interrupted
-            os.unlink(sum_path(self.root, seg))
+        remove_leftovers(self.root)
 
     def _recover_if_orphan(self, seg: int) -> bool:
         """Seal ``seg`` if its writer is dead; False if a live writer holds it."""
-        try:
-            fd = os.open(log_path(self.root, seg), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
+        result = seal_if_orphan(self.root, seg, self._ints(), self._hashes(),
+                                self.sync is not SyncPolicy.NEVER)
+        if isinstance(result, Summary):
+            self._summaries[seg] = result
+            self.counters.recovered_segments += 1
             return True
-        try:
-            if not try_lock(fd):
-                return False
-            self._recover(seg, fd)
-            return True
-        finally:
-            os.close(fd)
-
-    def _recover(self, seg: int, fd: int) -> None:
-        """Scan an orphaned segment, cut its torn tail, drop index entries past it, seal it."""
-        size = os.fstat(fd).st_size
-        damaged: list[tuple[int, int, int]] = []
-        summary = scan_log(fd, seg, size, damaged)
-        for kind, key64, offset in damaged:  # skipped by the scan: no index entry may stay
-            index = self._ints() if kind == record.KIND_INT else self._hashes()
-            index.remove(key64, pack_loc(seg, offset))
-        if summary.data_len < size:
-            tail = bytearray(min(size - summary.data_len, 1 << 20))
-            pread_full(fd, summary.data_len, memoryview(tail), "cache-recovery")
-            if tail.count(0) != len(tail):  # all zeros is just the padding of a direct write
-                log.warning("segment %d: cut a torn tail of %d bytes after a crash", seg,
-                            size - summary.data_len)
-            os.ftruncate(fd, summary.data_len)
-        # Why outside the if: the file may already be shorter than what the index points at
-        # (a torn write or lost tail, not cut by us); those entries must go too.
-        self._ints().clear_segment(seg, summary.data_len)
-        self._hashes().clear_segment(seg, summary.data_len)
-        durable = self.sync is not SyncPolicy.NEVER
-        if durable:
-            sync_fd(fd, True, "cache-recovery")
-        write_summary(self.root, summary, durable)
-        self._summaries[seg] = summary
-        self.counters.recovered_segments += 1
+        return result
 
     # ----------------------------------------------------------------------- cleaning
     def _summary(self, seg: int) -> Summary:
