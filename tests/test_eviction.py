@@ -138,3 +138,12 @@ def test_policy_may_change_on_reopen(open_store: Any, store_dir: Any, policy: st
     again = open_store(policy=policy)
     assert again.config.policy == policy
     assert again.get(1) == b"x"
+
+
+def test_evicting_an_old_segment_keeps_a_key_rewritten_since(open_store: Any) -> None:
+    store = open_store(policy="fifo", capacity=6 * SEG, max_writers=1)
+    fill(store, range(PER_SEG))  # keys 0.. fill the oldest segment
+    store.put(0, b"rewritten")  # now lives in a newer segment
+    fill(store, range(PER_SEG, 5 * PER_SEG))  # push the oldest segment out
+    assert store.get(1) is None  # the oldest segment was evicted...
+    assert store.get(0) == b"rewritten"  # ...but not the newer record of key 0

@@ -44,6 +44,18 @@ def referenced_records(summary: Summary, ints: IntIndex,
     return refs
 
 
+def evict_records(summary: Summary, evict: npt.NDArray[np.bool_], ints: IntIndex,
+                  hashes: HashIndex) -> int:
+    """Remove the index entries of the records ``evict`` marks, unless a key was written
+    again meanwhile (its entry then points elsewhere). Returns how many were removed."""
+    old = _old_locs(summary)
+    is_int = summary.kinds == record.KIND_INT
+    removed = ints.remove_many(summary.keys[evict & is_int], old[evict & is_int])
+    for i in np.flatnonzero(evict & ~is_int):
+        removed += hashes.remove(int(summary.keys[i]), int(old[i]))
+    return removed
+
+
 def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest: SegmentWriter,
                  reserve: int, ints: IntIndex, hashes: HashIndex) -> int:
     """Append the kept records to ``dest`` and re-point the index at the copies.

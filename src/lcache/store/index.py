@@ -197,6 +197,14 @@ class IntIndex:
         self._loc[key] = 0
         return True
 
+    def remove_many(self, keys: U64Array, expected_locs: U64Array) -> int:
+        """Remove the entries of ``keys`` that still hold ``expected_locs``; returns how many."""
+        inside = keys < self.capacity
+        keys, expected_locs = keys[inside], expected_locs[inside]
+        hit = self._loc[keys] == expected_locs
+        self._loc[keys[hit]] = 0
+        return int(np.count_nonzero(hit))
+
     def touch_many(self, keys: U64Array) -> None:
         self._ref[keys[keys < self.capacity]] = 1
 

@@ -273,10 +273,10 @@ class SegmentWriter:
             except (ConfigError, OSError):
                 self._direct_fd = -1  # e.g. tmpfs: fall back to buffered writes
         self._tail = bytearray()  # bytes of the partial last block (direct mode)
-        self._pool_of_buffers = pool or BufferPool(2)
+        self._buffers = pool or BufferPool(2)
         self._stages: list[mmap.mmap] = []  # two, alternating between batches
         self._which = 0
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: ThreadPoolExecutor | None = None
         self._inflight: list[StagedWrite] = []
         self._entry_synced = False
         self._batches: list[tuple[int, list[tuple[int, int, int]]]] = []  # (start, entries)
@@ -321,7 +321,7 @@ class SegmentWriter:
         need = align_up(staged.end, block) - base
         self._which ^= 1
         while len(self._stages) < 2:
-            self._stages.append(self._pool_of_buffers.take(BATCH_HINT))
+            self._stages.append(self._buffers.take(BATCH_HINT))
         if len(self._stages[self._which]) < need:
             self._stages[self._which] = aligned_buffer(need)
         view = memoryview(self._stages[self._which])
@@ -343,17 +343,17 @@ class SegmentWriter:
         A large direct batch goes out as ``WRITE_DEPTH`` block-aligned pieces at once: one
         write in flight leaves this class of SSD at about two thirds of its sequential speed.
         """
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(2 * WRITE_DEPTH, thread_name_prefix="lcache-append")
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(2 * WRITE_DEPTH, thread_name_prefix="lcache-append")
         self._inflight.append(staged)
         if self._direct_fd < 0:
             staged.futures = [
-                self._pool.submit(pwrite_full, self.fd, staged.base, staged.data, io_class)]
+                self._threads.submit(pwrite_full, self.fd, staged.base, staged.data, io_class)]
             return
         whole = staged.data[0]
         piece = max(SPLIT_ABOVE, align_up(-(-len(whole) // WRITE_DEPTH), self._block))
         staged.futures = [
-            self._pool.submit(pwrite_full, self._direct_fd, staged.base + lo,
+            self._threads.submit(pwrite_full, self._direct_fd, staged.base + lo,
                               [whole[lo : lo + piece]], io_class)
             for lo in range(0, len(whole), piece)
         ]
@@ -419,11 +419,11 @@ class SegmentWriter:
         if self._direct_fd >= 0:
             os.close(self._direct_fd)
             self._direct_fd = -1
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
         for buf in self._stages:  # reused by the next writer: no fresh page faults
-            self._pool_of_buffers.give(buf)
+            self._buffers.give(buf)
         self._stages = []
         if self.fd >= 0:
             os.close(self.fd)

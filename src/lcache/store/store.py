@@ -35,7 +35,12 @@ from lcache.io import (
     open_file,
 )
 from lcache.store import record
-from lcache.store.compaction import copy_forward, live_records, referenced_records
+from lcache.store.compaction import (
+    copy_forward,
+    evict_records,
+    live_records,
+    referenced_records,
+)
 from lcache.store.counters import Counters, RateLimitedWarning, add_to_totals
 from lcache.store.index import HashIndex, IntIndex, pack_loc
 from lcache.store.layout import (
@@ -260,19 +265,11 @@ class Store:
                 )
         return self._hash_index
 
-    def _lookup(self, kind: int, key64: int) -> tuple[int, int] | None:
-        return self._ints().lookup(key64) if kind == record.KIND_INT else \
-            self._hashes().lookup(key64)
+    def _index(self, kind: int) -> IntIndex | HashIndex:
+        return self._ints() if kind == record.KIND_INT else self._hashes()
 
-    def _publish(self, kind: int, key64: int, loc: int, length: int) -> None:
-        if kind == record.KIND_INT:
-            index = self._ints()
-            if key64 >= index.capacity:
-                with self._meta_lock():
-                    index.grow(key64)
-            index.set(key64, loc, length)
-        else:
-            self._hashes().set(key64, loc, length)
+    def _lookup(self, kind: int, key64: int) -> tuple[int, int] | None:
+        return self._index(kind).lookup(key64)
 
     # ----------------------------------------------------------------------- writing
     def put(self, key: Key, value: Any) -> None:
@@ -374,7 +371,7 @@ class Store:
                 ints_loc.append(pack_loc(seg, offset))
                 ints_len.append(size)
             else:
-                self._publish(kind, key64, pack_loc(seg, offset), size)
+                self._hashes().set(key64, pack_loc(seg, offset), size)
             offset += size
         if ints_k:
             index = self._ints()
@@ -533,12 +530,7 @@ class Store:
             copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes)
         else:
             keep[:] = False
-        for i in np.flatnonzero(live & ~keep):
-            old = pack_loc(seg, int(summary.offsets[i]))
-            key64 = int(summary.keys[i])
-            index = self._ints() if summary.kinds[i] == record.KIND_INT else self._hashes()
-            if index.remove(key64, old):
-                self.counters.evictions += 1
+        self.counters.evictions += evict_records(summary, live & ~keep, ints, hashes)
         if copied and dest is not None and self.sync is not SyncPolicy.NEVER:
             dest.sync()
         freed = self._segment_bytes(seg)
@@ -601,10 +593,7 @@ class Store:
         self._gc_seen = gen
         for seg, fd in list(self._fds.items()):
             if os.fstat(fd).st_nlink == 0:
-                os.close(fd)
-                del self._fds[seg]
-                self._summaries.pop(seg, None)
-                self._sealed_bytes.pop(seg, None)
+                self._forget_segment(seg)
 
     def __contains__(self, key: Key) -> bool:
         """Whether the index has ``key`` (a later get may still miss if the record is bad)."""
@@ -704,8 +693,7 @@ class Store:
         """Remove ``key``; True if it was there. Its bytes are reclaimed by compaction."""
         self._check_process()
         kind, key64, _ = record.key_parts(key)
-        index = self._ints() if kind == record.KIND_INT else self._hashes()
-        removed = index.remove(key64)
+        removed = self._index(kind).remove(key64)
         self.counters.deletes += int(removed)
         return removed
 
