@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import time
@@ -17,21 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1024, "kib": 1024,
-    "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1024**3, "gib": 1024**3,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Parse "4K", "64KiB", "1M", "1GiB" or "4096" into bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse size {text!r}; use e.g. 4096, 4K, 64KiB, 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def format_size(n: int) -> str:

@@ -6,7 +6,7 @@ For each sample size it measures, in one run on one directory:
   reopen time after a clean close and after ``kill -9``.
 
     python benchmarks/store_bench.py --dir /mnt/nvme/bench --json
-    python benchmarks/store_bench.py --dir /tmp/bench --sizes 4K,1M --total-bytes 256MiB
+    python benchmarks/store_bench.py --dir /tmp/bench --sizes 4KiB,1MiB --total-bytes 256MiB
 
 Run as root for honest cold reads: the page cache is then dropped before every read phase.
 Prints one JSON object per sample size with ``--json``, else a table.
@@ -33,7 +33,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from lcache.store import Store
+from lcache.store import Store, parse_size
 
 SEGMENT_BYTES = 64 * 1024**2
 MAX_WRITERS = 8
@@ -179,7 +179,7 @@ def bench_get(store: Store, data: Dataset, concurrency: int, seed: int) -> dict[
 
 _CRASH_CHILD = """
 import json, os, signal, sys
-from lcache.store import Store
+from lcache.store import Store, parse_size
 path, size, n, kwargs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 store = Store.open(path, **kwargs)
 store.put_many(list(range(n)), [bytes([k % 251]) * size for k in range(n)])
@@ -428,7 +428,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
 def parse_args(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, type=Path, help="directory on the disk to test")
-    parser.add_argument("--sizes", default="4K,64K,1M", help="sample sizes, comma separated")
+    parser.add_argument("--sizes", default="4KiB,64KiB,1MiB",
+                        help="sample sizes, comma separated (KiB/MiB binary, KB/MB decimal)")
     parser.add_argument("--total-bytes", default="1GiB", help="bytes of samples per size")
     parser.add_argument("--concurrency", type=int, default=16, help="queue depth for reads")
     parser.add_argument("--fio-runtime", type=int, default=10, help="seconds of fio randread")
@@ -438,8 +439,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     parser.add_argument("--json", action="store_true", help="one JSON object per size")
     args = parser.parse_args(argv)
     try:
-        sizes = [sb.parse_size(s) for s in args.sizes.split(",")]
-        total_bytes = sb.parse_size(args.total_bytes)
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        total_bytes = parse_size(args.total_bytes)
     except ValueError as exc:
         parser.error(str(exc))
     if args.concurrency < 1 or min(sizes) < 1 or args.repeat < 1:
