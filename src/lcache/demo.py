@@ -42,13 +42,6 @@ def _progress(show: bool, label: str, total: int) -> Iterator[Any]:
         yield lambda n: progress.advance(task, n)
 
 
-def _put_range(store: Store, start: int, stop: int, size: int, advance: Any) -> None:
-    for lo in range(start, stop, BATCH):
-        keys = list(range(lo, min(lo + BATCH, stop)))
-        store.put_many(keys, [sample_value(k, size) for k in keys])
-        advance(len(keys))
-
-
 def _put_values(store: Store, values: list[bytes], advance: Any) -> None:
     for lo in range(0, len(values), BATCH):
         batch = values[lo : lo + BATCH]
@@ -62,7 +55,8 @@ def crash_writer(root: str, first_key: int, size: int, progress_file: str) -> No
     key = first_key
     with open(progress_file, "w") as marks:
         while True:
-            _put_range(store, key, key + BATCH, size, lambda n: None)
+            store.put_many(range(key, key + BATCH),
+                           [sample_value(k, size) for k in range(key, key + BATCH)])
             key += BATCH
             store.flush()
             marks.write(f"{key}\n")  # every key below this one is durable
