@@ -9,7 +9,12 @@ forward instead of evicted.
   the record's reference bit, and a referenced record in the segment being cleaned is copied
   forward once (its bit cleared) rather than evicted.
 
-The sample cache adds a seed-aware (Belady) policy through ``register_policy``.
+* ``planned``: every live record is copied forward; its owner deletes what it no longer
+  wants (the sample cache follows its Belady plan this way), so cleaning reclaims dead space,
+  deadest segment first, and evicts live records only when copies would exceed half a
+  segment.
+
+Other policies can be added with ``register_policy``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class EvictionPolicy(Protocol):
     name: str
     #: Whether gets should set reference bits (costs one byte store per hit).
     tracks_references: bool
+    #: Clean the segments with the fewest live bytes first (instead of victim_order's).
+    greedy: bool
 
     def victim_order(self, sealed: Sequence[int]) -> list[int]:
         """Sealed segment ids (ascending = oldest first) in the order to clean them."""
@@ -43,6 +50,7 @@ class EvictionPolicy(Protocol):
 class FifoPolicy:
     name = "fifo"
     tracks_references = False
+    greedy = False
 
     def victim_order(self, sealed: Sequence[int]) -> list[int]:
         return sorted(sealed)
@@ -65,7 +73,19 @@ class LruPolicy(FifoPolicy):
         return referenced.copy()
 
 
-_REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {"fifo": FifoPolicy, "lru": LruPolicy}
+class PlannedPolicy(FifoPolicy):
+    name = "planned"
+    greedy = True  # live records are wanted: reclaim the deadest segments first
+
+    def keep(
+        self, keys: npt.NDArray[np.uint64], kinds: npt.NDArray[np.uint8],
+        referenced: npt.NDArray[np.bool_],
+    ) -> npt.NDArray[np.bool_]:
+        return np.ones(len(keys), dtype=bool)
+
+
+_REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
+    "fifo": FifoPolicy, "lru": LruPolicy, "planned": PlannedPolicy}
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:

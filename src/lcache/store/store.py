@@ -71,6 +71,9 @@ Key = int | bytes
 BATCH_WRITE = 16 << 20  # bytes staged per append batch (two staging buffers of this size)
 
 
+GREEDY_WINDOW = 64  # segments a greedy policy compares when it must free space
+
+
 class _Inflight(NamedTuple):
     writer: SegmentWriter
     staged: StagedWrite
@@ -455,7 +458,10 @@ class Store:
         size = self.config.segment_size
         budget = self.config.capacity - size  # one segment is kept free for compaction
         if used + size * (actives + 1) > budget:
-            for victim in self.policy.victim_order(sealed):
+            victims = self.policy.victim_order(sealed)
+            if self.policy.greedy:  # the deadest of the oldest (bounded work per allocation)
+                victims[:GREEDY_WINDOW] = sorted(victims[:GREEDY_WINDOW], key=self._live_bytes)
+            for victim in victims:
                 used -= self._clean_segment(victim, writer, need=need)
                 if used + size * (actives + 1) <= budget:
                     break
@@ -502,6 +508,10 @@ class Store:
             self._summaries[seg] = summary
         return summary
 
+    def _live_bytes(self, seg: int) -> int:
+        summary = self._summary(seg)
+        return int(summary.lengths[live_records(summary, self._ints(), self._hashes())].sum())
+
     def _clean_segment(self, seg: int, dest: SegmentWriter | None, keep_all: bool = False,
                        need: int = 0) -> int:
         """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
@@ -524,7 +534,10 @@ class Store:
         # set) would fill each new segment with copies and starve new writes.
         # Why ``need``: half a segment is not enough for a record larger than that; the new
         # segment then overflowed segment_size (and gc() evicted live records it meant to copy).
-        reserve = 0 if keep_all else max(self.config.segment_size // 2, need)
+        # A greedy policy cleans the deadest segments first, so its copies are few and may
+        # fill the segment up to what the writer needs.
+        reserve = 0 if keep_all else need if self.policy.greedy else \
+            max(self.config.segment_size // 2, need)
         copied = 0
         if keep.any() and dest is not None:
             copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes)
@@ -614,6 +627,11 @@ class Store:
         up to ``queue_depth`` reads are in flight at once.
         """
         self._check_process()
+        with self._tlock:  # another thread's put may clean (close) a segment we read
+            return self._get_many(keys)
+
+    def _get_many(self, keys: Sequence[Key] | npt.NDArray[np.integer[Any]]) -> list[
+            memoryview | None]:
         self._drop_deleted_fds()
         n = len(keys)
         parts = [record.key_parts(k) for k in keys] if not isinstance(keys, np.ndarray) else \

@@ -1,0 +1,21 @@
+"""The seed-aware sample cache for PyTorch training (sources, dataset, sampler, plan)."""
+
+from lcache.data.cache import Access, SampleCache
+from lcache.data.dataset import CachedDataset
+from lcache.data.plan import belady, simulate_lru, simulate_opt
+from lcache.data.sampler import SeedAwareSampler
+from lcache.data.sources import DatasetSource, FileSource, RangeSource, SourceError
+
+__all__ = [
+    "Access",
+    "CachedDataset",
+    "DatasetSource",
+    "FileSource",
+    "RangeSource",
+    "SampleCache",
+    "SeedAwareSampler",
+    "SourceError",
+    "belady",
+    "simulate_lru",
+    "simulate_opt",
+]

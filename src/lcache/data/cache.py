@@ -1,0 +1,246 @@
+"""The node's sample cache: a store on local SSD in front of a source.
+
+``DIR/cache.json`` names the source the directory caches (a second dataset never reads the
+first one's samples); ``DIR/store`` is the log-structured store of kept samples (int key =
+sample index); ``DIR/staging`` a small one of prefetched samples that are read once;
+``DIR/claims`` and ``DIR/counters.bin`` hold the shared state of ``lcache.data.shared``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from lcache.data.shared import FetchClaims, SharedCounters
+from lcache.data.sources import Source, as_source
+from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
+from lcache.store import Store, format_size, parse_size
+from lcache.store.layout import atomic_write
+from lcache.store.record import HEADER_SIZE
+
+log = logging.getLogger("lcache")
+
+# Writers: main store = prefetchers and readers admitting on demand; staging = prefetchers.
+MAX_WRITERS = 32
+STAGING_WRITERS = 8
+MIN_SEGMENTS = MAX_WRITERS + 8
+
+
+class Access(NamedTuple):
+    """What the seed-aware sampler yields: the sample, and whether the plan keeps it cached
+    until its next use (``None``: no plan, admit if there is room)."""
+
+    sample: int
+    keep: bool | None = None
+
+
+def choose_segment_size(space: int, count: int, largest: int) -> int:
+    """About ``space / count`` rounded down to a power of two, within 64 KiB..64 MiB, and
+    room for at least four of the largest records."""
+    size = 1 << (max(space // count, 64 << 10).bit_length() - 1)
+    size = min(size, 64 << 20)
+    while size < 4 * (largest + HEADER_SIZE):
+        size *= 2
+    return size
+
+
+class SampleCache:
+    def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
+                 capacity: int | str, *, segment_size: int | str | None = None) -> None:
+        self.source: Source = as_source(source)
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir))
+        self.capacity = parse_size(capacity)
+        sizes = self.source.sizes()
+        self.dataset_bytes = int(sizes.sum())
+        largest = int(sizes.max())
+        self.segment_size = parse_size(segment_size) if segment_size else \
+            choose_segment_size(self.capacity, 512, largest)
+        # ~2% of the capacity stages prefetched samples the plan does not keep.
+        self.staging_segment_size = choose_segment_size(self.capacity // 50, 16, largest)
+        # (STAGING_WRITERS + 4 segments at least: one per prefetching rank, one free, slack)
+        self.staging_capacity = max(self.capacity // 50,
+                                    (STAGING_WRITERS + 4) * self.staging_segment_size)
+        minimum = MIN_SEGMENTS * self.segment_size + self.staging_capacity
+        if self.capacity < minimum:
+            raise ConfigError(
+                f"cache capacity {format_size(self.capacity)} is below the minimum "
+                f"{format_size(minimum)} ({MIN_SEGMENTS} segments of "
+                f"{format_size(self.segment_size)} and the prefetch staging area); raise "
+                "the capacity" + ("" if segment_size is None else " or lower segment_size"))
+        self._prepare_dir()
+        self.claims = FetchClaims(os.path.join(self.cache_dir, "claims"))
+        self.counters = SharedCounters(os.path.join(self.cache_dir, "counters.bin"))
+        self._store: Store | None = None
+        self._staging: Store | None = None
+        self._pid = -1
+        self._admit = True
+        self.store()  # create it now, so configuration errors surface here
+
+    # ------------------------------------------------------------------- setting up
+    def _prepare_dir(self) -> None:
+        try:
+            os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
+        except PermissionError:
+            raise StorePermissionError(
+                f"cannot create the cache directory {self.cache_dir}: permission denied; "
+                "choose a directory you can write (e.g. on the local NVMe SSD)") from None
+        if not os.access(self.cache_dir, os.W_OK | os.X_OK):
+            raise StorePermissionError(
+                f"the cache directory {self.cache_dir} is not writable by this user; fix its "
+                "permissions or choose another directory")
+        identity = {"source": self.source.url, "samples": len(self.source),
+                    "sizes_xxh3": xxhash.xxh3_64_hexdigest(self.source.sizes().tobytes())}
+        path = os.path.join(self.cache_dir, "cache.json")
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+        except FileNotFoundError:
+            atomic_write(path, json.dumps(identity, indent=1).encode())
+            return
+        except ValueError:
+            stored = {}
+        if stored != identity:
+            raise ConfigError(
+                f"{self.cache_dir} caches {stored.get('source')!r} "
+                f"({stored.get('samples')} samples), not {self.source.url!r} "
+                f"({len(self.source)} samples); use another cache directory or delete it")
+
+    def store(self) -> Store:
+        """This process's handle on the store of kept samples (reopened after a fork)."""
+        self._open()
+        assert self._store is not None
+        return self._store
+
+    def staging(self) -> Store:
+        """The store of prefetched samples the plan does not keep: each is read once, so
+        they die in the order they were written and FIFO cleaning never copies. Keeping
+        them apart from the kept samples (which die in random order) is what lets the
+        main store run nearly full without write amplification."""
+        self._open()
+        assert self._staging is not None
+        return self._staging
+
+    def _open(self) -> None:
+        if self._store is None or self._pid != os.getpid():
+            self._store = Store.open(
+                os.path.join(self.cache_dir, "store"), capacity=self.capacity -
+                self.staging_capacity, segment_size=self.segment_size, policy="planned",
+                max_writers=MAX_WRITERS, sync="never", direct_writes=False)
+            self._staging = Store.open(
+                os.path.join(self.cache_dir, "staging"), capacity=self.staging_capacity,
+                segment_size=self.staging_segment_size, policy="fifo",
+                max_writers=STAGING_WRITERS, sync="never", direct_writes=False)
+            self._pid = os.getpid()
+            self._admit = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = state["_staging"] = None  # each process opens its own
+        return state
+
+    def plan_capacity(self, writers: int) -> int:
+        """Sample bytes the plan may keep: the main store's capacity less one free segment,
+        an active segment per writer and the index."""
+        index = 16 * len(self.source) + (64 << 10)
+        overhead = self.segment_size * (2 + writers) + index
+        return max(0, self.capacity - self.staging_capacity - overhead)
+
+    def staging_window(self, ranks: int) -> int:
+        """Bytes each of ``ranks`` prefetchers may stage without FIFO cleaning dropping a
+        staged sample before it is read."""
+        usable = self.staging_capacity - self.staging_segment_size * (2 + 2 * ranks)
+        return max(0, usable // 2 // ranks)
+
+    def record_sizes(self) -> np.ndarray:
+        return self.source.sizes() + HEADER_SIZE
+
+    # ------------------------------------------------------------------- serving
+    def get(self, index: int, keep: bool | None = None) -> Any:
+        """The item for sample ``index``: from the cache when there, else from the source
+        (admitted when ``keep`` is not False). With ``keep=False`` a cached copy is deleted
+        after it is read: the plan has no room for it until its next use."""
+        main, staging = self.store(), self.staging()
+        data = self._read(main, staging, index)
+        counts = {"accesses": 1}
+        if data is None:
+            with self.claims.hold(index):
+                data = self._read(main, staging, index)  # fetched by the claim's holder?
+                if data is None:
+                    data = self.source.fetch(index)
+                    counts["fetches"] = 1
+                    counts["remote_bytes"] = len(data)
+                    if keep is not False:
+                        self._put(main, index, data)
+        if "fetches" not in counts:
+            counts["from_ssd"] = 1
+        staging.delete(index)
+        if keep is False and main.delete(index):
+            counts["deleted"] = 1
+        counts["served_bytes"] = len(data)
+        self.counters.add(**counts)
+        return self.source.decode(data)
+
+    def prefetch(self, index: int, keep: bool = True,
+                 wanted: Callable[[], bool] = lambda: True) -> int:
+        """Fetch sample ``index`` into the cache (the main store if ``keep``, else staging)
+        unless it is there, being fetched, or no longer ``wanted()`` once claimed (a reader
+        got to it first). Returns the bytes fetched from the source (0: nothing done)."""
+        main, staging = self.store(), self.staging()
+        if index in main or index in staging:
+            return 0
+        with self.claims.hold(index, blocking=False) as claimed:
+            if not claimed or index in main or index in staging or not wanted():
+                return 0
+            data = self.source.fetch(index)
+            self._put(main if keep else staging, index, data)
+        self.counters.add(fetches=1, remote_bytes=len(data), prefetched=1)
+        return len(data)
+
+    def _read(self, main: Store, staging: Store, index: int) -> bytes | memoryview | None:
+        for store in (main, staging):
+            view = store.get_many([index])[0]
+            if view is None and index in store:
+                # Why read twice: another process may have moved the record (compaction)
+                # between our lookup and our read.
+                view = store.get_many([index])[0]
+                if view is None and index in store:
+                    # Still unreadable: damaged on disk. Drop it; the source has it.
+                    store.delete(index)
+                    self.counters.add(corrupt_refetches=1)
+            if view is not None:
+                return view
+        return None
+
+    def _put(self, store: Store, index: int, data: bytes) -> None:
+        if not self._admit:
+            return
+        try:
+            store.put(index, data)
+        except (DiskFullError, StoreFullError) as exc:
+            self._admit = False
+            self.counters.add(admit_failures=1)
+            log.warning("lcache: cannot add samples to %s (%s); training goes on reading "
+                        "from %s, without caching in this process", self.cache_dir, exc,
+                        self.source.url)
+
+    # ------------------------------------------------------------------- figures
+    def stats(self) -> dict[str, Any]:
+        totals = self.counters.totals()
+        accesses = totals["accesses"]
+        fetched = totals["fetches"] - totals["prefetched"]  # misses the reader waited for
+        return {
+            "cache_dir": self.cache_dir,
+            "source": self.source.url,
+            "samples": len(self.source),
+            "dataset_bytes": self.dataset_bytes,
+            "capacity": self.capacity,
+            "hit_ratio": 1 - totals["fetches"] / accesses if accesses else 0.0,
+            "demand_misses": fetched,
+            **totals,
+        }

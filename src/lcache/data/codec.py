@@ -1,0 +1,108 @@
+"""A safe codec for dataset items: bytes, numpy arrays, tensors, numbers, strings, and
+lists / tuples / dicts of them. Never pickle, so a cache file cannot run code when read.
+
+Layout: ``b"LCS1"``, u32 header length, a JSON header describing the structure, then the raw
+buffers. Arrays decode as zero-copy views of the record (``np.frombuffer``), read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"LCS1"
+_LEN = struct.Struct("<I")
+
+
+class CodecError(ValueError):
+    """An item cannot be encoded safely, or bytes are not an encoded item."""
+
+
+def encode(item: Any) -> bytes:
+    buffers: list[bytes | memoryview] = []
+    offset = 0
+
+    def add(buf: bytes | memoryview) -> list[int]:
+        nonlocal offset
+        buffers.append(buf)
+        start, offset = offset, offset + len(buf)
+        return [start, len(buf)]
+
+    def walk(x: Any) -> Any:
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return {"v": x}
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            return {"b": add(memoryview(x).cast("B"))}
+        if isinstance(x, np.ndarray) or type(x).__module__ == "torch":
+            return _array(x, add)
+        if isinstance(x, np.generic):
+            return {"v": x.item()}
+        if isinstance(x, (list, tuple)):
+            return {"t" if isinstance(x, tuple) else "l": [walk(v) for v in x]}
+        if isinstance(x, dict):
+            if not all(isinstance(k, str) for k in x):
+                raise CodecError("dict keys must be str to be cached")
+            return {"d": {k: walk(v) for k, v in x.items()}}
+        raise CodecError(f"cannot cache an item of type {type(x).__name__} without pickle; "
+                         "return bytes, numpy arrays, tensors or numbers")
+
+    header = json.dumps(walk(item), separators=(",", ":")).encode()
+    return b"".join([MAGIC, _LEN.pack(len(header)), header, *buffers])
+
+
+def _array(x: Any, add: Any) -> dict[str, Any]:
+    is_tensor = not isinstance(x, np.ndarray)
+    torch_dtype = None
+    if is_tensor:
+        torch_dtype = str(x.dtype).removeprefix("torch.")
+        x = x.detach().cpu()
+        if torch_dtype == "bfloat16":  # numpy has no bfloat16: keep the bits
+            import torch
+
+            x = x.view(torch.int16)
+        x = x.numpy()
+    if x.dtype.hasobject:
+        raise CodecError("object arrays cannot be cached without pickle")
+    x = np.ascontiguousarray(x)
+    out = {"a": add(memoryview(x).cast("B")), "dtype": x.dtype.str, "shape": list(x.shape)}
+    if is_tensor:
+        out["torch"] = torch_dtype
+    return out
+
+
+def decode(data: bytes | memoryview) -> Any:
+    view = memoryview(data)
+    if view[:4] != MAGIC:
+        raise CodecError("not an lcache-encoded item")
+    (hlen,) = _LEN.unpack_from(view, 4)
+    header = json.loads(bytes(view[8 : 8 + hlen]))
+    body = view[8 + hlen :]
+
+    def walk(node: dict[str, Any]) -> Any:
+        if "v" in node:
+            return node["v"]
+        if "b" in node:
+            start, n = node["b"]
+            return bytes(body[start : start + n])
+        if "a" in node:
+            start, n = node["a"]
+            arr = np.frombuffer(body[start : start + n], dtype=np.dtype(node["dtype"]))
+            arr = arr.reshape(node["shape"])
+            return _tensor(arr, node["torch"]) if "torch" in node else arr
+        if "l" in node:
+            return [walk(v) for v in node["l"]]
+        if "t" in node:
+            return tuple(walk(v) for v in node["t"])
+        return {k: walk(v) for k, v in node["d"].items()}
+
+    return walk(header)
+
+
+def _tensor(arr: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    t = torch.from_numpy(arr.copy())  # a writable copy: torch warns on read-only buffers
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t

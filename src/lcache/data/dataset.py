@@ -1,0 +1,40 @@
+"""``CachedDataset``: a map-style dataset served through the node's sample cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from lcache.data.cache import Access, SampleCache
+from lcache.data.sources import as_source
+
+
+class CachedDataset:
+    """Items of ``source`` (a URL or directory with one object per sample, a ``RangeSource``,
+    or a map-style dataset), read through a cache of ``capacity`` bytes in ``cache_dir``.
+
+    Indexed by an int (read-through: admitted if there is room) or by the ``Access`` the
+    ``SeedAwareSampler`` yields (follows the plan). ``transform`` turns the raw item (bytes
+    for files and ranges, the original structure for datasets) into what training needs.
+    """
+
+    def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
+                 capacity: int | str, *, transform: Callable[[Any], Any] | None = None,
+                 segment_size: int | str | None = None, **source_options: Any) -> None:
+        self.cache = SampleCache(as_source(source, **source_options), cache_dir, capacity,
+                                 segment_size=segment_size)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.cache.source)
+
+    def __getitem__(self, key: int | Access) -> Any:
+        index, keep = (key.sample, key.keep) if isinstance(key, Access) else (int(key), None)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} is outside 0..{len(self) - 1}")
+        item = self.cache.get(index, keep)
+        return self.transform(item) if self.transform is not None else item
+
+    def stats(self) -> dict[str, Any]:
+        return self.cache.stats()

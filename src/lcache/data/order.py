@@ -1,0 +1,47 @@
+"""The sampler's order as a pure function of (seed, epoch, rank, world size).
+
+Every process of a node can compute every rank's order for any epoch, which is what lets the
+cache plan admissions and prefetches for the whole node without talking to the other ranks.
+Rank splitting, padding and ``drop_last`` follow ``torch.utils.data.DistributedSampler``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+Indices = npt.NDArray[np.int64]
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> Indices:
+    """The epoch's permutation of ``range(n)`` (identity when not shuffling)."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64)
+
+
+def samples_per_rank(n: int, world: int, drop_last: bool) -> int:
+    return n // world if drop_last else -(-n // world)
+
+
+def rank_order(n: int, seed: int, epoch: int, rank: int, world: int, *,
+               shuffle: bool = True, drop_last: bool = False) -> Indices:
+    """The indices ``rank`` reads in ``epoch``: every ``world``-th of the padded permutation.
+
+    Without ``drop_last`` the permutation is padded with its own head so each rank gets the
+    same count (a few samples are then read twice per epoch); with it, the tail is dropped.
+    """
+    order = epoch_order(n, seed, epoch, shuffle)
+    total = samples_per_rank(n, world, drop_last) * world
+    if total > n:
+        order = np.concatenate([order, np.resize(order, total - n)])
+    return order[rank:total:world]
+
+
+def node_order(n: int, seed: int, epoch: int, ranks: range, world: int, *,
+               shuffle: bool = True, drop_last: bool = False) -> Indices:
+    """The node's accesses of ``epoch`` in the order they happen: ranks step together, so
+    access ``i`` of local rank ``j`` comes at position ``i * len(ranks) + j``."""
+    per_rank = [rank_order(n, seed, epoch, r, world, shuffle=shuffle, drop_last=drop_last)
+                for r in ranks]
+    return np.stack(per_rank, axis=1).reshape(-1) if per_rank else np.empty(0, np.int64)

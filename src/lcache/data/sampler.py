@@ -1,0 +1,158 @@
+"""The seed-aware sampler: ``DistributedSampler``'s order, plus the cache's plan.
+
+It yields ``Access(index, keep)``: ``keep`` is Belady's decision for that access, computed
+for the whole node (every local rank's accesses, interleaved) by every rank alike, so ranks
+and DataLoader workers follow one plan without exchanging a message. While the DataLoader
+iterates, a prefetcher in this process fetches the rank's upcoming misses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.data.cache import Access, SampleCache
+from lcache.data.order import node_order, rank_order, samples_per_rank
+from lcache.data.plan import PlanResult, belady
+from lcache.data.prefetch import Prefetcher
+from lcache.errors import ConfigError
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) from torch.distributed when initialised, else torchrun's env."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class SeedAwareSampler:
+    """Sampler for ``DataLoader(dataset, sampler=...)`` over a ``CachedDataset``.
+
+    Args:
+        dataset: the ``CachedDataset`` (or its ``SampleCache``).
+        shuffle, seed, drop_last, num_replicas, rank: as ``DistributedSampler``; rank and
+            world size default to torch.distributed's (or ``RANK``/``WORLD_SIZE``).
+        local_world_size: ranks on this node, which share the cache (default
+            ``LOCAL_WORLD_SIZE`` from torchrun, else all ranks).
+        prefetch: fetch upcoming misses in the background.
+        prefetch_threads: fetches in flight at once.
+        prefetch_window: how far ahead of the reader, in samples.
+        prefetch_bytes: memory the fetches in flight may hold.
+    """
+
+    def __init__(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, num_replicas: int | None = None,
+                 rank: int | None = None, local_world_size: int | None = None,
+                 prefetch: bool = True, prefetch_threads: int = 16,
+                 prefetch_window: int = 256, prefetch_bytes: int = 64 << 20) -> None:
+        self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
+        d_rank, d_world = _distributed()
+        self.world = d_world if num_replicas is None else num_replicas
+        self.rank = d_rank if rank is None else rank
+        if not 0 <= self.rank < self.world:
+            raise ConfigError(f"rank {self.rank} is not in [0, {self.world})")
+        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        node = self.rank // local
+        self.node_ranks = range(node * local, min((node + 1) * local, self.world))
+        self.n = len(self.cache.source)
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.num_samples = samples_per_rank(self.n, self.world, drop_last)
+        if self.num_samples == 0:
+            raise ConfigError(f"{self.n} samples cannot be split over {self.world} ranks "
+                              "with drop_last")
+        self.prefetch = prefetch
+        self.prefetch_threads = prefetch_threads
+        mean = max(1, self.cache.dataset_bytes // self.n)
+        staging = self.cache.staging_window(len(self.node_ranks))
+        self.prefetch_window = max(1, min(prefetch_window, staging // mean))
+        self.prefetch_bytes = prefetch_bytes
+        self.plan_capacity = self.cache.plan_capacity(writers=len(self.node_ranks))
+        self.epoch = 0
+        self._start = 0
+        self._yielded = 0
+        self._plans: dict[int, PlanResult] = {}
+
+    # ------------------------------------------------------------------- order and plan
+    def __len__(self) -> int:
+        return self.num_samples - self._start
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._start = 0
+        self.epoch = epoch
+
+    def _node_order(self, epoch: int) -> npt.NDArray[np.int64]:
+        return node_order(self.n, self.seed, epoch, self.node_ranks, self.world,
+                          shuffle=self.shuffle, drop_last=self.drop_last)
+
+    def plan(self, epoch: int) -> PlanResult:
+        """Belady's plan for the node's accesses of ``epoch`` (computed from epoch 0 on, as
+        each epoch starts with what the previous one left cached)."""
+        done = max((e for e in self._plans if e <= epoch), default=-1)
+        sizes = self.cache.record_sizes()
+        while done < epoch:
+            done += 1
+            carried = self._plans[done - 1].carried if done > 0 else {}
+            self._plans[done] = belady(self._node_order(done), sizes, self.plan_capacity,
+                                       horizon=self._node_order(done + 1), carried=carried)
+            self._plans.pop(done - 2, None)
+        return self._plans[epoch]
+
+    def order(self, epoch: int | None = None) -> npt.NDArray[np.int64]:
+        """This rank's sample indices for ``epoch`` (default: the current one)."""
+        return rank_order(self.n, self.seed, self.epoch if epoch is None else epoch,
+                          self.rank, self.world, shuffle=self.shuffle, drop_last=self.drop_last)
+
+    def __iter__(self) -> Iterator[Access]:
+        order = self.order()
+        local = self.rank - self.node_ranks.start
+        keep = self.plan(self.epoch).keep[local :: len(self.node_ranks)]
+        start, self._start = self._start, 0
+        self._yielded = start
+        prefetcher = Prefetcher(self.cache, order, keep, start, threads=self.prefetch_threads,
+                                window=self.prefetch_window,
+                                budget_bytes=self.prefetch_bytes) if self.prefetch else None
+        try:
+            for i in range(start, len(order)):
+                if prefetcher is not None:
+                    prefetcher.advance(i)
+                self._yielded = i + 1
+                yield Access(int(order[i]), bool(keep[i]))
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
+
+    # ------------------------------------------------------------------- resuming
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where this rank is. ``consumed``: samples of this epoch the training loop has
+        received; the default (samples the sampler yielded) runs ahead of the loop when a
+        DataLoader prefetches, so pass it when resuming mid-epoch with workers."""
+        return {"epoch": self.epoch, "consumed": self._yielded if consumed is None else consumed,
+                "seed": self.seed, "samples": self.n, "world": self.world,
+                "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state_dict`` was taken: the rest of that epoch, then the next."""
+        for key, mine in (("seed", self.seed), ("samples", self.n), ("world", self.world),
+                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
+            if state.get(key) != mine:
+                raise ConfigError(f"sampler state has {key}={state.get(key)!r}, this sampler "
+                                  f"{mine!r}; resume with the same settings")
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= self.num_samples:
+            raise ConfigError(f"sampler state consumed={consumed} is outside this epoch "
+                              f"(0..{self.num_samples})")
+        self.epoch = int(state["epoch"])
+        if consumed == self.num_samples:  # the epoch was finished: start the next one
+            self.epoch, consumed = self.epoch + 1, 0
+        self._start = consumed
+        self._yielded = consumed

@@ -1,0 +1,225 @@
+"""Where samples come from: objects under an fsspec URL, byte ranges of large files, or any
+map-style dataset. A source numbers its samples ``0..len-1`` and fetches one by number.
+
+Filesystems are created lazily in each process (fsspec caches them per process), so a source
+pickles cheaply into DataLoader workers and never shares a connection across ``fork``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.data import codec
+from lcache.errors import ConfigError, LCacheError
+
+
+class SourceError(LCacheError, OSError):
+    """A sample could not be read from the source; the message names the URL and the key."""
+
+
+class Source(Protocol):
+    url: str
+
+    def __len__(self) -> int: ...
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        """Bytes of each sample as fetched (known or estimated)."""
+        ...
+
+    def fetch(self, index: int) -> bytes: ...
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        """The item a dataset returns, from fetched (or cached) bytes."""
+        ...
+
+
+class _Fsspec:
+    """Lazily created fsspec filesystem for ``url``."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self._fs: Any = None
+        self._root = ""
+
+    def fs(self) -> tuple[Any, str]:
+        if self._fs is None:
+            import fsspec.core
+
+            try:
+                self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            except (ImportError, ValueError) as exc:
+                raise ConfigError(f"cannot open {self.url}: {exc}") from exc
+        return self._fs, self._root
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def full_url(self, path: str) -> str:
+        fs, _ = self.fs()
+        return str(fs.unstrip_protocol(path))
+
+
+class FileSource:
+    """One object per sample under a directory or prefix (``/data``, ``s3://b/train/``,
+    ``http://host/data/``), ordered by path. ``files`` (relative paths) skips the listing;
+    ``suffixes`` keeps only names ending so (e.g. ``(".jpg", ".png")``)."""
+
+    def __init__(self, url: str, *, files: Sequence[str] | None = None,
+                 suffixes: Sequence[str] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self._remote = _Fsspec(url, storage_options)
+        fs, root = self._remote.fs()
+        root = root.rstrip("/")
+        if files is not None:
+            self.paths = [f"{root}/{f.lstrip('/')}" for f in files]
+            self._sizes = np.array([self._info_size(p) for p in self.paths], dtype=np.int64)
+        else:
+            try:
+                listing = fs.find(root, detail=True)
+            except Exception as exc:
+                raise SourceError(f"cannot list {url}: {exc}") from exc
+            names = sorted(p for p, info in listing.items() if info.get("type") != "directory"
+                           and (not suffixes or p.endswith(tuple(suffixes))))
+            self.paths = names
+            self._sizes = np.array([int(listing[p].get("size") or 0) for p in names], np.int64)
+            if names and not self._sizes.all():  # e.g. HTTP listings carry no sizes
+                try:
+                    self._sizes = np.array(fs.sizes(names), dtype=np.int64)
+                except Exception as exc:
+                    raise SourceError(f"cannot stat the files under {url}: {exc}") from exc
+        if not self.paths:
+            raise SourceError(f"no samples found under {url}")
+
+    def _info_size(self, path: str) -> int:
+        fs, _ = self._remote.fs()
+        try:
+            return int(fs.size(path) or 0)
+        except Exception as exc:
+            raise SourceError(f"cannot stat {self._remote.full_url(path)}: {exc}") from exc
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        return self._sizes
+
+    def fetch(self, index: int) -> bytes:
+        fs, _ = self._remote.fs()
+        path = self.paths[index]
+        try:
+            return bytes(fs.cat_file(path))
+        except Exception as exc:
+            raise SourceError(
+                f"cannot read sample {index} ({self._remote.full_url(path)}): "
+                f"{type(exc).__name__}: {exc}") from exc
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        return bytes(data)
+
+
+class RangeSource:
+    """Samples as byte ranges of large files (token files, tar shards): sample ``i`` is
+    ``length[i]`` bytes at ``offset[i]`` of ``path[i]`` (paths relative to ``url``)."""
+
+    def __init__(self, url: str, paths: Sequence[str] | str,
+                 offsets: Sequence[int] | npt.NDArray[np.int64],
+                 lengths: Sequence[int] | npt.NDArray[np.int64], *,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self._remote = _Fsspec(url, storage_options)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        n = len(self.offsets)
+        names = [paths] * n if isinstance(paths, str) else list(paths)
+        if len(names) != n or len(self.lengths) != n:
+            raise ConfigError("paths, offsets and lengths must have one entry per sample")
+        if n == 0:
+            raise ConfigError(f"no samples given for {url}")
+        if (self.offsets < 0).any() or (self.lengths <= 0).any():
+            raise ConfigError("offsets must be >= 0 and lengths > 0")
+        self._files = sorted(set(names))
+        lookup = {name: i for i, name in enumerate(self._files)}
+        self._file_of = np.array([lookup[p] for p in names], dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        return self.lengths
+
+    def fetch(self, index: int) -> bytes:
+        fs, root = self._remote.fs()
+        path = f"{root.rstrip('/')}/{self._files[self._file_of[index]]}"
+        start = int(self.offsets[index])
+        end = start + int(self.lengths[index])
+        try:
+            data = bytes(fs.cat_file(path, start=start, end=end))
+        except Exception as exc:
+            raise SourceError(f"cannot read sample {index} (bytes {start}-{end} of "
+                              f"{self._remote.full_url(path)}): {type(exc).__name__}: "
+                              f"{exc}") from exc
+        if len(data) != end - start:
+            raise SourceError(f"sample {index}: {self._remote.full_url(path)} ended after "
+                              f"{len(data)} of bytes {start}-{end}")
+        return data
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        return bytes(data)
+
+
+class DatasetSource:
+    """Any map-style dataset whose items are bytes, arrays, tensors or containers of them;
+    items are cached with ``lcache.data.codec`` (never pickle)."""
+
+    SIZE_PROBES = 8
+
+    def __init__(self, dataset: Any, *, url: str | None = None) -> None:
+        self.dataset = dataset
+        self.url = url or f"dataset:{type(dataset).__name__}"
+        try:
+            self._n = len(dataset)
+        except TypeError:
+            raise ConfigError("the dataset must be map-style (have __len__ and "
+                              "__getitem__)") from None
+        if self._n == 0:
+            raise ConfigError(f"{self.url} is empty")
+        probes = np.unique(np.linspace(0, self._n - 1, min(self._n, self.SIZE_PROBES),
+                                       dtype=np.int64))
+        self._mean = int(np.mean([len(self.fetch(int(i))) for i in probes]))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        return np.full(self._n, self._mean, dtype=np.int64)  # an estimate from a few items
+
+    def fetch(self, index: int) -> bytes:
+        try:
+            item = self.dataset[index]
+        except Exception as exc:
+            raise SourceError(f"cannot read sample {index} from {self.url}: {exc}") from exc
+        return codec.encode(item)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        return codec.decode(data)
+
+
+def as_source(source: Any, **options: Any) -> Source:
+    """A Source from a Source, a URL or local path (one object per sample) or a dataset."""
+    if isinstance(source, (FileSource, RangeSource, DatasetSource)):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return FileSource(os.fspath(source), **options)
+    if hasattr(source, "fetch") and hasattr(source, "sizes"):
+        return source  # type: ignore[no-any-return]
+    return DatasetSource(source, **options)
