@@ -2,7 +2,8 @@
 
 Serves a directory (GET with Range support, and an HTML listing that fsspec's HTTP
 filesystem can walk) with a fixed latency per request and one bandwidth cap shared by all
-connections, so every system under test sees the same remote. Counts requests and bytes.
+connections, so every system under test sees the same remote. Counts requests (per path)
+and bytes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -45,6 +47,7 @@ class _Handler(SimpleHTTPRequestHandler):
         time.sleep(self.server.latency)
         with self.server.stats_lock:
             self.server.requests += 1
+            self.server.paths[self.path] += 1
         path = self.translate_path(self.path)
         if os.path.isdir(path):
             super().do_GET()
@@ -99,6 +102,7 @@ class ThrottledServer(ThreadingHTTPServer):
         self.stats_lock = threading.Lock()
         self.requests = 0
         self.bytes_sent = 0
+        self.paths: Counter[str] = Counter()  # GETs per URL path
         self._thread: threading.Thread | None = None
 
     @property
