@@ -84,7 +84,7 @@ def test_bad_capacity_is_refused_with_what_to_change(tmp_path: Path) -> None:
 
 
 def test_demo_json(tmp_path: Path) -> None:
-    out = run("demo", "--dir", str(tmp_path), "--samples", "3000", "--sample-size", "16KiB",
+    out = run("store-demo", "--dir", str(tmp_path), "--samples", "3000", "--sample-size", "16KiB",
               "--json")
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)

@@ -1,181 +1,170 @@
-"""The store demo behind ``lcache demo``: write, read, crash a writer, recover, check.
+"""The training demo behind ``lcache demo``.
 
-Values are a pure function of the key (``sample_value``), so any process can verify any record
-it reads without keeping a copy.
+A synthetic dataset is served by a throttled loopback HTTP server (the "remote": fixed latency
+per request, one bandwidth cap). A small model trains on CPU for 3 epochs twice, with the same
+shuffled order and DataLoader settings: once reading every sample from the remote, once
+through LCache with a cache half the size of the dataset. Figures are measured, per epoch:
+seconds, samples/s, bytes the server sent, hit ratio, and Belady/OPT's hit ratio for the
+same order and capacity (the most any cache could hit).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
-from rich.progress import Progress
 
-from lcache.store import Store, fsck, parse_size
+from lcache.data import CachedDataset, FileSource, SeedAwareSampler
+from lcache.data.order import rank_order
+from lcache.data.plan import belady
+from lcache.store.record import HEADER_SIZE
+from lcache.testing.remote import ThrottledServer
 
-SEGMENT_SIZE = 8 << 20
-MAX_WRITERS = 2
-BATCH = 256
-
-
-def sample_value(key: int, size: int) -> bytes:
-    """Deterministic pseudo-random bytes for ``key``."""
-    return np.random.default_rng(key).bytes(size)
+CLASSES = 10
 
 
-@contextmanager
-def _progress(show: bool, label: str, total: int) -> Iterator[Any]:
-    if not show:
-        yield lambda n: None
-        return
-    with Progress(transient=True) as progress:
-        task = progress.add_task(label, total=total)
-        yield lambda n: progress.advance(task, n)
+def write_dataset(root: str, samples: int, sample_bytes: int, seed: int = 0) -> None:
+    """One file per sample: an int32 label, then float32 features near the class centre."""
+    dims = (sample_bytes - 4) // 4
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(CLASSES, dims)).astype(np.float32)
+    os.makedirs(root, exist_ok=True)
+    for i in range(samples):
+        label = i % CLASSES
+        x = centres[label] + rng.normal(scale=2.0, size=dims).astype(np.float32)
+        with open(os.path.join(root, f"{i:07d}.bin"), "wb") as f:
+            f.write(np.int32(label).tobytes() + x.tobytes())
 
 
-def _put_values(store: Store, values: list[bytes], advance: Any) -> None:
-    for lo in range(0, len(values), BATCH):
-        batch = values[lo : lo + BATCH]
-        store.put_many(range(lo, lo + len(batch)), batch)
-        advance(len(batch))
+def decode(data: bytes) -> tuple[Any, int]:
+    import torch
+
+    label = int(np.frombuffer(data, np.int32, 1)[0])
+    return torch.from_numpy(np.frombuffer(data, np.float32, offset=4).copy()), label
 
 
-def crash_writer(root: str, first_key: int, size: int, progress_file: str) -> None:
-    """Child of the demo: put batches forever, recording each flushed batch, until killed."""
-    store = Store.open(root)
-    key = first_key
-    with open(progress_file, "w") as marks:
-        while True:
-            store.put_many(range(key, key + BATCH),
-                           [sample_value(k, size) for k in range(key, key + BATCH)])
-            key += BATCH
-            store.flush()
-            marks.write(f"{key}\n")  # every key below this one is durable
-            marks.flush()
-            os.fsync(marks.fileno())
+class RemoteDataset:
+    """The baseline: every item read from the remote, as a loader without a cache does."""
+
+    def __init__(self, source: FileSource) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return decode(self.source.fetch(index))
 
 
-def _start_crash_writer(root: str, first_key: int, size: int,
-                        marks: str) -> subprocess.Popen[bytes]:
-    args = f"{root!r}, {first_key}, {size}, {marks!r}"
-    code = f"from lcache.demo import crash_writer; crash_writer({args})"
-    return subprocess.Popen([sys.executable, "-c", code])
+class FixedOrder:
+    """The seed-aware sampler's order without a cache, so both runs see the same order."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(rank_order(self.n, self.seed, self.epoch, 0, 1).tolist())
 
 
-def _flushed_up_to(marks: str) -> int:
+def _train(loader: Any, sampler: Any, epochs: int, server: ThrottledServer,
+           hit_ratio: Callable[[], tuple[int, int]], label: str,
+           progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    import torch
+
+    torch.manual_seed(0)
+    dims = None
+    model: Any = None
+    rows = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        sent0 = server.bytes_sent
+        acc0, fetch0 = hit_ratio()
+        start = time.perf_counter()
+        seen = 0
+        loss_sum = 0.0
+        for x, y in loader:
+            if model is None:
+                dims = x.shape[1]
+                model = torch.nn.Sequential(torch.nn.Linear(dims, 64), torch.nn.ReLU(),
+                                            torch.nn.Linear(64, CLASSES))
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            seen += len(y)
+            loss_sum += loss.item() * len(y)
+        seconds = time.perf_counter() - start
+        acc1, fetch1 = hit_ratio()
+        accesses = acc1 - acc0
+        rows.append({
+            "system": label, "epoch": epoch + 1, "seconds": round(seconds, 3),
+            "samples_per_s": round(seen / seconds, 1),
+            "remote_bytes": server.bytes_sent - sent0,
+            "hit_ratio": round(1 - (fetch1 - fetch0) / accesses, 4) if accesses else 0.0,
+            "loss": round(loss_sum / max(1, seen), 4),
+        })
+        progress(f"{label}: epoch {epoch + 1} in {seconds:.1f} s")
+    return rows
+
+
+def run_training_demo(directory: str | None = None, *, samples: int = 4000,
+                      sample_bytes: int = 16 << 10, cache_fraction: float = 0.5,
+                      epochs: int = 3, latency: float = 0.005, bandwidth: float = 25e6,
+                      workers: int = 2, batch_size: int = 64, seed: int = 0,
+                      progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     try:
-        with open(marks) as f:
-            lines = f.read().split()
-        return int(lines[-1]) if lines else 0
-    except FileNotFoundError:
-        return 0
+        import torch
+        from torch.utils.data import DataLoader
+    except ImportError:
+        raise SystemExit("lcache demo needs PyTorch: pip install 'lcache[torch]'") from None
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        remote_root = os.path.join(tmp, "remote")
+        progress(f"writing {samples} samples of {sample_bytes} bytes")
+        write_dataset(os.path.join(remote_root, "train"), samples, sample_bytes, seed)
+        dataset_bytes = samples * sample_bytes
+        capacity = int(dataset_bytes * cache_fraction)
+        with ThrottledServer(remote_root, latency=latency, bandwidth=bandwidth) as server:
+            url = f"{server.url}/train/"
+            source = FileSource(url)
+            plain = RemoteDataset(source)
+            order = FixedOrder(len(plain), seed)
+            loader = DataLoader(cast(Any, plain), batch_size=batch_size, sampler=order,
+                                num_workers=workers, persistent_workers=workers > 0)
+            rows = _train(loader, order, epochs, server, lambda: (1, 0), "no cache", progress)
 
+            cached = CachedDataset(source, os.path.join(tmp, "cache"), capacity,
+                                   transform=decode)
+            sampler = SeedAwareSampler(cached, seed=seed)
+            loader = DataLoader(cast(Any, cached), batch_size=batch_size, sampler=sampler,
+                                num_workers=workers, persistent_workers=workers > 0)
 
-def _kill_mid_write(root: str, first_key: int, size: int, batches: int) -> int:
-    """Run a writer until it flushed ``batches`` batches, kill -9 it; returns keys flushed."""
-    marks = os.path.join(root, "..", "crash-writer.marks")
-    child = _start_crash_writer(root, first_key, size, marks)
-    try:
-        deadline = time.monotonic() + 120
-        while _flushed_up_to(marks) < first_key + batches * BATCH:
-            if child.poll() is not None:
-                raise RuntimeError(f"the demo's writer process exited with {child.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the demo's writer process made no progress in 120 s")
-            time.sleep(0.01)
-        time.sleep(random.uniform(0, 0.05))  # land somewhere inside the next batch
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    return _flushed_up_to(marks)
+            def counts() -> tuple[int, int]:
+                totals = cached.cache.counters.totals()
+                return totals["accesses"], totals["fetches"]
 
-
-def _read_all(store: Store, keys: list[int], expected: Any, advance: Any) -> tuple[int, int]:
-    """(hits, wrong) over ``keys`` in the given order, checking every byte."""
-    hits = wrong = 0
-    for lo in range(0, len(keys), BATCH):
-        batch = keys[lo : lo + BATCH]
-        for key, view in zip(batch, store.get_many(batch), strict=True):
-            if view is not None:
-                hits += 1
-                wrong += view != expected(key)
-        advance(len(batch))
-    return hits, wrong
-
-
-def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
-                   show_progress: bool = True) -> dict[str, Any]:
-    """Run the demo; returns its figures (MB = 1e6 bytes)."""
-    size = parse_size(sample_size)
-    with tempfile.TemporaryDirectory(prefix="lcache-demo-") as tmp:
-        root = os.path.join(directory or tmp, "store")
-        os.makedirs(os.path.dirname(root), exist_ok=True)
-        dataset = samples * size
-        capacity = max(SEGMENT_SIZE * (MAX_WRITERS + 1), int(dataset * 0.75))
-        store = Store.open(root, capacity=capacity, segment_size=SEGMENT_SIZE,
-                           max_writers=MAX_WRITERS)
-        with _progress(show_progress, "making samples", samples) as advance:
-            values = []
-            for key in range(samples):
-                values.append(sample_value(key, size))
-                advance(1)
-        t0 = time.perf_counter()
-        with _progress(show_progress, "put", samples) as advance:
-            _put_values(store, values, advance)
-            store.flush()
-        put_s = time.perf_counter() - t0
-
-        store.drop_page_cache()
-        order = list(range(samples))
-        random.shuffle(order)
-        t0 = time.perf_counter()
-        with _progress(show_progress, "get (random order)", samples) as advance:
-            hits, wrong = _read_all(store, order, values.__getitem__, advance)
-        get_s = time.perf_counter() - t0
-        stats = store.stats()
-        store.close()
-
-        # Records the crashed writer flushed must all survive, so it writes no more than the
-        # cache is sure to hold: capacity less the active and compaction-reserve segments,
-        # less the batch it is killed in.
-        sure = capacity - SEGMENT_SIZE * (MAX_WRITERS + 1)
-        batches = max(1, min(4, sure // (BATCH * size) - 1))
-        flushed_to = _kill_mid_write(root, samples, size, batches)
-        t0 = time.perf_counter()
-        store = Store.open(root)
-        recovery_s = time.perf_counter() - t0
-        recovered = store.counters.recovered_segments
-        flushed = list(range(samples, flushed_to))
-        found, wrong_after = _read_all(store, flushed, lambda k: sample_value(k, size),
-                                       lambda n: None)
-        store.close()
-        report = fsck(root)
-        return {
-            "sample_bytes": size,
-            "samples": samples,
-            "dataset_bytes": dataset,
-            "capacity_bytes": capacity,
-            "put_MBps": round(samples * size / put_s / 1e6, 1),
-            "get_MBps_random_cold": round(hits * size / get_s / 1e6, 1),
-            "hit_ratio": round(hits / samples, 3),
-            "wrong_bytes_served": wrong + wrong_after,
-            "evictions": stats["evictions"],
-            "gc_bytes_copied": stats["gc_bytes_copied"],
-            "crash_flushed_records": len(flushed),
-            "crash_flushed_records_lost": len(flushed) - found,
-            "crash_segments_recovered": recovered,
-            "reopen_after_crash_s": round(recovery_s, 4),
-            "fsck_clean": report.clean,
-        }
+            rows += _train(loader, sampler, epochs, server, counts, "lcache", progress)
+            seq = np.concatenate([sampler.node_sequence(e) for e in range(epochs)])
+            opt = belady(seq, sample_bytes + HEADER_SIZE, capacity).hits
+            n = len(plain)
+            for row in rows:
+                if row["system"] == "lcache":
+                    e = row["epoch"] - 1
+                    row["opt_hit_ratio"] = round(float(opt[e * n : (e + 1) * n].mean()), 4)
+    return {
+        "samples": samples, "sample_bytes": sample_bytes, "dataset_bytes": dataset_bytes,
+        "cache_fraction": cache_fraction, "cache_capacity": capacity,
+        "remote": {"latency_s": latency, "bandwidth_Bps": bandwidth},
+        "workers": workers, "batch_size": batch_size, "epochs": rows,
+    }

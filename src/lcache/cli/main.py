@@ -13,7 +13,7 @@ from rich.table import Table
 
 from lcache import __version__
 from lcache.errors import LCacheError
-from lcache.store import Store, format_size, fsck
+from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
 
 console = Console()
@@ -102,13 +102,57 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Where to put the remote's files and the cache (default: a temporary "
+                   "directory).")
+@click.option("--samples", default=4000, show_default=True, help="Samples in the dataset.")
+@click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
+@click.option("--cache-fraction", default=0.5, show_default=True,
+              help="Cache capacity as a fraction of the dataset.")
+@click.option("--epochs", default=3, show_default=True)
+@click.option("--latency", default=0.005, show_default=True,
+              help="Seconds the remote waits before each response.")
+@click.option("--bandwidth", default="25MB", show_default=True,
+              help="The remote's bandwidth cap, per second.")
+@click.option("--workers", default=2, show_default=True, help="DataLoader workers.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: float,
+         epochs: int, latency: float, bandwidth: str, workers: int, as_json: bool) -> None:
+    """Train a small model on a throttled loopback remote, with and without the cache."""
+    from lcache.demo import run_training_demo
+
+    progress = (lambda s: None) if as_json else \
+        (lambda s: err_console.print(f"[dim]{s}[/]", highlight=False))
+    figures = run_training_demo(
+        directory, samples=samples, sample_bytes=parse_size(sample_size),
+        cache_fraction=cache_fraction, epochs=epochs, latency=latency,
+        bandwidth=parse_size(bandwidth), workers=workers, progress=progress)
+    if as_json:
+        _emit_json(figures)
+        return
+    table = Table(title=(
+        f"{samples} x {format_size(figures['sample_bytes'])} samples "
+        f"({format_size(figures['dataset_bytes'])}) on a remote with {latency * 1000:g} ms "
+        f"latency and {format_size(figures['remote']['bandwidth_Bps'])}/s; "
+        f"cache = {cache_fraction:g} x dataset"))
+    for col in ("system", "epoch", "seconds", "samples/s", "remote MiB", "hit ratio",
+                "OPT hit ratio"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for row in figures["epochs"]:
+        table.add_row(row["system"], str(row["epoch"]), f"{row['seconds']:.2f}",
+                      f"{row['samples_per_s']:,.0f}", f"{row['remote_bytes'] / 2**20:,.1f}",
+                      f"{row['hit_ratio']:.3f}", str(row.get("opt_hit_ratio", "-")))
+    console.print(table)
+
+
+@cli.command("store-demo")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where to put the demo store (default: a temporary directory).")
 @click.option("--samples", default=8000, show_default=True, help="Samples to write.")
 @click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def demo(directory: str | None, samples: int, sample_size: str, as_json: bool) -> None:
+def store_demo(directory: str | None, samples: int, sample_size: str, as_json: bool) -> None:
     """Write, read, crash a writer with kill -9 and recover, printing figures."""
-    from lcache.demo import run_store_demo
+    from lcache.store_demo import run_store_demo
 
     figures = run_store_demo(directory, samples, sample_size, show_progress=not as_json)
     if as_json:

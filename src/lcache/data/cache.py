@@ -2,15 +2,22 @@
 
 ``DIR/cache.json`` names the source the directory caches (a second dataset never reads the
 first one's samples); ``DIR/store`` is the log-structured store of kept samples (int key =
-sample index); ``DIR/staging`` a small one of prefetched samples that are read once;
-``DIR/claims`` and ``DIR/counters.bin`` hold the shared state of ``lcache.data.shared``.
+sample index); ``DIR/claims`` and ``DIR/counters.bin`` hold the shared state of
+``lcache.data.shared``. A small FIFO store in /dev/shm (or ``DIR/staging``) holds prefetched
+samples that are read once.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,6 +37,52 @@ log = logging.getLogger("lcache")
 MAX_WRITERS = 32
 STAGING_WRITERS = 8
 MIN_SEGMENTS = MAX_WRITERS + 8
+DEFAULT_STAGING = 256 << 20
+SHM = "/dev/shm"
+_OPENING = threading.Lock()  # prefetch threads race to open the stores of a new process
+_OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
+
+
+def _remove_orphaned_staging() -> None:
+    """Remove staging dirs in /dev/shm that no process uses and whose cache dir is gone
+    (left by a killed job): they hold memory until deleted."""
+    for name in os.listdir(SHM):
+        path = os.path.join(SHM, name)
+        if not name.startswith("lcache-"):
+            continue
+        try:
+            with open(os.path.join(path, "origin")) as f:
+                origin = f.read()
+            if os.path.exists(origin):
+                continue
+            fd = os.open(os.path.join(path, "users"), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+@atexit.register
+def _close_open_caches() -> None:
+    for cache in list(_OPEN_CACHES):
+        with contextlib.suppress(Exception):
+            cache.close()
+
+
+def _staging_dir(cache_dir: str, need: int) -> str:
+    """/dev/shm/lcache-<hash of the cache dir> when /dev/shm has twice ``need`` free."""
+    try:
+        st = os.statvfs(SHM)
+        if st.f_bavail * st.f_frsize >= 2 * need and os.access(SHM, os.W_OK):
+            return os.path.join(SHM, f"lcache-{xxhash.xxh3_64_hexdigest(cache_dir.encode())}")
+    except OSError:
+        pass
+    return os.path.join(cache_dir, "staging")
 
 
 class Access(NamedTuple):
@@ -52,7 +105,8 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
 
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
-                 capacity: int | str, *, segment_size: int | str | None = None) -> None:
+                 capacity: int | str, *, segment_size: int | str | None = None,
+                 staging_bytes: int | str = DEFAULT_STAGING) -> None:
         self.source: Source = as_source(source)
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.capacity = parse_size(capacity)
@@ -61,18 +115,23 @@ class SampleCache:
         largest = int(sizes.max())
         self.segment_size = parse_size(segment_size) if segment_size else \
             choose_segment_size(self.capacity, 512, largest)
-        # ~2% of the capacity stages prefetched samples the plan does not keep.
-        self.staging_segment_size = choose_segment_size(self.capacity // 50, 16, largest)
-        # (STAGING_WRITERS + 4 segments at least: one per prefetching rank, one free, slack)
-        self.staging_capacity = max(self.capacity // 50,
-                                    (STAGING_WRITERS + 4) * self.staging_segment_size)
-        minimum = MIN_SEGMENTS * self.segment_size + self.staging_capacity
+        # Prefetched samples the plan does not keep are staged in memory (/dev/shm) when it
+        # has room, so staging costs no cache capacity; else in a slice of the cache dir.
+        self.staging_bytes = parse_size(staging_bytes)
+        self.staging_segment_size = choose_segment_size(self.staging_bytes, 16, largest)
+        self.staging_bytes = max(self.staging_bytes,
+                                 (STAGING_WRITERS + 4) * self.staging_segment_size)
+        self.staging_dir = _staging_dir(self.cache_dir, self.staging_bytes)
+        on_ssd = self.staging_dir.startswith(self.cache_dir)
+        self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
+        minimum = MIN_SEGMENTS * self.segment_size + (self.staging_bytes if on_ssd else 0)
         if self.capacity < minimum:
             raise ConfigError(
                 f"cache capacity {format_size(self.capacity)} is below the minimum "
                 f"{format_size(minimum)} ({MIN_SEGMENTS} segments of "
-                f"{format_size(self.segment_size)} and the prefetch staging area); raise "
-                "the capacity" + ("" if segment_size is None else " or lower segment_size"))
+                f"{format_size(self.segment_size)}"
+                + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
+                "capacity" + ("" if segment_size is None else " or lower segment_size"))
         self._prepare_dir()
         self.claims = FetchClaims(os.path.join(self.cache_dir, "claims"))
         self.counters = SharedCounters(os.path.join(self.cache_dir, "counters.bin"))
@@ -127,34 +186,70 @@ class SampleCache:
         return self._staging
 
     def _open(self) -> None:
-        if self._store is None or self._pid != os.getpid():
-            self._store = Store.open(
-                os.path.join(self.cache_dir, "store"), capacity=self.capacity -
-                self.staging_capacity, segment_size=self.segment_size, policy="planned",
-                max_writers=MAX_WRITERS, sync="never", direct_writes=False)
-            self._staging = Store.open(
-                os.path.join(self.cache_dir, "staging"), capacity=self.staging_capacity,
-                segment_size=self.staging_segment_size, policy="fifo",
-                max_writers=STAGING_WRITERS, sync="never", direct_writes=False)
+        # A forked child keeps the parent's Store objects: they reopen their own descriptors
+        # (and close the inherited ones, which hold the parent's locks) on first use.
+        if self._pid != os.getpid():
             self._pid = os.getpid()
             self._admit = True
+        if self._store is not None:
+            return
+        with _OPENING:
+            if self._store is not None:
+                return
+            if self.staging_dir.startswith(SHM):
+                _remove_orphaned_staging()
+            os.makedirs(self.staging_dir, mode=0o700, exist_ok=True)
+            with open(os.path.join(self.staging_dir, "origin"), "w") as f:
+                f.write(self.cache_dir)
+            # Each process using the staging dir holds a shared flock, so the last one to
+            # close removes it (memory in /dev/shm is not freed until its files are deleted).
+            self._users = os.open(os.path.join(self.staging_dir, "users"),
+                                  os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._users, fcntl.LOCK_SH)
+            _OPEN_CACHES.add(self)
+            staging = Store.open(self.staging_dir, capacity=self.staging_bytes,
+                                 segment_size=self.staging_segment_size, policy="fifo",
+                                 max_writers=STAGING_WRITERS, sync="never",
+                                 direct_writes=False)
+            self._staging = staging
+            self._store = Store.open(
+                os.path.join(self.cache_dir, "store"), capacity=self.main_capacity,
+                segment_size=self.segment_size, policy="planned",
+                max_writers=MAX_WRITERS, sync="never", direct_writes=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = state["_staging"] = None  # each process opens its own
         return state
 
-    def plan_capacity(self, writers: int) -> int:
+    def close(self) -> None:
+        """Close the stores; remove the staging area if no other process uses it."""
+        if self._store is None or self._staging is None or self._pid != os.getpid():
+            return
+        self._store.close()
+        self._staging.close()
+        self._store = self._staging = None
+        _OPEN_CACHES.discard(self)
+        try:
+            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+        except BlockingIOError:
+            pass  # another process still stages samples there
+        finally:
+            os.close(self._users)
+
+    def plan_capacity(self, writers: int, early: int = 0) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
-        an active segment per writer and the index."""
+        an active segment per writer, the index, and ``early`` bytes of kept samples that
+        prefetchers bring in before their turn."""
         index = 16 * len(self.source) + (64 << 10)
-        overhead = self.segment_size * (2 + writers) + index
-        return max(0, self.capacity - self.staging_capacity - overhead)
+        overhead = self.segment_size * (2 + writers) + index + early
+        return max(0, self.main_capacity - overhead)
 
     def staging_window(self, ranks: int) -> int:
         """Bytes each of ``ranks`` prefetchers may stage without FIFO cleaning dropping a
         staged sample before it is read."""
-        usable = self.staging_capacity - self.staging_segment_size * (2 + 2 * ranks)
+        usable = self.staging_bytes - self.staging_segment_size * (2 + 2 * ranks)
         return max(0, usable // 2 // ranks)
 
     def record_sizes(self) -> np.ndarray:

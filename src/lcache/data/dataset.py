@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lcache.data.cache import Access, SampleCache
+from lcache.data.cache import DEFAULT_STAGING, Access, SampleCache
 from lcache.data.sources import as_source
 
 
@@ -15,15 +15,18 @@ class CachedDataset:
     or a map-style dataset), read through a cache of ``capacity`` bytes in ``cache_dir``.
 
     Indexed by an int (read-through: admitted if there is room) or by the ``Access`` the
-    ``SeedAwareSampler`` yields (follows the plan). ``transform`` turns the raw item (bytes
-    for files and ranges, the original structure for datasets) into what training needs.
+    ``SeedAwareSampler`` yields (follows the plan). ``staging_bytes`` of memory (/dev/shm)
+    hold prefetched samples the plan does not keep until they are read. ``transform`` turns
+    the raw item (bytes for files and ranges, the original structure for datasets) into what
+    training needs.
     """
 
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | str, *, transform: Callable[[Any], Any] | None = None,
-                 segment_size: int | str | None = None, **source_options: Any) -> None:
+                 segment_size: int | str | None = None,
+                 staging_bytes: int | str = DEFAULT_STAGING, **source_options: Any) -> None:
         self.cache = SampleCache(as_source(source, **source_options), cache_dir, capacity,
-                                 segment_size=segment_size)
+                                 segment_size=segment_size, staging_bytes=staging_bytes)
         self.transform = transform
 
     def __len__(self) -> int:

@@ -75,7 +75,9 @@ class SeedAwareSampler:
         staging = self.cache.staging_window(len(self.node_ranks))
         self.prefetch_window = max(1, min(prefetch_window, staging // mean))
         self.prefetch_bytes = prefetch_bytes
-        self.plan_capacity = self.cache.plan_capacity(writers=len(self.node_ranks))
+        early = 0
+        self.plan_capacity = self.cache.plan_capacity(writers=len(self.node_ranks),
+                                                      early=early)
         self.epoch = 0
         self._start = 0
         self._yielded = 0
@@ -90,7 +92,8 @@ class SeedAwareSampler:
             self._start = 0
         self.epoch = epoch
 
-    def _node_order(self, epoch: int) -> npt.NDArray[np.int64]:
+    def node_sequence(self, epoch: int) -> npt.NDArray[np.int64]:
+        """The node's accesses of ``epoch`` in order (every local rank's, interleaved)."""
         return node_order(self.n, self.seed, epoch, self.node_ranks, self.world,
                           shuffle=self.shuffle, drop_last=self.drop_last)
 
@@ -102,8 +105,8 @@ class SeedAwareSampler:
         while done < epoch:
             done += 1
             carried = self._plans[done - 1].carried if done > 0 else {}
-            self._plans[done] = belady(self._node_order(done), sizes, self.plan_capacity,
-                                       horizon=self._node_order(done + 1), carried=carried)
+            self._plans[done] = belady(self.node_sequence(done), sizes, self.plan_capacity,
+                                       horizon=self.node_sequence(done + 1), carried=carried)
             self._plans.pop(done - 2, None)
         return self._plans[epoch]
 

@@ -23,6 +23,7 @@ import numpy as np
 
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
                  "corrupt_refetches", "admit_failures", "deleted", "served_bytes")
+_SETUP = threading.Lock()  # per-process set-up runs once even when threads race to it
 SLOTS = 1024
 SLOT_BYTES = 128  # 16 u64 counters
 
@@ -33,7 +34,11 @@ class FetchClaims:
         self._pid = -1
 
     def _setup(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid == os.getpid():
+            return
+        with _SETUP:
+            if self._pid == os.getpid():
+                return
             # Why one descriptor per process: closing any descriptor of a file drops all of
             # the process's lockf locks on it.
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -80,6 +85,7 @@ class SharedCounters:
     def __init__(self, path: str) -> None:
         self.path = path
         self._pid = -1
+        self._slot: Any = None
 
     def __getstate__(self) -> dict[str, str]:
         return {"path": self.path}
@@ -96,20 +102,23 @@ class SharedCounters:
         return np.frombuffer(self._mm, dtype=np.uint64).reshape(SLOTS, SLOT_BYTES // 8)
 
     def _mine(self) -> Any:
-        if self._pid != os.getpid():
-            table = self._map()
-            for slot in range(SLOTS):
-                try:
-                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, SLOT_BYTES,
-                                slot * SLOT_BYTES, os.SEEK_SET)
-                except OSError:
-                    continue
-                self._slot = table[slot]
-                break
-            else:
-                raise RuntimeError(f"more than {SLOTS} processes use {self.path} at once")
-            self._lock = threading.Lock()
-            self._pid = os.getpid()
+        if self._pid == os.getpid():
+            return self._slot
+        with _SETUP:
+            if self._pid != os.getpid():
+                table = self._map()
+                for slot in range(SLOTS):
+                    try:
+                        fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, SLOT_BYTES,
+                                    slot * SLOT_BYTES, os.SEEK_SET)
+                    except OSError:
+                        continue
+                    self._slot = table[slot]
+                    break
+                else:
+                    raise RuntimeError(f"more than {SLOTS} processes use {self.path} at once")
+                self._lock = threading.Lock()
+                self._pid = os.getpid()
         return self._slot
 
     def add(self, **counts: int) -> None:

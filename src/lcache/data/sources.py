@@ -46,9 +46,13 @@ class _Fsspec:
         self.storage_options = dict(storage_options or {})
         self._fs: Any = None
         self._root = ""
+        self._pid = -1
 
     def fs(self) -> tuple[Any, str]:
-        if self._fs is None:
+        # Why the pid: a DataLoader worker forked from us inherits our filesystem object,
+        # whose event loop and connections belong to the parent.
+        if self._fs is None or self._pid != os.getpid():
+            self._pid = os.getpid()
             import fsspec.core
 
             try:

@@ -39,6 +39,8 @@ class _Throttle:
 
 class _Handler(SimpleHTTPRequestHandler):
     server: ThrottledServer
+    protocol_version = "HTTP/1.1"  # keep-alive: no connection set-up per sample
+    disable_nagle_algorithm = True  # else headers and body wait on the delayed ACK (40 ms)
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
@@ -94,6 +96,7 @@ class ThrottledServer(ThreadingHTTPServer):
     Use as a context manager (serves from a background thread)."""
 
     daemon_threads = True
+    request_queue_size = 1024  # the default (5) drops connections beyond it: 1 s retries
 
     def __init__(self, root: str, *, latency: float = 0.0, bandwidth: float = 0.0) -> None:
         super().__init__(("127.0.0.1", 0), partial(_Handler, directory=root))

@@ -1,0 +1,181 @@
+"""The store demo behind ``lcache demo``: write, read, crash a writer, recover, check.
+
+Values are a pure function of the key (``sample_value``), so any process can verify any record
+it reads without keeping a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from rich.progress import Progress
+
+from lcache.store import Store, fsck, parse_size
+
+SEGMENT_SIZE = 8 << 20
+MAX_WRITERS = 2
+BATCH = 256
+
+
+def sample_value(key: int, size: int) -> bytes:
+    """Deterministic pseudo-random bytes for ``key``."""
+    return np.random.default_rng(key).bytes(size)
+
+
+@contextmanager
+def _progress(show: bool, label: str, total: int) -> Iterator[Any]:
+    if not show:
+        yield lambda n: None
+        return
+    with Progress(transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def _put_values(store: Store, values: list[bytes], advance: Any) -> None:
+    for lo in range(0, len(values), BATCH):
+        batch = values[lo : lo + BATCH]
+        store.put_many(range(lo, lo + len(batch)), batch)
+        advance(len(batch))
+
+
+def crash_writer(root: str, first_key: int, size: int, progress_file: str) -> None:
+    """Child of the demo: put batches forever, recording each flushed batch, until killed."""
+    store = Store.open(root)
+    key = first_key
+    with open(progress_file, "w") as marks:
+        while True:
+            store.put_many(range(key, key + BATCH),
+                           [sample_value(k, size) for k in range(key, key + BATCH)])
+            key += BATCH
+            store.flush()
+            marks.write(f"{key}\n")  # every key below this one is durable
+            marks.flush()
+            os.fsync(marks.fileno())
+
+
+def _start_crash_writer(root: str, first_key: int, size: int,
+                        marks: str) -> subprocess.Popen[bytes]:
+    args = f"{root!r}, {first_key}, {size}, {marks!r}"
+    code = f"from lcache.store_demo import crash_writer; crash_writer({args})"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _flushed_up_to(marks: str) -> int:
+    try:
+        with open(marks) as f:
+            lines = f.read().split()
+        return int(lines[-1]) if lines else 0
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_mid_write(root: str, first_key: int, size: int, batches: int) -> int:
+    """Run a writer until it flushed ``batches`` batches, kill -9 it; returns keys flushed."""
+    marks = os.path.join(root, "..", "crash-writer.marks")
+    child = _start_crash_writer(root, first_key, size, marks)
+    try:
+        deadline = time.monotonic() + 120
+        while _flushed_up_to(marks) < first_key + batches * BATCH:
+            if child.poll() is not None:
+                raise RuntimeError(f"the demo's writer process exited with {child.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the demo's writer process made no progress in 120 s")
+            time.sleep(0.01)
+        time.sleep(random.uniform(0, 0.05))  # land somewhere inside the next batch
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return _flushed_up_to(marks)
+
+
+def _read_all(store: Store, keys: list[int], expected: Any, advance: Any) -> tuple[int, int]:
+    """(hits, wrong) over ``keys`` in the given order, checking every byte."""
+    hits = wrong = 0
+    for lo in range(0, len(keys), BATCH):
+        batch = keys[lo : lo + BATCH]
+        for key, view in zip(batch, store.get_many(batch), strict=True):
+            if view is not None:
+                hits += 1
+                wrong += view != expected(key)
+        advance(len(batch))
+    return hits, wrong
+
+
+def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
+                   show_progress: bool = True) -> dict[str, Any]:
+    """Run the demo; returns its figures (MB = 1e6 bytes)."""
+    size = parse_size(sample_size)
+    with tempfile.TemporaryDirectory(prefix="lcache-demo-") as tmp:
+        root = os.path.join(directory or tmp, "store")
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        dataset = samples * size
+        capacity = max(SEGMENT_SIZE * (MAX_WRITERS + 1), int(dataset * 0.75))
+        store = Store.open(root, capacity=capacity, segment_size=SEGMENT_SIZE,
+                           max_writers=MAX_WRITERS)
+        with _progress(show_progress, "making samples", samples) as advance:
+            values = []
+            for key in range(samples):
+                values.append(sample_value(key, size))
+                advance(1)
+        t0 = time.perf_counter()
+        with _progress(show_progress, "put", samples) as advance:
+            _put_values(store, values, advance)
+            store.flush()
+        put_s = time.perf_counter() - t0
+
+        store.drop_page_cache()
+        order = list(range(samples))
+        random.shuffle(order)
+        t0 = time.perf_counter()
+        with _progress(show_progress, "get (random order)", samples) as advance:
+            hits, wrong = _read_all(store, order, values.__getitem__, advance)
+        get_s = time.perf_counter() - t0
+        stats = store.stats()
+        store.close()
+
+        # Records the crashed writer flushed must all survive, so it writes no more than the
+        # cache is sure to hold: capacity less the active and compaction-reserve segments,
+        # less the batch it is killed in.
+        sure = capacity - SEGMENT_SIZE * (MAX_WRITERS + 1)
+        batches = max(1, min(4, sure // (BATCH * size) - 1))
+        flushed_to = _kill_mid_write(root, samples, size, batches)
+        t0 = time.perf_counter()
+        store = Store.open(root)
+        recovery_s = time.perf_counter() - t0
+        recovered = store.counters.recovered_segments
+        flushed = list(range(samples, flushed_to))
+        found, wrong_after = _read_all(store, flushed, lambda k: sample_value(k, size),
+                                       lambda n: None)
+        store.close()
+        report = fsck(root)
+        return {
+            "sample_bytes": size,
+            "samples": samples,
+            "dataset_bytes": dataset,
+            "capacity_bytes": capacity,
+            "put_MBps": round(samples * size / put_s / 1e6, 1),
+            "get_MBps_random_cold": round(hits * size / get_s / 1e6, 1),
+            "hit_ratio": round(hits / samples, 3),
+            "wrong_bytes_served": wrong + wrong_after,
+            "evictions": stats["evictions"],
+            "gc_bytes_copied": stats["gc_bytes_copied"],
+            "crash_flushed_records": len(flushed),
+            "crash_flushed_records_lost": len(flushed) - found,
+            "crash_segments_recovered": recovered,
+            "reopen_after_crash_s": round(recovery_s, 4),
+            "fsck_clean": report.clean,
+        }
