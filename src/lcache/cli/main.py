@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 _SIZE_KEYS = {"capacity", "segment_size", "bytes_on_disk", "index_bytes", "bytes_read",
+              "dataset_bytes", "fetched_bytes",
               "bytes_written", "gc_bytes_copied"}
 
 
@@ -57,24 +59,85 @@ def cli(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-@cli.command()
-@click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def stats(directory: str, as_json: bool) -> None:
-    """Show a store's size, keys and counters (summed over processes that flushed)."""
+def _store_summary(directory: str) -> dict[str, Any]:
     with Store.open(directory, create=False) as store:
         structure = store.stats()
     for key in list(structure):
         if key not in ("path", "capacity", "segment_size", "policy", "bytes_on_disk",
                        "segments", "active_segments", "live_keys", "index_bytes"):
             del structure[key]
-    doc = {**structure, "totals": read_totals(structure["path"]).as_dict()}
+    return {**structure, "totals": read_totals(structure["path"]).as_dict()}
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def stats(directory: str, as_json: bool) -> None:
+    """Show a sample cache's or a store's size, keys and counters (all processes)."""
+    identity = os.path.join(directory, "cache.json")
+    if os.path.exists(identity):
+        _cache_stats(directory, identity, as_json)
+        return
+    doc = _store_summary(directory)
     if as_json:
         _emit_json(doc)
         return
     totals = doc.pop("totals")
     console.print(_table(f"lcache store {directory}", doc))
     console.print(_table("counters (all processes, as of their last flush/close)", totals))
+
+
+def _cache_stats(directory: str, identity: str, as_json: bool) -> None:
+    from lcache.data.shared import SharedCounters
+
+    with open(identity) as f:
+        source = json.load(f)
+    counters = SharedCounters(os.path.join(directory, "counters.bin")).totals()
+    accesses = counters["accesses"]
+    store = _store_summary(os.path.join(directory, "store"))
+    doc = {
+        "source": source["source"], "samples": source["samples"],
+        "hit_ratio": round(1 - counters["fetches"] / accesses, 4) if accesses else None,
+        "counters": counters, "store": store,
+    }
+    if as_json:
+        _emit_json(doc)
+        return
+    head = {"source": doc["source"], "samples": doc["samples"], "hit_ratio": doc["hit_ratio"],
+            "capacity": store["capacity"], "bytes_on_disk": store["bytes_on_disk"],
+            "cached samples": store["live_keys"]}
+    console.print(_table(f"lcache sample cache {directory}", head))
+    console.print(_table("accesses and fetches (all processes, all time)", {
+        k: format_size(v) if k.endswith("bytes") else v for k, v in counters.items()}))
+
+
+@cli.command()
+@click.argument("source")
+@click.option("--cache", "cache_dir", required=True, type=click.Path(file_okay=False),
+              help="The cache directory (on the local SSD).")
+@click.option("--capacity", default="50GB", show_default=True,
+              help="Bound on the cache's bytes on disk.")
+@click.option("--threads", default=16, show_default=True, help="Fetches in flight.")
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tuple[str, ...],
+         as_json: bool) -> None:
+    """Fetch SOURCE's samples (in path order) into the cache until it is full."""
+    from lcache.data.warm import warm_cache
+
+    storage_options = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--option")
+        storage_options[key] = value
+    figures = warm_cache(source, cache_dir, capacity, threads=threads,
+                         storage_options=storage_options, show_progress=not as_json)
+    if as_json:
+        _emit_json(figures)
+    else:
+        console.print(_table(f"lcache warm {source}", figures))
 
 
 @cli.command("fsck")
