@@ -44,17 +44,17 @@ _OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
 
 
 def _remove_orphaned_staging() -> None:
-    """Remove staging dirs in /dev/shm that no process uses and whose cache dir is gone
-    (left by a killed job): they hold memory until deleted."""
+    """Remove staging dirs in /dev/shm that no process uses and whose cache is gone or was
+    recreated (left by a killed job): they hold memory until deleted."""
     for name in os.listdir(SHM):
         path = os.path.join(SHM, name)
         if not name.startswith("lcache-"):
             continue
         try:
             with open(os.path.join(path, "origin")) as f:
-                origin = f.read()
-            if os.path.exists(origin):
-                continue
+                origin, _, cache_id = f.read().partition("\n")
+            if _cache_id(origin) == cache_id:
+                continue  # its cache still exists
             fd = os.open(os.path.join(path, "users"), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue
@@ -74,15 +74,21 @@ def _close_open_caches() -> None:
             cache.close()
 
 
-def _staging_dir(cache_dir: str, need: int) -> str:
-    """/dev/shm/lcache-<hash of the cache dir> when /dev/shm has twice ``need`` free."""
+def _shm_has_room(need: int) -> bool:
+    """Whether /dev/shm can hold a staging area of ``need`` bytes (with room to spare)."""
     try:
         st = os.statvfs(SHM)
-        if st.f_bavail * st.f_frsize >= 2 * need and os.access(SHM, os.W_OK):
-            return os.path.join(SHM, f"lcache-{xxhash.xxh3_64_hexdigest(cache_dir.encode())}")
+        return st.f_bavail * st.f_frsize >= 2 * need and os.access(SHM, os.W_OK)
     except OSError:
-        pass
-    return os.path.join(cache_dir, "staging")
+        return False
+
+
+def _cache_id(cache_dir: str) -> str | None:
+    try:
+        with open(os.path.join(cache_dir, "cache.json")) as f:
+            return str(json.load(f).get("id"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Access(NamedTuple):
@@ -121,8 +127,7 @@ class SampleCache:
         self.staging_segment_size = choose_segment_size(self.staging_bytes, 16, largest)
         self.staging_bytes = max(self.staging_bytes,
                                  (STAGING_WRITERS + 4) * self.staging_segment_size)
-        self.staging_dir = _staging_dir(self.cache_dir, self.staging_bytes)
-        on_ssd = self.staging_dir.startswith(self.cache_dir)
+        on_ssd = not _shm_has_room(self.staging_bytes)
         self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
         minimum = MIN_SEGMENTS * self.segment_size + (self.staging_bytes if on_ssd else 0)
         if self.capacity < minimum:
@@ -133,6 +138,9 @@ class SampleCache:
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
                 "capacity" + ("" if segment_size is None else " or lower segment_size"))
         self._prepare_dir()
+        key = xxhash.xxh3_64_hexdigest(f"{self.cache_dir}#{self.cache_id}".encode())
+        self.staging_dir = os.path.join(self.cache_dir, "staging") if on_ssd else \
+            os.path.join(SHM, f"lcache-{key}")
         self.claims = FetchClaims(os.path.join(self.cache_dir, "claims"))
         self.counters = SharedCounters(os.path.join(self.cache_dir, "counters.bin"))
         self._store: Store | None = None
@@ -160,11 +168,14 @@ class SampleCache:
             with open(path) as f:
                 stored = json.load(f)
         except FileNotFoundError:
-            atomic_write(path, json.dumps(identity, indent=1).encode())
-            return
+            # A fresh id per cache, so a recreated directory never meets the staging area
+            # (in /dev/shm) of the one it replaced.
+            stored = {**identity, "id": os.urandom(8).hex()}
+            atomic_write(path, json.dumps(stored, indent=1).encode())
         except ValueError:
             stored = {}
-        if stored != identity:
+        self.cache_id = str(stored.get("id", ""))
+        if {k: v for k, v in stored.items() if k != "id"} != identity:
             raise ConfigError(
                 f"{self.cache_dir} caches {stored.get('source')!r} "
                 f"({stored.get('samples')} samples), not {self.source.url!r} "
@@ -200,7 +211,7 @@ class SampleCache:
                 _remove_orphaned_staging()
             os.makedirs(self.staging_dir, mode=0o700, exist_ok=True)
             with open(os.path.join(self.staging_dir, "origin"), "w") as f:
-                f.write(self.cache_dir)
+                f.write(f"{self.cache_dir}\n{self.cache_id}")
             # Each process using the staging dir holds a shared flock, so the last one to
             # close removes it (memory in /dev/shm is not freed until its files are deleted).
             self._users = os.open(os.path.join(self.staging_dir, "users"),

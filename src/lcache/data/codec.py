@@ -64,10 +64,14 @@ def _array(x: Any, add: Any) -> dict[str, Any]:
 
             x = x.view(torch.int16)
         x = x.numpy()
-    if x.dtype.hasobject:
-        raise CodecError("object arrays cannot be cached without pickle")
-    x = np.ascontiguousarray(x)
-    out = {"a": add(memoryview(x).cast("B")), "dtype": x.dtype.str, "shape": list(x.shape)}
+    if x.dtype.hasobject or x.dtype.fields is not None:
+        kind = "object" if x.dtype.hasobject else "structured"
+        raise CodecError(f"{kind} arrays (dtype {x.dtype}) cannot be cached without pickle")
+    shape = list(x.shape)
+    # Why reshape(-1) first: ascontiguousarray turns 0-d into 1-d, and memoryview casts fail
+    # on shapes with zeros; a flat uint8 view has neither problem.
+    flat: Any = np.ascontiguousarray(x.reshape(-1)).view(np.uint8)
+    out = {"a": add(memoryview(flat)), "dtype": x.dtype.str, "shape": shape}
     if is_tensor:
         out["torch"] = torch_dtype
     return out
@@ -77,7 +81,16 @@ def decode(data: bytes | memoryview) -> Any:
     view = memoryview(data)
     if view[:4] != MAGIC:
         raise CodecError("not an lcache-encoded item")
+    try:
+        return _decode(view)
+    except (ValueError, TypeError, KeyError, IndexError, struct.error) as exc:
+        raise CodecError(f"malformed lcache-encoded item: {exc!r}") from exc
+
+
+def _decode(view: memoryview) -> Any:
     (hlen,) = _LEN.unpack_from(view, 4)
+    if 8 + hlen > len(view):
+        raise ValueError("the header runs past the end")
     header = json.loads(bytes(view[8 : 8 + hlen]))
     body = view[8 + hlen :]
 
@@ -89,7 +102,10 @@ def decode(data: bytes | memoryview) -> Any:
             return bytes(body[start : start + n])
         if "a" in node:
             start, n = node["a"]
-            arr = np.frombuffer(body[start : start + n], dtype=np.dtype(node["dtype"]))
+            dtype = np.dtype(node["dtype"])
+            if dtype.hasobject or start + n > len(body):
+                raise ValueError("bad array entry")
+            arr = np.frombuffer(body[start : start + n], dtype=dtype)
             arr = arr.reshape(node["shape"])
             return _tensor(arr, node["torch"]) if "torch" in node else arr
         if "l" in node:

@@ -94,5 +94,10 @@ class Prefetcher:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # The sampler's generator may be finalised by the garbage collector in any thread,
+        # one of ours included; a thread cannot join itself.
+        ours = threading.current_thread() is self._thread or \
+            threading.current_thread().name.startswith("lcache-prefetch")
+        if not ours:
+            self._thread.join()
+        self._pool.shutdown(wait=not ours, cancel_futures=True)

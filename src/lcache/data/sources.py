@@ -102,6 +102,10 @@ class FileSource:
                 except Exception as exc:
                     raise SourceError(f"cannot stat the files under {url}: {exc}") from exc
         if not self.paths:
+            try:  # find() hides connection errors behind an empty listing; ls() raises them
+                fs.ls(root)
+            except Exception as exc:
+                raise SourceError(f"cannot list {url}: {type(exc).__name__}: {exc}") from exc
             raise SourceError(f"no samples found under {url}")
 
     def _info_size(self, path: str) -> int:

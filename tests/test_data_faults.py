@@ -1,0 +1,433 @@
+"""What goes wrong around the sample cache, and that training either gets exact bytes or an
+error that names the culprit: missing objects, unreachable sources, refused directories and
+settings, damaged cached samples, a full disk, and readers killed while writing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache.data import (
+    CachedDataset,
+    FileSource,
+    RangeSource,
+    SampleCache,
+    SourceError,
+)
+from lcache.errors import ConfigError, StorePermissionError
+from lcache.store import fsck
+from lcache.testing.remote import ThrottledServer
+
+from .conftest import KIB, MIB, subprocess_env
+
+NOBODY = 65534
+CAPACITY = "16MiB"
+CRASH_LEFTOVERS = ("left unsealed by a crashed writer", "leftover temp file",
+                   "summary without a log")
+
+
+def _blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _make_files(root: Path, n: int, size: int | None = None) -> list[bytes]:
+    """``n`` files ``s0000.bin``... under ``root`` (sorted = numbered), distinct contents."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        data = _blob(i, size if size is not None else 700 + 53 * i)
+        (root / f"s{i:04d}.bin").write_bytes(data)
+        out.append(data)
+    return out
+
+
+def _staging_of(ds: CachedDataset) -> Path:
+    """Where ``ds`` stages prefetched samples (in /dev/shm when it has room)."""
+    cache = ds.cache
+    return Path(getattr(cache, "staging_dir", os.path.join(cache.cache_dir, "staging")))
+
+
+@pytest.fixture(autouse=True)
+def _remove_staging_in_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Remove the /dev/shm staging stores of the caches a test opens (lcache leaves them)."""
+    opened: list[SampleCache] = []
+    init = SampleCache.__init__
+
+    def recording(self: SampleCache, *args: Any, **kwargs: Any) -> None:
+        opened.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SampleCache, "__init__", recording)
+    yield
+    for cache in opened:
+        staging = getattr(cache, "staging_dir", "")
+        if staging.startswith("/dev/shm/"):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens once closed
+
+
+# ------------------------------------------------------------------------ the source fails
+def test_object_deleted_after_listing(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    files = _make_files(data, 6)
+    ds = CachedDataset(str(data), tmp_path / "cache", CAPACITY)
+    victim = data / "s0003.bin"
+    victim.unlink()
+    with pytest.raises(SourceError) as info:
+        ds[3]
+    message = str(info.value)
+    assert "sample 3" in message and str(victim) in message, message
+    assert isinstance(info.value, OSError)
+    assert info.value.__cause__ is not None  # the original error is kept
+    assert [ds[i] for i in (0, 1, 2, 4, 5)] == [files[i] for i in (0, 1, 2, 4, 5)]
+    victim.write_bytes(files[3])  # back: the failed fetch left no claim or entry behind
+    assert ds[3] == files[3]
+    assert ds.stats()["fetches"] == 6
+
+
+def test_object_deleted_after_http_listing(tmp_path: Path) -> None:
+    files = _make_files(tmp_path / "data", 4)
+    with ThrottledServer(str(tmp_path)) as server:
+        url = server.url + "/data/"
+        ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
+        (tmp_path / "data" / "s0002.bin").unlink()
+        with pytest.raises(SourceError) as info:
+            ds[2]
+        message = str(info.value)
+        assert "sample 2" in message and url + "s0002.bin" in message, message
+        assert ds[1] == files[1]
+
+
+def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(_blob(1, 1000))
+    src = RangeSource(str(tmp_path), ["a.bin", "a.bin", "gone.bin"], [0, 900, 0],
+                      [100, 200, 10])
+    assert src.fetch(0) == _blob(1, 1000)[:100]
+    with pytest.raises(SourceError) as info:
+        src.fetch(1)  # bytes 900-1100 of a 1000-byte file
+    assert "sample 1" in str(info.value) and "a.bin" in str(info.value)
+    assert "ended after 100 of bytes 900-1100" in str(info.value)
+    with pytest.raises(SourceError) as info:
+        src.fetch(2)
+    assert "sample 2" in str(info.value) and str(tmp_path / "gone.bin") in str(info.value)
+    with pytest.raises(ConfigError, match="one entry per sample"):
+        RangeSource(str(tmp_path), ["a.bin"], [0, 1], [1, 1])
+    with pytest.raises(ConfigError, match="lengths > 0"):
+        RangeSource(str(tmp_path), "a.bin", [0], [0])
+
+
+def test_unreachable_http_source(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/x/"
+    started = time.monotonic()
+    with pytest.raises(SourceError) as info:
+        FileSource(url)
+    assert url in str(info.value)
+    with pytest.raises(SourceError) as info:
+        FileSource(url, files=["a.bin"])  # no listing: the size lookup fails instead
+    assert url + "a.bin" in str(info.value)
+    src = RangeSource(url, "big.bin", [0], [10])  # opens nothing until the first fetch
+    with pytest.raises(SourceError) as info:
+        src.fetch(0)
+    assert "sample 0" in str(info.value) and url + "big.bin" in str(info.value)
+    assert time.monotonic() - started < 30  # refused connections fail fast, no long retries
+
+
+def test_unreachable_http_source_says_why() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/x/"
+    with pytest.raises(SourceError) as info:
+        FileSource(url)
+    assert "no samples found" not in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------ refused settings
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A directory under /tmp that the user ``nobody`` can reach (tmp_path's parents are 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    top = Path(tempfile.mkdtemp(prefix="lcache-data-nobody-"))
+    top.chmod(0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+# Everything is imported first: nobody cannot read root's Python installation.
+AS_NOBODY = """
+import os, sys
+from lcache.data import CachedDataset
+from lcache.errors import LCacheError
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+try:
+    CachedDataset([b"one", b"two", b"three"], sys.argv[1], "16MiB")
+except Exception as exc:
+    print("refused:", type(exc).__name__, isinstance(exc, PermissionError), exc)
+else:
+    print("opened")
+"""
+
+
+def _as_nobody(path: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env(), check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_cache_dir_not_writable(nobody_dir: Path) -> None:
+    cache = nobody_dir / "cache"
+    cache.mkdir(mode=0o500)
+    os.chown(cache, NOBODY, NOBODY)
+    out = _as_nobody(cache)
+    assert out.startswith("refused: StorePermissionError True"), out
+    assert str(cache) in out and "not writable" in out and "fix its permissions" in out, out
+    assert os.listdir(cache) == []
+
+
+def test_cache_dir_cannot_be_created(nobody_dir: Path) -> None:
+    parent = nobody_dir / "locked"
+    parent.mkdir(mode=0o555)
+    out = _as_nobody(parent / "cache")
+    assert out.startswith("refused: StorePermissionError True"), out
+    assert "cannot create the cache directory" in out and "choose a directory" in out, out
+
+
+def test_cache_dir_not_writable_unprivileged(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere; covered by test_cache_dir_not_writable")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o500)
+    try:
+        with pytest.raises(StorePermissionError, match="fix its permissions"):
+            CachedDataset([b"one"], cache, CAPACITY)
+    finally:
+        cache.chmod(0o700)
+
+
+def test_capacity_below_the_minimum(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as info:
+        CachedDataset([b"x" * 1000] * 10, cache, "1MiB")
+    message = str(info.value)
+    assert "1.0 MiB is below the minimum" in message and "raise the capacity" in message
+    assert not cache.exists(), "a refused cache must not be created"
+    with pytest.raises(ConfigError, match="raise the capacity or lower segment_size"):
+        CachedDataset([b"x" * 1000] * 10, cache, "16MiB", segment_size="1MiB")
+    with pytest.raises(ConfigError, match="cannot read 'big' as a size"):
+        CachedDataset([b"x"], cache, "big")
+
+
+def test_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    files = _make_files(first, 3)
+    _make_files(second, 5)
+    cache = tmp_path / "cache"
+    ds = CachedDataset(str(first), cache, CAPACITY)
+    assert ds[0] == files[0]
+    with pytest.raises(ConfigError) as info:
+        CachedDataset(str(second), cache, CAPACITY)
+    message = str(info.value)
+    assert str(first) in message and str(second) in message, message
+    assert "(3 samples)" in message and "(5 samples)" in message
+    assert "use another cache directory" in message
+    # The same URL whose files changed is another dataset too: no stale sample is served.
+    (first / "s0003.bin").write_bytes(b"new")
+    with pytest.raises(ConfigError, match=r"not .* \(4 samples\)"):
+        CachedDataset(str(first), cache, CAPACITY)
+    (first / "s0003.bin").unlink()
+    assert CachedDataset(str(first), cache, CAPACITY)[0] == files[0]  # unchanged: welcome
+
+
+def test_deleted_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    old = CachedDataset([b"old-0", b"old-1"], cache, CAPACITY)
+    if not str(_staging_of(old)).startswith("/dev/shm/"):
+        pytest.skip("staging is inside the cache directory here")
+    assert old.cache.prefetch(0, keep=False) > 0  # staged, not read yet
+    old.cache.store().close()
+    old.cache.staging().close()
+    shutil.rmtree(cache)  # "use another cache directory or delete it"
+    new = CachedDataset([b"new-0", b"new-1", b"new-2"], cache, CAPACITY)
+    assert new[0] == b"new-0"
+
+
+# ------------------------------------------------------------------------ damaged cache
+def _records_holding(segments: Path, payload: bytes) -> list[tuple[Path, int]]:
+    """(segment log, offset) of every copy of ``payload`` in the segment logs."""
+    found = []
+    for log in sorted(segments.glob("*.log")):
+        content = log.read_bytes()
+        at = content.find(payload)
+        while at >= 0:
+            found.append((log, at))
+            at = content.find(payload, at + 1)
+    return found
+
+
+def _flip(path: Path, offset: int, n: int = 1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+def test_corrupt_cached_samples_are_refetched(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    files = _make_files(data, 24, size=4 * KIB)
+    cache = tmp_path / "cache"
+    first = CachedDataset(str(data), cache, CAPACITY)
+    assert [first[i] for i in range(24)] == files  # all cached (capacity >> dataset)
+    assert first.stats()["fetches"] == 24
+
+    segments = cache / "store" / "segments"
+    damaged = {3: 0, 11: 2048, 17: 4 * KIB - 1}  # sample -> byte of its payload to flip
+    for sample, at in damaged.items():
+        copies = _records_holding(segments, files[sample])
+        assert len(copies) == 1, copies
+        log, offset = copies[0]
+        _flip(log, offset + at)
+    # And one record's header: its checksum field (bytes 20..27 of the 32-byte header).
+    copies = _records_holding(segments, files[20])
+    _flip(copies[0][0], copies[0][1] - 12, 2)
+    damaged[20] = -1
+
+    second = CachedDataset(str(data), cache, CAPACITY)
+    for i in random.Random(5).sample(range(24), 24):
+        assert second[i] == files[i], f"sample {i}"
+    s = second.stats()
+    assert s["corrupt_refetches"] == len(damaged)
+    assert s["fetches"] == 24 + len(damaged)
+    # The refetched samples were admitted again: the next reads are hits, still exact.
+    assert [second[i] for i in sorted(damaged)] == [files[i] for i in sorted(damaged)]
+    assert second.stats()["fetches"] == 24 + len(damaged)
+    assert [first[i] for i in sorted(damaged)] == [files[i] for i in sorted(damaged)]
+    assert second.stats()["fetches"] == 24 + len(damaged)
+
+
+# ------------------------------------------------------------------------ disk full
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.root
+def test_disk_full_training_goes_on(small_tmpfs: Path, tmp_path: Path,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    data = tmp_path / "data"
+    files = _make_files(data, 128, size=64 * KIB)  # 8 MiB: more than the 6 MiB device
+    caplog.set_level(logging.WARNING, logger="lcache")
+    ds = CachedDataset(str(data), small_tmpfs / "cache", "64MiB")
+    for _ in range(2):
+        for i in random.Random(6).sample(range(128), 128):
+            assert ds[i] == files[i], f"sample {i}"
+    s = ds.stats()
+    assert s["admit_failures"] == 1, s  # this process stopped admitting, once
+    assert 0 < s["from_ssd"] < 128 < s["fetches"], s  # what fit is still served from the SSD
+    warnings = [r for r in caplog.records if r.name == "lcache" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "cannot add samples" in message and str(small_tmpfs / "cache") in message
+    assert "training goes on reading from " + str(data) in message
+    assert "full" in message
+
+
+# ------------------------------------------------------------------------ killed readers
+READER = """
+import random, sys
+from lcache.data import Access, CachedDataset
+ds = CachedDataset(sys.argv[1], sys.argv[2], sys.argv[3])
+rng = random.Random(int(sys.argv[4]))
+print("ready", flush=True)
+while True:
+    i = rng.randrange(len(ds))
+    if rng.random() < 0.2:
+        ds.cache.prefetch(rng.randrange(len(ds)), keep=rng.random() < 0.5)
+    ds[Access(i, rng.choice((None, True, False)))]
+"""
+
+
+@pytest.mark.slow
+def test_reader_killed_mid_put(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    files = _make_files(data, 600, size=8 * KIB)  # 4.7 MiB
+    cache = tmp_path / "cache"
+    capacity = str(4 * MIB)  # below the dataset: the reader keeps writing and evicting
+    probe = CachedDataset(str(data), cache, capacity)
+    stores = {"store": cache / "store", "staging": _staging_of(probe)}
+    probe.cache.store().close()
+    probe.cache.staging().close()
+    rng = random.Random(7)
+    for rnd in range(3):
+        child = subprocess.Popen(
+            [sys.executable, "-c", READER, str(data), str(cache), capacity, str(rnd)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        if not ready or child.stdout.readline().strip() != b"ready":
+            child.kill()
+            pytest.fail(f"the reader did not start: {child.communicate()[1].decode()[-2000:]}")
+        time.sleep(0.6 + 0.8 * rng.random())
+        assert child.poll() is None, child.communicate()[1].decode()[-2000:]
+        os.kill(child.pid, signal.SIGKILL)
+        child.communicate(timeout=30)
+
+        # Before recovery: nothing but what a kill leaves.
+        for part, path in stores.items():
+            report = fsck(str(path))
+            assert all(any(w in p for w in CRASH_LEFTOVERS) for p in report.problems), \
+                (part, report.problems)
+
+        ds = CachedDataset(str(data), cache, capacity)  # recovers both stores
+        before = ds.stats()
+        assert before["fetches"] > 0  # the reader did fetch (and write) before the kill
+        order = list(range(600))
+        rng.shuffle(order)
+        for i in order:
+            assert ds[i] == files[i], f"round {rnd}: sample {i}"
+        after = ds.stats()
+        assert after["from_ssd"] > before["from_ssd"]  # what survived is served
+        for part, path in stores.items():
+            report = fsck(str(path))
+            assert report.clean, (rnd, part, report.problems)
+        ds.cache.store().close()
+        ds.cache.staging().close()
+        for part, path in stores.items():
+            report = fsck(str(path))
+            assert report.clean, (rnd, part, report.problems)
+            assert report.active_segments == 0
