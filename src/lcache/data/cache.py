@@ -272,24 +272,26 @@ class SampleCache:
         (admitted when ``keep`` is not False). With ``keep=False`` a cached copy is deleted
         after it is read: the plan has no room for it until its next use."""
         main, staging = self.store(), self.staging()
-        data = self._read(main, staging, index)
-        counts = {"accesses": 1}
+        data, where = self._read(main, staging, index)
+        fetched = data is None
         if data is None:
             with self.claims.hold(index):
-                data = self._read(main, staging, index)  # fetched by the claim's holder?
+                data, where = self._read(main, staging, index)  # fetched while we waited?
                 if data is None:
                     data = self.source.fetch(index)
-                    counts["fetches"] = 1
-                    counts["remote_bytes"] = len(data)
                     if keep is not False:
                         self._put(main, index, data)
-        if "fetches" not in counts:
-            counts["from_ssd"] = 1
-        staging.delete(index)
-        if keep is False and main.delete(index):
-            counts["deleted"] = 1
-        counts["served_bytes"] = len(data)
-        self.counters.add(**counts)
+                else:
+                    fetched = False
+        if where is staging:
+            staging.delete(index)  # staged samples are read once
+        deleted = keep is False and where is not staging and main.delete(index)
+        if fetched:
+            self.counters.add(accesses=1, fetches=1, remote_bytes=len(data),
+                              served_bytes=len(data), deleted=int(deleted))
+        else:
+            self.counters.add(accesses=1, from_ssd=1, served_bytes=len(data),
+                              deleted=int(deleted))
         return self.source.decode(data)
 
     def prefetch(self, index: int, keep: bool = True,
@@ -308,7 +310,9 @@ class SampleCache:
         self.counters.add(fetches=1, remote_bytes=len(data), prefetched=1)
         return len(data)
 
-    def _read(self, main: Store, staging: Store, index: int) -> bytes | memoryview | None:
+    def _read(self, main: Store, staging: Store, index: int
+              ) -> tuple[bytes | memoryview | None, Store | None]:
+        """The sample's bytes and the store that had them (main first, then staging)."""
         for store in (main, staging):
             view = store.get_many([index])[0]
             if view is None and index in store:
@@ -320,8 +324,8 @@ class SampleCache:
                     store.delete(index)
                     self.counters.add(corrupt_refetches=1)
             if view is not None:
-                return view
-        return None
+                return view, store
+        return None, None
 
     def _put(self, store: Store, index: int, data: bytes) -> None:
         if not self._admit:

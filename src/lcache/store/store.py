@@ -33,6 +33,7 @@ from lcache.io import (
     drop_page_cache,
     logical_block_size,
     open_file,
+    pread_full,
 )
 from lcache.store import record
 from lcache.store.compaction import (
@@ -634,6 +635,8 @@ class Store:
             memoryview | None]:
         self._drop_deleted_fds()
         n = len(keys)
+        if n == 1 and not self.direct_io:
+            return [self._get_one(keys[0])]
         parts = [record.key_parts(k) for k in keys] if not isinstance(keys, np.ndarray) else \
             [(record.KIND_INT, int(k), b"") for k in keys]
         locs = np.zeros(n, np.uint64)
@@ -657,6 +660,28 @@ class Store:
         self.counters.misses += n - hits
         if hits and self.policy.tracks_references:
             self._touch([parts[i] for i in range(n) if out[i] is not None])
+        return out
+
+    def _get_one(self, key: Any) -> memoryview | None:
+        """One buffered read, without planning or the thread pool: a DataLoader reads one
+        sample at a time, and the batch path's set-up costs more than the read."""
+        kind, key64, kb = record.key_parts(int(key) if isinstance(key, np.integer) else key)
+        entry = self._lookup(kind, key64)
+        out = None
+        fd = None if entry is None else self._reader_fd(entry[0] >> 32)
+        if entry is not None and fd is not None:
+            buf = memoryview(bytearray(entry[1]))
+            got = pread_full(fd, entry[0] & 0xFFFFFFFF, buf, "cache-read")
+            out = record.verify(buf[:got], kind, key64, kb)
+            if out is None:
+                self._verify_failed(0, [(kind, key64, kb)])
+            else:
+                self.counters.bytes_read += entry[1]
+        self.counters.gets += 1
+        self.counters.hits += out is not None
+        self.counters.misses += out is None
+        if out is not None and self.policy.tracks_references:
+            self._touch([(kind, key64, kb)])
         return out
 
     def _read_runs(self, runs: list[Run], parts: list[tuple[int, int, bytes]],
