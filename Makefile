@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-cache clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: lint
 bench: $(STAMP)
 	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio)
 	$(BIN)/python benchmarks/store_bench.py --dir $${BENCH_DIR:-/var/tmp/lcache-bench} --json
+
+# Sample cache vs mosaicml-streaming, litdata, fsspec filecache (peers in their own venv).
+bench-cache: $(STAMP)
+	$(BIN)/python benchmarks/cache_bench.py --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
