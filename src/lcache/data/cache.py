@@ -34,9 +34,9 @@ from lcache.store.record import HEADER_SIZE
 log = logging.getLogger("lcache")
 
 # Writers: main store = prefetchers and readers admitting on demand; staging = prefetchers.
-MAX_WRITERS = 32
+MAX_WRITERS = 128  # at most: fewer when the capacity holds fewer segments
 STAGING_WRITERS = 8
-MIN_SEGMENTS = MAX_WRITERS + 8
+MIN_SEGMENTS = 40
 DEFAULT_STAGING = 256 << 20
 SHM = "/dev/shm"
 _OPENING = threading.Lock()  # prefetch threads race to open the stores of a new process
@@ -128,6 +128,11 @@ class SampleCache:
         self.staging_bytes = max(self.staging_bytes,
                                  (STAGING_WRITERS + 4) * self.staging_segment_size)
         on_ssd = not _shm_has_room(self.staging_bytes)
+        if on_ssd:  # carved out of the capacity: keep it small
+            self.staging_bytes = min(self.staging_bytes, self.capacity // 50)
+            self.staging_segment_size = choose_segment_size(self.staging_bytes, 16, largest)
+            self.staging_bytes = max(self.staging_bytes,
+                                     (STAGING_WRITERS + 4) * self.staging_segment_size)
         self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
         minimum = MIN_SEGMENTS * self.segment_size + (self.staging_bytes if on_ssd else 0)
         if self.capacity < minimum:
@@ -226,12 +231,18 @@ class SampleCache:
             self._store = Store.open(
                 os.path.join(self.cache_dir, "store"), capacity=self.main_capacity,
                 segment_size=self.segment_size, policy="planned",
-                max_writers=MAX_WRITERS, sync="never", direct_writes=False)
+                max_writers=min(MAX_WRITERS, self.main_capacity // self.segment_size - 2),
+                sync="never", direct_writes=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = state["_staging"] = None  # each process opens its own
         return state
+
+    def __del__(self) -> None:
+        # Why: a cache dropped without close() would leave its /dev/shm staging (memory).
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         """Close the stores; remove the staging area if no other process uses it."""

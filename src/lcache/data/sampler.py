@@ -47,13 +47,16 @@ class SeedAwareSampler:
         prefetch_threads: fetches in flight at once.
         prefetch_window: how far ahead of the reader, in samples.
         prefetch_bytes: memory the fetches in flight may hold.
+        loader_workers: DataLoader workers per rank. Each worker that admits a sample holds a
+            store segment of its own; the plan leaves room for that many per rank.
     """
 
     def __init__(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, num_replicas: int | None = None,
                  rank: int | None = None, local_world_size: int | None = None,
                  prefetch: bool = True, prefetch_threads: int = 16,
-                 prefetch_window: int = 256, prefetch_bytes: int = 64 << 20) -> None:
+                 prefetch_window: int = 256, prefetch_bytes: int = 64 << 20,
+                 loader_workers: int = 4) -> None:
         self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
         d_rank, d_world = _distributed()
         self.world = d_world if num_replicas is None else num_replicas
@@ -76,7 +79,8 @@ class SeedAwareSampler:
         self.prefetch_window = max(1, min(prefetch_window, staging // mean))
         self.prefetch_bytes = prefetch_bytes
         early = 0
-        self.plan_capacity = self.cache.plan_capacity(writers=len(self.node_ranks),
+        writers = len(self.node_ranks) * (1 + max(0, loader_workers))
+        self.plan_capacity = self.cache.plan_capacity(writers=writers,
                                                       early=early)
         self.epoch = 0
         self._start = 0

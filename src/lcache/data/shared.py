@@ -5,8 +5,10 @@
   ``lockf`` byte-range lock at the sample's offset of one file; the kernel drops it when the
   holder dies, so a crash leaves no stale claim.
 * ``SharedCounters``: per-process slots of a memory-mapped counter file, summed by readers.
-  Each process owns one slot (held by ``lockf``), so increments need no lock, and counts
-  survive DataLoader workers that exit through ``os._exit``.
+  Each process owns one slot (its pid in the slot; a slot of a dead pid is taken over, its
+  counts kept), so increments need no lock, and counts survive DataLoader workers that exit
+  through ``os._exit``. (Not lockf: closing any descriptor of the file, as mmap does when
+  collected, would drop the process's locks.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched"
                  "corrupt_refetches", "admit_failures", "deleted", "served_bytes")
 _SETUP = threading.Lock()  # per-process set-up runs once even when threads race to it
 SLOTS = 1024
-SLOT_BYTES = 128  # 16 u64 counters
+SLOT_BYTES = 128  # 16 u64: the counters, then the owner's pid in the last one
+WIDTH = SLOT_BYTES // 8
+OWNER = WIDTH - 1
+_TABLES: dict[str, Any] = {}  # path -> mapped counter table, per process (inherited by fork)
 
 
 class FetchClaims:
@@ -93,33 +98,44 @@ class SharedCounters:
     def __setstate__(self, state: dict[str, str]) -> None:
         self.__init__(state["path"])  # type: ignore[misc]
 
-    def _map(self) -> Any:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
-            os.ftruncate(fd, SLOTS * SLOT_BYTES)
-        self._fd = fd
-        self._mm = mmap.mmap(fd, SLOTS * SLOT_BYTES)
-        return np.frombuffer(self._mm, dtype=np.uint64).reshape(SLOTS, SLOT_BYTES // 8)
+    def _table(self) -> Any:
+        """The counter file, mapped once per path and kept for the process's life; a forked
+        child keeps using the (shared) mapping it inherited."""
+        table = _TABLES.get(self.path)
+        if table is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
+                    os.ftruncate(fd, SLOTS * SLOT_BYTES)
+                mm = mmap.mmap(fd, SLOTS * SLOT_BYTES)
+            finally:
+                os.close(fd)
+            table = _TABLES[self.path] = np.frombuffer(mm, np.uint64).reshape(SLOTS, WIDTH)
+        return table
 
     def _mine(self) -> Any:
         if self._pid == os.getpid():
             return self._slot
         with _SETUP:
             if self._pid != os.getpid():
-                table = self._map()
-                for slot in range(SLOTS):
-                    try:
-                        fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, SLOT_BYTES,
-                                    slot * SLOT_BYTES, os.SEEK_SET)
-                    except OSError:
-                        continue
-                    self._slot = table[slot]
-                    break
-                else:
-                    raise RuntimeError(f"more than {SLOTS} processes use {self.path} at once")
+                self._slot = self._claim(self._table())
                 self._lock = threading.Lock()
                 self._pid = os.getpid()
         return self._slot
+
+    def _claim(self, table: Any) -> Any:
+        """A slot whose owner (pid in its last word) is gone, taken under a brief flock."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            for slot in table:
+                owner = int(slot[OWNER])
+                if owner == 0 or not _alive(owner):
+                    slot[OWNER] = os.getpid()
+                    return slot
+        finally:
+            os.close(fd)  # also releases the flock
+        raise RuntimeError(f"more than {SLOTS} live processes use {self.path}")
 
     def add(self, **counts: int) -> None:
         slot = self._mine()
@@ -130,7 +146,15 @@ class SharedCounters:
     def totals(self) -> dict[str, int]:
         if not os.path.exists(self.path):
             return dict.fromkeys(COUNTER_NAMES, 0)
-        with open(self.path, "rb") as f:
-            raw = np.frombuffer(f.read(), dtype=np.uint64).reshape(-1, SLOT_BYTES // 8)
-        sums = raw.sum(axis=0)
+        sums = self._table()[:, : len(COUNTER_NAMES)].sum(axis=0)
         return {name: int(sums[i]) for i, name in enumerate(COUNTER_NAMES)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,665 @@
+"""Training with the sample cache: DataLoader workers, hit ratio against OPT, no double fetch,
+torchrun ranks sharing one cache, mid-epoch resume, and the order/plan functions.
+
+Every sample file encodes its index (first 8 bytes, little-endian) followed by deterministic
+random bytes, and every item read is checked byte for byte, so a wrong or damaged sample fails.
+Run with ``-s`` to see the measured hit ratios next to OPT's and LRU's.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from lcache.data import CachedDataset, FileSource, SeedAwareSampler  # noqa: E402
+from lcache.data.order import epoch_order, node_order, rank_order  # noqa: E402
+from lcache.data.plan import NEVER, belady, next_uses, simulate_lru, simulate_opt  # noqa: E402
+from lcache.data.shared import FetchClaims, SharedCounters  # noqa: E402
+from lcache.testing.remote import ThrottledServer  # noqa: E402
+
+from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
+from .conftest import KIB, MIB, subprocess_env  # noqa: E402
+
+HEADER = 32  # record header bytes the cache adds to every sample
+
+#: DataLoader tests: 2,000 samples of 4 KiB, a cache of about half of them.
+N, SIZE = 2000, 4 * KIB
+CAPACITY = 4 * MIB
+#: Hit-ratio test: the store's fixed costs (a free and an active segment per writer, 64 KiB
+#: each, and the index) must be small next to the capacity for the plan to reach 95% of OPT
+#: (which gets the whole nominal capacity) at a fraction of 0.25: 3,000 x 16,000 bytes.
+BIG_N, BIG_SIZE = 3000, 16000
+
+
+# --------------------------------------------------------------------------- helpers
+def write_samples(root: Path, n: int, size: int, seed: int = 0) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"{i:06d}.bin").write_bytes(sample_bytes(i, size, seed))
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_samples(tmp_path_factory.mktemp("small") / "data", N, SIZE)
+
+
+_OPENED: list[CachedDataset] = []
+
+
+def open_dataset(*args: Any, **kwargs: Any) -> CachedDataset:
+    """A ``CachedDataset`` closed at the end of the test: one dropped unclosed keeps its
+    /dev/shm staging area (``test_dropped_cache_frees_its_staging_memory``)."""
+    ds = CachedDataset(*args, **kwargs)
+    _OPENED.append(ds)
+    return ds
+
+
+@pytest.fixture(autouse=True)
+def _close_datasets() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().cache.close()
+
+
+def read_epoch(loader: DataLoader, size: int, stop_after: int | None = None) -> list[int]:
+    """Sample indices of one pass over ``loader`` (every item's bytes checked)."""
+    got: list[int] = []
+    for b, batch in enumerate(loader):
+        if stop_after is not None and b == stop_after:
+            break
+        got.extend(sample_index(item, size) for item in batch)
+    return got
+
+
+def _totals_of(path: str) -> dict[str, int]:
+    return SharedCounters(path).totals()
+
+
+def node_totals(ds: CachedDataset) -> dict[str, int]:
+    """``ds.cache.counters.totals()``, read in a forked child: reading (closing) the counter
+    file here would drop this process's counter-slot lock, and the next DataLoader worker
+    would then share our slot and lose counts (``test_counter_slot_survives_totals``).
+    Even so, DataLoader workers forked after this process has counted (its prefetcher
+    does) share one slot and lose increments (``test_forked_workers_get_their_own_counter_
+    slots``): counts are exact with num_workers=0 or persistent workers only."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(_totals_of, (ds.cache.counters.path,))
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def assert_once_each(got: list[int], n: int) -> None:
+    counts = Counter(got)
+    assert len(got) == n and len(counts) == n and set(counts) == set(range(n)), (
+        f"{len(got)} items, {len(counts)} distinct; repeated "
+        f"{[i for i, c in counts.items() if c > 1][:10]}, missing "
+        f"{sorted(set(range(n)) - set(counts))[:10]}")
+
+
+class LoggedSource(FileSource):
+    """A local ``FileSource`` that appends each fetched index to ``log`` (from any process):
+    exact fetch counts, unlike the node counters (see the counter tests at the end)."""
+
+    def __init__(self, url: str, log: Path) -> None:
+        super().__init__(url)
+        self.log = str(log)
+
+    def fetch(self, index: int) -> bytes:
+        with open(self.log, "a") as f:
+            f.write(f"{index}\n")
+        return super().fetch(index)
+
+
+class PathLog(Counter):  # type: ignore[type-arg]
+    """A ``ThrottledServer.paths`` that also logs the requests in the order they came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def __setitem__(self, key: str, value: int) -> None:
+        self.log.append(key)
+        super().__setitem__(key, value)
+
+
+def sample_gets(paths: Counter, n: int) -> Counter:  # type: ignore[type-arg]
+    """GETs per sample index among server paths (listing and marker requests left out)."""
+    out: Counter[int] = Counter()
+    for path, count in paths.items():
+        name = path.rsplit("/", 1)[-1]
+        if name.endswith(".bin") and name[:-4].isdigit() and int(name[:-4]) < n:
+            out[int(name[:-4])] += count
+    return out
+
+
+# --------------------------------------------------------------------------- 1. DataLoader
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True),
+                                                     (4, False)])
+def test_dataloader_every_sample_once_in_sampler_order(small_data: Path, tmp_path: Path,
+                                                       workers: int, persistent: bool) -> None:
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, seed=7)
+    loader = DataLoader(ds, batch_size=32, sampler=sampler, num_workers=workers,
+                        persistent_workers=persistent, collate_fn=list)
+    orders = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        got = read_epoch(loader, SIZE)
+        assert_once_each(got, N)
+        assert got == sampler.order(epoch).tolist()
+        orders.append(got)
+    assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch
+    # (exact access counts: see test_forked_workers_get_their_own_counter_slots)
+    totals = node_totals(ds)
+    assert totals["corrupt_refetches"] == totals["admit_failures"] == 0
+
+
+# --------------------------------------------------------------------------- 2. hit ratio
+@pytest.fixture(scope="module")
+def big_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_samples(tmp_path_factory.mktemp("big") / "data", BIG_N, BIG_SIZE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_hit_ratio_close_to_opt(big_data: Path, tmp_path: Path, fraction: float) -> None:
+    """Warm epochs reach >= 95% of OPT's hit ratio (OPT given the whole nominal capacity)
+    and the fraction the plan can hold, with prefetch on; LRU is far below."""
+    n, dataset_bytes = BIG_N, BIG_N * BIG_SIZE
+    capacity = int(fraction * dataset_bytes)
+    ds = open_dataset(str(big_data), tmp_path / "cache", capacity)
+    sampler = SeedAwareSampler(ds, seed=3, loader_workers=2)
+    loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=2,
+                        persistent_workers=True, collate_fn=list)
+    measured, remote = [], []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        before = node_totals(ds)
+        assert_once_each(read_epoch(loader, BIG_SIZE), n)
+        d = delta(node_totals(ds), before)
+        assert d["accesses"] == n and d["admit_failures"] == 0, d
+        assert d["remote_bytes"] == d["fetches"] * BIG_SIZE, d
+        measured.append(1 - d["fetches"] / d["accesses"])
+        remote.append(d["remote_bytes"])
+
+    seq = np.concatenate([node_order(n, 3, e, range(1), 1) for e in range(3)])
+    record = BIG_SIZE + HEADER
+    opt_hits = belady(seq, record, capacity).hits
+    opt = [float(opt_hits[e * n:(e + 1) * n].mean()) for e in range(3)]
+    assert simulate_opt(seq, record, capacity) == pytest.approx(np.mean(opt))
+    lru_warm = simulate_lru(seq, record, capacity) * 3 / 2  # epoch 0 has no hits for anyone
+    plan_fraction = sampler.plan_capacity / (dataset_bytes + HEADER * n)
+    planned = [sampler.plan(e).hit_ratio for e in range(3)]
+    print(f"\nfraction {fraction}: measured {[round(x, 4) for x in measured]}, "
+          f"plan {[round(x, 4) for x in planned]}, OPT {[round(x, 4) for x in opt]}, "
+          f"LRU (warm epochs) {lru_warm:.4f}, plan can hold {plan_fraction:.4f}, "
+          f"remote MB/epoch {[round(r / 1e6, 1) for r in remote]} of "
+          f"{dataset_bytes / 1e6:.1f}")
+    assert measured[0] == 0.0 and remote[0] == dataset_bytes  # cold: each sample once
+    for e in (1, 2):
+        assert measured[e] >= 0.95 * opt[e], (e, measured[e], opt[e])
+        assert measured[e] >= plan_fraction - 0.01, (e, measured[e], plan_fraction)
+        assert remote[e] <= (1 - 0.95 * fraction) * dataset_bytes
+    assert lru_warm < 0.5 * min(measured[1:])
+
+
+# --------------------------------------------------------------------------- 3. no double fetch
+@pytest.mark.parametrize(("n", "size", "fraction", "batch"), [
+    (N, SIZE, 0.5, 32),
+    (N, SIZE, None, 32),  # None: room for everything
+    (1500, 16000, 0.25, 64),  # the loader runs 4 batches (~1 MB) ahead of the reads
+], ids=["4k-half", "4k-all", "16k-quarter"])
+def test_no_sample_fetched_twice_per_epoch(tmp_path: Path, n: int, size: int,
+                                           fraction: float | None, batch: int) -> None:
+    """With prefetch and two workers each sample is requested at most once per epoch, and
+    exactly the plan's misses are; when the cache holds everything, warm epochs request
+    nothing. ("Everything" takes a little more than the dataset: a nominal fraction of 1.0
+    leaves part of it out, see ``plan_capacity``.)"""
+    root = write_samples(tmp_path / "remote", n, size)
+    dataset_bytes = n * size
+    capacity = int(dataset_bytes * (1.15 if fraction is None else fraction))
+    with ThrottledServer(str(root), latency=0.002) as server:
+        ds = open_dataset(server.url + "/", tmp_path / "cache", capacity)
+        sampler = SeedAwareSampler(ds, seed=11)
+        if fraction is None:
+            assert sampler.plan(1).hit_ratio == sampler.plan(2).hit_ratio == 1.0
+        loader = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=2,
+                            collate_fn=list)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            before = Counter(server.paths)
+            got = read_epoch(loader, size)
+            assert got == sampler.order(epoch).tolist()
+            gets = sample_gets(Counter(server.paths) - before, n)
+            twice = {i: c for i, c in gets.items() if c > 1}
+            assert not twice, f"epoch {epoch}: {len(twice)} samples requested twice: {twice}"
+            # Every planned miss is fetched; a few more only when more processes write than
+            # the plan reserved segments for (test_plan_holds_with_many_loader_workers): that
+            # happens when readers outrun the prefetcher and admit misses themselves.
+            misses = n - int(sampler.plan(epoch).hits.sum())
+            requests = sum(gets.values())
+            assert misses <= requests <= misses + n // 200, (epoch, requests, misses)
+            if fraction is None and epoch > 0:
+                assert not gets
+
+
+# --------------------------------------------------------------------------- 4. torchrun
+TORCHRUN_TIMEOUT = 120
+
+
+def torchrun() -> str:
+    path = Path(sys.executable).parent / "torchrun"
+    if not path.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    return str(path)
+
+
+def split_by_marks(log: list[str], epochs: int) -> list[Counter]:  # type: ignore[type-arg]
+    """The server's requests per epoch, between the ranks' ``/_mark/...`` requests."""
+    marks = {f"/_mark/{m}": i for i, m in enumerate(["start", *(f"end{e}" for e in
+                                                                range(epochs))])}
+    seen = [marks[p] for p in log if p in marks]
+    assert seen == list(range(epochs + 1)), seen
+    out: list[Counter] = []  # type: ignore[type-arg]
+    current: Counter | None = None  # type: ignore[type-arg]
+    for path in log:
+        if path in marks:
+            if current is not None:
+                out.append(current)
+            current = Counter()
+        elif current is not None:
+            current[path] += 1
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "drop_last"), [(2001, False), (2001, True)])
+def test_torchrun_two_ranks_share_one_cache(tmp_path: Path, n: int, drop_last: bool) -> None:
+    """Two ranks of one node (gloo), one cache dir, one remote: per epoch each rank reads
+    ``rank_order``, together every sample once (DistributedSampler's padding or dropped
+    tail aside), and the remote serves each sample at most once per epoch."""
+    root = write_samples(tmp_path / "remote", n, SIZE)
+    out = tmp_path / "out"
+    out.mkdir()
+    epochs, seed, world = 3, 5, 2
+    env = subprocess_env()
+    env.update(OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with ThrottledServer(str(root), latency=0.002) as server:
+        server.paths = PathLog()
+        cmd = [torchrun(), "--standalone", "--nproc_per_node", str(world),
+               str(Path(__file__).with_name("_torchrun_cache.py")), server.url,
+               str(tmp_path / "cache"), str(out), "--samples", str(n), "--size", str(SIZE),
+               "--capacity", str(5 * MIB), "--epochs", str(epochs), "--seed", str(seed),
+               "--num-workers", "1", "--watchdog", str(TORCHRUN_TIMEOUT - 20),
+               *(["--drop-last"] if drop_last else [])]
+        # A session of its own, so a timeout kills the ranks too, not only torchrun.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"torchrun ran over {TORCHRUN_TIMEOUT} s (the ranks dump their stacks "
+                        f"at {TORCHRUN_TIMEOUT - 20} s):\n{stdout[-3000:]}\n{stderr[-8000:]}")
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+        log = list(server.paths.log)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    per_epoch = split_by_marks(log, epochs)
+    per_rank = n // world if drop_last else -(-n // world)
+    for r, result in enumerate(ranks):
+        assert (result["rank"], result["world"], result["local_world"]) == (r, world, world)
+        assert result["node_ranks"] == [0, 1]
+    for epoch in range(epochs):
+        union: Counter[int] = Counter()
+        for r, result in enumerate(ranks):
+            got = result["epochs"][epoch]
+            assert got == rank_order(n, seed, epoch, r, world, drop_last=drop_last).tolist()
+            assert len(got) == per_rank
+            union.update(got)
+        extra = per_rank * world - n  # > 0: padding (read twice); < 0: dropped (unread)
+        assert sorted(union.values()).count(2) == max(extra, 0)
+        assert len(union) == n - max(-extra, 0)
+        assert set(union.values()) <= {1, 2}
+        gets = sample_gets(per_epoch[epoch], n)
+        assert all(gets[i] <= union[i] for i in gets)  # a padded sample may be read twice
+        once = {i: c for i, c in gets.items() if c > 1 and union[i] == 1}
+        assert not once, f"epoch {epoch}: fetched more than once: {once}"
+        print(f"\ntorchrun n={n} drop_last={drop_last} epoch {epoch}: {sum(gets.values())} "
+              f"sample requests for {sum(union.values())} accesses")
+        if epoch > 0:
+            assert sum(gets.values()) < 0.75 * n  # the shared cache serves the rest
+
+
+# --------------------------------------------------------------------------- 5. resume
+def test_resume_mid_epoch_and_at_epoch_boundary(small_data: Path, tmp_path: Path) -> None:
+    batch, k = 16, 40
+    cache_dir = tmp_path / "cache"
+
+    def build() -> tuple[CachedDataset, SeedAwareSampler, DataLoader]:
+        ds = open_dataset(str(small_data), cache_dir, CAPACITY)
+        sampler = SeedAwareSampler(ds, seed=21)
+        return ds, sampler, DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=2,
+                                       collate_fn=list)
+
+    ds, sampler, loader = build()
+    sampler.set_epoch(0)
+    assert_once_each(read_epoch(loader, SIZE), N)
+    sampler.set_epoch(1)
+    before = read_epoch(loader, SIZE, stop_after=k)
+    assert len(before) == k * batch
+    state = sampler.state_dict(consumed=k * batch)
+    assert (state["epoch"], state["consumed"]) == (1, k * batch)
+    ds.cache.close()  # what the process's exit does
+    del ds, sampler, loader
+    gc.collect()
+
+    ds, sampler, loader = build()
+    sampler.load_state_dict(json.loads(json.dumps(state)))  # as saved in a checkpoint
+    assert (sampler.epoch, len(sampler)) == (1, N - k * batch)
+    sampler.set_epoch(1)  # the training loop's call for the resumed epoch keeps the position
+    after = read_epoch(loader, SIZE)
+    assert after == sampler.order(1).tolist()[k * batch:]
+    assert_once_each(before + after, N)
+    sampler.set_epoch(2)
+    t0 = node_totals(ds)
+    got = read_epoch(loader, SIZE)
+    assert got == sampler.order(2).tolist()
+    assert_once_each(got, N)
+    fetched = delta(node_totals(ds), t0)["fetches"]
+    planned = N - int(sampler.plan(2).hits.sum())
+    assert fetched <= planned + N // 100, (fetched, planned)  # the cache survived the restart
+
+    # At an epoch boundary: consumed == len starts the next epoch from its beginning.
+    state = sampler.state_dict()
+    assert (state["epoch"], state["consumed"]) == (2, N)
+    ds.cache.close()
+    del ds, sampler, loader
+    gc.collect()
+    _, sampler, loader = build()
+    sampler.load_state_dict(state)
+    assert (sampler.epoch, len(sampler)) == (3, N)
+    got = read_epoch(loader, SIZE)
+    assert got == sampler.order(3).tolist()
+    assert_once_each(got, N)
+
+
+# --------------------------------------------------------------------------- 6. order
+@pytest.mark.parametrize("n", [1, 2, 5, 7, 10, 11, 64, 101])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_rank_order_follows_distributed_sampler(n: int, world: int, drop_last: bool) -> None:
+    dataset = list(range(n))
+    ref = [list(DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=False,
+                                   drop_last=drop_last)) for r in range(world)]
+    ours = [rank_order(n, 0, 0, r, world, shuffle=False, drop_last=drop_last).tolist()
+            for r in range(world)]
+    assert ours == ref  # unshuffled, the padding/dropping rule gives the same lists
+    for epoch in (0, 1):
+        perm = epoch_order(n, 9, epoch)
+        assert sorted(perm.tolist()) == dataset
+        shuffled = [rank_order(n, 9, epoch, r, world, drop_last=drop_last) for r in
+                    range(world)]
+        assert [len(s) for s in shuffled] == [len(r) for r in ref]  # DistributedSampler's
+        flat = np.stack(shuffled, axis=1).reshape(-1) if shuffled[0].size else \
+            np.empty(0, np.int64)
+        total = len(flat)
+        if drop_last:  # the permutation's tail is dropped
+            assert flat.tolist() == perm[:total].tolist()
+        else:  # padded with the permutation's own head, repeated as needed
+            assert flat.tolist() == np.resize(perm, total).tolist()
+        ranks = range(world)
+        assert node_order(n, 9, epoch, ranks, world, drop_last=drop_last).tolist() == \
+            flat.tolist()
+    assert epoch_order(n, 9, 0).tolist() == epoch_order(n, 9, 0).tolist()
+    if n >= 5:
+        assert epoch_order(n, 9, 0).tolist() != epoch_order(n, 9, 1).tolist()
+        assert epoch_order(n, 9, 0).tolist() != epoch_order(n, 10, 0).tolist()
+
+
+def test_node_order_interleaves_the_nodes_ranks() -> None:
+    n, world = 50, 4
+    for start in (0, 2):  # node 0 = ranks 0-1, node 1 = ranks 2-3
+        ranks = range(start, start + 2)
+        node = node_order(n, 1, 3, ranks, world)
+        assert node[0::2].tolist() == rank_order(n, 1, 3, start, world).tolist()
+        assert node[1::2].tolist() == rank_order(n, 1, 3, start + 1, world).tolist()
+
+
+# --------------------------------------------------------------------------- 6. plan
+def test_belady_on_a_hand_made_sequence() -> None:
+    # Room for two samples. t2: 3 is needed later (t5) than 1 (t3) and 2 (t4): not admitted.
+    result = belady(np.array([1, 2, 3, 1, 2, 3]), 1, 2)
+    assert result.hits.tolist() == [False, False, False, True, True, False]
+    assert result.keep.tolist() == [True, True, False, False, False, False]
+    # 0 1 2 0 1 3 0 3 1 2, room for 2: 2 (next t9) and at t5 1 (next t8) are evicted.
+    seq = np.array([0, 1, 2, 0, 1, 3, 0, 3, 1, 2])
+    assert belady(seq, 1, 2).hits.nonzero()[0].tolist() == [3, 4, 6, 7]
+    assert simulate_opt(seq, 1, 2) == pytest.approx(0.4)
+    # A sample larger than the cache is never kept; bytes, not counts, bound the cache.
+    sizes = np.array([5, 1, 1])
+    assert not belady(np.array([0, 1, 0, 1]), sizes, 4).keep[0]
+    assert belady(np.array([0, 1, 2, 0, 1, 2]), sizes, 6).hits.sum() == 2  # 0 + one of 1, 2
+
+
+def _brute_opt_hits(seq: list[int], capacity: int) -> int:
+    """Most hits any offline policy (bypass allowed, unit sizes) can get, by search."""
+    best: dict[frozenset[int], int] = {frozenset(): 0}
+    for x in seq:
+        nxt: dict[frozenset[int], int] = {}
+        for cached, hits in best.items():
+            hit = x in cached
+            options = [cached, cached | {x}] if not hit else [cached]
+            for opt in options:
+                for keep in _subsets_within(opt, capacity):
+                    if nxt.get(keep, -1) < hits + hit:
+                        nxt[keep] = hits + hit
+        best = nxt
+    return max(best.values())
+
+
+def _subsets_within(items: frozenset[int], capacity: int) -> list[frozenset[int]]:
+    out = [frozenset()]
+    for x in items:
+        out += [s | {x} for s in out]
+    return [s for s in out if len(s) <= capacity]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=12), st.integers(1, 3))
+def test_belady_is_optimal_for_equal_sizes(seq: list[int], capacity: int) -> None:
+    result = belady(np.array(seq, dtype=np.int64), 1, capacity)
+    assert int(result.hits.sum()) == _brute_opt_hits(seq, capacity)
+    assert simulate_lru(np.array(seq), 1, capacity) <= result.hit_ratio + 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=30),
+       st.one_of(st.none(), st.lists(st.integers(0, 8), max_size=20)))
+def test_next_uses_matches_brute_force(seq: list[int], horizon: list[int] | None) -> None:
+    h = None if horizon is None else np.array(horizon, dtype=np.int64)
+    got = next_uses(np.array(seq, dtype=np.int64), h).tolist()
+    for t, x in enumerate(seq):
+        later = [u for u in range(t + 1, len(seq)) if seq[u] == x]
+        if later:
+            want = later[0]
+        elif horizon and seq and x in horizon:
+            want = len(seq) + horizon.index(x)
+        else:
+            want = NEVER
+        assert got[t] == want, (t, x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 40), st.integers(1, 4), st.integers(0, 2**16), st.booleans(),
+       st.floats(0.05, 1.2))
+def test_plan_epoch_by_epoch_equals_whole_sequence(n: int, epochs: int, seed: int,
+                                                   variable: bool, fraction: float) -> None:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 100, n).astype(np.int64) if variable else np.int64(10)
+    capacity = int(fraction * (sizes.sum() if variable else 10 * n))
+    orders = [rng.permutation(n).astype(np.int64) for _ in range(epochs)]
+    whole = belady(np.concatenate(orders), sizes, capacity)
+    carried: dict[int, int] = {}
+    hits = []
+    for e, order in enumerate(orders):
+        horizon = orders[e + 1] if e + 1 < epochs else None
+        part = belady(order, sizes, capacity, horizon=horizon, carried=carried)
+        hits.append(part.hits)
+        carried = part.carried
+    assert np.concatenate(hits).tolist() == whole.hits.tolist()
+
+
+def test_sampler_plan_is_the_whole_sequence_belady(small_data: Path, tmp_path: Path) -> None:
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, seed=4, prefetch=False)
+    seq = np.concatenate([node_order(N, 4, e, range(1), 1) for e in range(4)])
+    whole = belady(seq, SIZE + HEADER, sampler.plan_capacity)
+    for e in range(3):  # the last epoch's plan looks one epoch further: compare 0..2
+        assert sampler.plan(e).hits.tolist() == whole.hits[e * N:(e + 1) * N].tolist()
+
+
+def test_simulate_lru_on_known_sequences() -> None:
+    # cache of 2: 0 1 2(evicts 0) 0(evicts 1) 3(evicts 2) 0(hit) 1(evicts 3) -> 1 hit of 7
+    assert simulate_lru(np.array([0, 1, 2, 0, 3, 0, 1]), 1, 2) == pytest.approx(1 / 7)
+    # 0 1 0(hit) 1(hit) 2(evicts 0, the least recent) 0(evicts 1) -> 2 hits of 6
+    assert simulate_lru(np.array([0, 1, 0, 1, 2, 0]), 1, 2) == pytest.approx(2 / 6)
+    # by bytes: sample 0 (size 3) is never admitted into 2 bytes; 1 and 2 (size 1) fit
+    assert simulate_lru(np.array([0, 1, 2, 0, 1, 2]), np.array([3, 1, 1]), 2) == \
+        pytest.approx(2 / 6)
+    assert simulate_lru(np.array([], dtype=np.int64), 1, 2) == 0.0
+
+
+# ------------------------------------------------- regressions (counters, segments, staging)
+def test_counter_slot_survives_totals(tmp_path: Path) -> None:
+    path = str(tmp_path / "counters.bin")
+    mine = SharedCounters(path)
+    mine.add(accesses=1)
+    mine.totals()
+    proc = multiprocessing.get_context("fork").Process(
+        target=lambda: SharedCounters(path).add(accesses=1000))
+    proc.start()
+    proc.join(30)
+    assert mine.totals()["accesses"] == 1001
+    assert int(mine._slot[0]) == 1, "another process counts in this process's slot"
+
+
+def _count_and_wait(counters: SharedCounters, amount: int, ready: Any, done: Any) -> None:
+    counters.add(accesses=amount)
+    ready.set()
+    done.wait(30)
+
+
+def test_forked_workers_get_their_own_counter_slots(tmp_path: Path) -> None:
+    path = str(tmp_path / "counters.bin")
+    parent = SharedCounters(path)
+    parent.add(accesses=1)  # this process owns slot 0
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Event()
+    procs = []
+    for amount in (1000, 1_000_000):  # workers use the inherited object, as DataLoader's do
+        ready = ctx.Event()
+        proc = ctx.Process(target=_count_and_wait, args=(parent, amount, ready, done))
+        proc.start()
+        assert ready.wait(30)
+        procs.append(proc)
+    rows = np.fromfile(path, dtype=np.uint64).reshape(-1, 16)[:, 0].tolist()
+    done.set()
+    for proc in procs:
+        proc.join(30)
+    assert sorted(r for r in rows if r) == [1, 1000, 1_000_000]
+
+
+def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:
+    """Threads that claim on a process's first use (the prefetcher's pool) see one claim."""
+    problems = []
+    for trial in range(30):
+        claims = FetchClaims(str(tmp_path / f"claims{trial}"))
+        start = threading.Barrier(8)
+        granted: list[bool] = []
+        errors: list[str] = []
+
+        def claim(claims: FetchClaims = claims, start: threading.Barrier = start,
+                  granted: list[bool] = granted, errors: list[str] = errors) -> None:
+            start.wait()
+            try:
+                with claims.hold(7, blocking=False) as ok:
+                    granted.append(ok)
+                    time.sleep(0.01)
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=claim) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if sum(granted) != 1 or errors:
+            problems.append((trial, sum(granted), errors))
+    assert not problems, problems[:3]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_plan_holds_with_many_loader_workers(small_data: Path, tmp_path: Path) -> None:
+    log = tmp_path / "fetches.log"
+    ds = open_dataset(LoggedSource(str(small_data), log), tmp_path / "cache", N * SIZE // 2)
+    sampler = SeedAwareSampler(ds, seed=11, prefetch=False)  # the workers admit every miss
+    loader = DataLoader(ds, batch_size=32, sampler=sampler, num_workers=6, collate_fn=list)
+    fetched = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert_once_each(read_epoch(loader, SIZE), N)
+        fetched.append(len(log.read_text().split()) - sum(fetched))
+    assert fetched == [N - int(sampler.plan(e).hits.sum()) for e in range(2)]
+
+
+def _touch_and_drop(source: str, cache_dir: Path) -> str:
+    ds = CachedDataset(source, cache_dir, CAPACITY)
+    ds[0]
+    return ds.cache.staging_dir
+
+
+def test_dropped_cache_frees_its_staging_memory(small_data: Path, tmp_path: Path) -> None:
+    staging = _touch_and_drop(str(small_data), tmp_path / "cache")
+    gc.collect()
+    try:
+        assert not os.path.exists(staging), f"{staging} outlived its cache object"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def test_fixture_files_encode_their_index(small_data: Path) -> None:
+    files = sorted(small_data.iterdir())
+    assert len(files) == N
+    for i in (0, 1, N - 1):
+        assert sample_index(files[i].read_bytes(), SIZE) == i
+    damaged = bytearray(files[3].read_bytes())
+    damaged[100] ^= 1
+    with pytest.raises(AssertionError):
+        sample_index(bytes(damaged), SIZE)
