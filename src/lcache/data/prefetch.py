@@ -70,7 +70,10 @@ class Prefetcher:
                 self._next += 1
                 self._inflight += 1
                 self._inflight_bytes += size
-            self._pool.submit(self._fetch, position, index, size)
+            try:
+                self._pool.submit(self._fetch, position, index, size)
+            except RuntimeError:  # closed from one of our own threads (see close)
+                return
 
     def _fetch(self, position: int, index: int, size: int) -> None:
         # Why the check after claiming: a reader that fetched a sample the plan does not
@@ -83,7 +86,7 @@ class Prefetcher:
             self._failures += 1
             if self._failures == 1:
                 log.warning("lcache: prefetching sample %d failed (%r); readers will fetch "
-                            "on demand", index, exc, exc_info=True)
+                            "on demand", index, exc)
         finally:
             with self._cv:
                 self._inflight -= 1
