@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -25,12 +26,14 @@ import numpy as np
 
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
                  "corrupt_refetches", "admit_failures", "deleted", "served_bytes")
+log = logging.getLogger("lcache")
 _SETUP = threading.Lock()  # per-process set-up runs once even when threads race to it
 SLOTS = 1024
 SLOT_BYTES = 128  # 16 u64: the counters, then the owner's pid in the last one
 WIDTH = SLOT_BYTES // 8
 OWNER = WIDTH - 1
-_TABLES: dict[str, Any] = {}  # path -> mapped counter table, per process (inherited by fork)
+# (path, inode) -> mapped counter table, per process (inherited by fork)
+_TABLES: dict[tuple[str, int], Any] = {}
 
 
 class FetchClaims:
@@ -101,16 +104,24 @@ class SharedCounters:
     def _table(self) -> Any:
         """The counter file, mapped once per path and kept for the process's life; a forked
         child keeps using the (shared) mapping it inherited."""
-        table = _TABLES.get(self.path)
-        if table is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        key = (self.path, os.fstat(fd).st_ino)  # a recreated file is another table
+        table = _TABLES.get(key)
+        if table is not None:
+            os.close(fd)
+        else:
             try:
-                if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
-                    os.ftruncate(fd, SLOTS * SLOT_BYTES)
-                mm = mmap.mmap(fd, SLOTS * SLOT_BYTES)
+                # Why allocate: touching a page of a sparse mapping on a full filesystem
+                # kills the process with SIGBUS.
+                os.posix_fallocate(fd, 0, SLOTS * SLOT_BYTES)
+                mm: Any = mmap.mmap(fd, SLOTS * SLOT_BYTES)
+            except OSError as exc:
+                log.warning("lcache: cannot map %s (%s); this process counts on its own",
+                            self.path, exc)
+                mm = bytearray(SLOTS * SLOT_BYTES)
             finally:
                 os.close(fd)
-            table = _TABLES[self.path] = np.frombuffer(mm, np.uint64).reshape(SLOTS, WIDTH)
+            table = _TABLES[key] = np.frombuffer(mm, np.uint64).reshape(SLOTS, WIDTH)
         return table
 
     def _mine(self) -> Any:
