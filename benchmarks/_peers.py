@@ -176,7 +176,7 @@ def build_lcache(cfg: Config) -> Built:
     from lcache.data import CachedDataset, SeedAwareSampler
 
     ds = CachedDataset(f"{cfg.url}/{SAMPLES_DIR}/", cfg.cache_dir, cfg.budget)
-    sampler = SeedAwareSampler(ds, seed=cfg.seed)
+    sampler = SeedAwareSampler(ds, seed=cfg.seed, loader_workers=cfg.workers)
     return ds, {"sampler": sampler}, sampler.set_epoch
 
 
