@@ -8,9 +8,9 @@ Two memory-mapped files sit in the store directory:
   keyed by xxh3-64 of the key; 24 bytes per slot, fixed number of slots.
 
 Readers never lock. An entry is two 8-byte words written separately, so a reader can see a torn
-entry; the record header check at the read turns that into a miss (see ``record.py``). Writers of
-the hash table serialize inserts with ``flock`` on its file, which the kernel drops if the
-process dies.
+entry; the record header check at the read turns that into a miss (see ``record.py``). Writers
+of either index serialize with ``flock`` on its file, which the kernel drops if the process
+dies, so two writers of one key never leave a torn entry behind.
 
 A location is packed into one u64: ``segment_id << 32 | offset``; 0 means empty (segment ids
 start at 1).
@@ -25,7 +25,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
 import numpy.typing as npt
@@ -98,6 +98,18 @@ def _open_checked(path: str, magic: bytes) -> tuple[int, int]:
     return fd, _HDR.unpack(head)[2]
 
 
+@contextmanager
+def _file_locked(fd: int, tlock: threading.Lock) -> Iterator[None]:
+    """Exclusive against other threads (``tlock``) and processes (``flock``; the kernel drops
+    it if the holder dies)."""
+    with tlock:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 class IntIndex:
     """Flat array index for integer keys."""
 
@@ -108,6 +120,7 @@ class IntIndex:
         if not os.path.exists(path):
             _create(path, self.MAGIC, 0, initial_keys * INT_ENTRY.itemsize)
         self._fd, _ = _open_checked(path, self.MAGIC)
+        self._tlock = threading.Lock()
         self._map()
 
     def _map(self) -> None:
@@ -174,35 +187,38 @@ class IntIndex:
         return locs, lens
 
     def set(self, key: int, loc: int, length: int) -> None:
-        self._back_keys(np.array([key], np.uint64))
-        self._len[key] = length
-        self._ref[key] = 0
-        self._loc[key] = loc
+        self.set_many(np.array([key], np.uint64), np.array([loc], np.uint64),
+                      np.array([length], np.uint32))
 
     def set_many(self, keys: U64Array, locs: U64Array, lens: npt.NDArray[np.uint32]) -> None:
         if len(keys):
             self._back_keys(keys)
-        self._len[keys] = lens
-        self._ref[keys] = 0
-        self._loc[keys] = locs
+        # Why the lock: two processes putting one key would otherwise interleave their two
+        # words and leave an entry that no record matches (a permanent miss).
+        with _file_locked(self._fd, self._tlock):
+            self._len[keys] = lens
+            self._ref[keys] = 0
+            self._loc[keys] = locs
 
     def remove(self, key: int, expected_loc: int | None = None) -> bool:
         if key >= self.capacity:
             self._refresh()
             if key >= self.capacity:
                 return False
-        loc = int(self._loc[key])
-        if loc == 0 or (expected_loc is not None and loc != expected_loc):
-            return False
-        self._loc[key] = 0
-        return True
+        with _file_locked(self._fd, self._tlock):
+            loc = int(self._loc[key])
+            if loc == 0 or (expected_loc is not None and loc != expected_loc):
+                return False
+            self._loc[key] = 0
+            return True
 
     def remove_many(self, keys: U64Array, expected_locs: U64Array) -> int:
         """Remove the entries of ``keys`` that still hold ``expected_locs``; returns how many."""
         inside = keys < self.capacity
         keys, expected_locs = keys[inside], expected_locs[inside]
-        hit = self._loc[keys] == expected_locs
-        self._loc[keys[hit]] = 0
+        with _file_locked(self._fd, self._tlock):
+            hit = self._loc[keys] == expected_locs
+            self._loc[keys[hit]] = 0
         return int(np.count_nonzero(hit))
 
     def touch_many(self, keys: U64Array) -> None:
@@ -266,14 +282,8 @@ class HashIndex:
         self._mask = slots - 1
         self._tlock = threading.Lock()
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._tlock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def _locked(self) -> AbstractContextManager[None]:
+        return _file_locked(self._fd, self._tlock)
 
     def _find(self, h: int) -> int:
         """Slot holding ``h``, or -1."""
