@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +59,34 @@ def open_store(store_dir: Path) -> Iterator[Any]:
     for store in opened:
         if not store._closed:
             store.close()
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A directory under /tmp that the user ``nobody`` can reach (tmp_path's parents are 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    top = Path(tempfile.mkdtemp(prefix="lcache-nobody-"))
+    top.chmod(0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@contextmanager
+def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "3m") mounted at ``where`` (skips the test without root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(where)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

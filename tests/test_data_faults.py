@@ -13,11 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,14 +23,13 @@ from lcache.data import (
     CachedDataset,
     FileSource,
     RangeSource,
-    SampleCache,
     SourceError,
 )
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.store import fsck
 from lcache.testing.remote import ThrottledServer
 
-from .conftest import KIB, MIB, subprocess_env
+from .conftest import KIB, MIB, mounted_tmpfs, subprocess_env
 
 NOBODY = 65534
 CAPACITY = "16MiB"
@@ -54,29 +51,6 @@ def _make_files(root: Path, n: int, size: int | None = None) -> list[bytes]:
         out.append(data)
     return out
 
-
-def _staging_of(ds: CachedDataset) -> Path:
-    """Where ``ds`` stages prefetched samples (in /dev/shm when it has room)."""
-    cache = ds.cache
-    return Path(getattr(cache, "staging_dir", os.path.join(cache.cache_dir, "staging")))
-
-
-@pytest.fixture(autouse=True)
-def _remove_staging_in_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Remove the /dev/shm staging stores of the caches a test opens (lcache leaves them)."""
-    opened: list[SampleCache] = []
-    init = SampleCache.__init__
-
-    def recording(self: SampleCache, *args: Any, **kwargs: Any) -> None:
-        opened.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(SampleCache, "__init__", recording)
-    yield
-    for cache in opened:
-        staging = getattr(cache, "staging_dir", "")
-        if staging.startswith("/dev/shm/"):
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _closed_port() -> int:
@@ -159,19 +133,6 @@ def test_unreachable_http_source_says_why() -> None:
 
 
 # ------------------------------------------------------------------------ refused settings
-@pytest.fixture
-def nobody_dir() -> Iterator[Path]:
-    """A directory under /tmp that the user ``nobody`` can reach (tmp_path's parents are 0700)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to act as another user")
-    top = Path(tempfile.mkdtemp(prefix="lcache-data-nobody-"))
-    top.chmod(0o755)
-    try:
-        yield top
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
-
-
 # Everything is imported first: nobody cannot read root's Python installation.
 AS_NOBODY = """
 import os, sys
@@ -263,7 +224,7 @@ def test_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
 def test_deleted_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     old = CachedDataset([b"old-0", b"old-1"], cache, CAPACITY)
-    if not str(_staging_of(old)).startswith("/dev/shm/"):
+    if not old.cache.staging_dir.startswith("/dev/shm/"):
         pytest.skip("staging is inside the cache directory here")
     assert old.cache.prefetch(0, keep=False) > 0  # staged, not read yet
     old.cache.store().close()
@@ -330,20 +291,8 @@ def test_corrupt_cached_samples_are_refetched(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ disk full
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "6m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.root
@@ -389,7 +338,7 @@ def test_reader_killed_mid_put(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     capacity = str(4 * MIB)  # below the dataset: the reader keeps writing and evicting
     probe = CachedDataset(str(data), cache, capacity)
-    stores = {"store": cache / "store", "staging": _staging_of(probe)}
+    stores = {"store": cache / "store", "staging": Path(probe.cache.staging_dir)}
     probe.cache.store().close()
     probe.cache.staging().close()
     rng = random.Random(7)

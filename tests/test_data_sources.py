@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -32,7 +31,6 @@ from lcache.data import (
     DatasetSource,
     FileSource,
     RangeSource,
-    SampleCache,
     SeedAwareSampler,
     SourceError,
     codec,
@@ -43,22 +41,7 @@ from lcache.testing.remote import ThrottledServer
 CAPACITY = "16MiB"
 
 
-@pytest.fixture(autouse=True)
-def _remove_staging_in_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Remove the /dev/shm staging stores of the caches a test opens (lcache leaves them)."""
-    opened: list[SampleCache] = []
-    init = SampleCache.__init__
 
-    def recording(self: SampleCache, *args: Any, **kwargs: Any) -> None:
-        opened.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(SampleCache, "__init__", recording)
-    yield
-    for cache in opened:
-        staging = getattr(cache, "staging_dir", "")
-        if staging.startswith("/dev/shm/"):
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _blob(seed: int, size: int) -> bytes:

@@ -11,8 +11,7 @@ import errno
 import json
 import multiprocessing
 import os
-import shutil
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from lcache import DiskFullError, LCacheError
 from lcache.store import Store, fsck
 from lcache.testing import pattern_bytes
 
-from .conftest import KIB, MIB
+from .conftest import KIB, MIB, mounted_tmpfs
 
 VALUE = 16 * KIB
 
@@ -94,21 +93,9 @@ def _disk_full_scenario(root: str, filler: str, out: str) -> None:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Any:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    with mounted_tmpfs(tmp_path / "mnt", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.root

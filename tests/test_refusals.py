@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,19 +141,6 @@ def test_directory_owned_by_another_user(store_dir: Path) -> None:
     assert f"uid {NOBODY}" in message and "never shared between users" in message
     assert isinstance(info.value, PermissionError)
     assert not (store_dir / "store.json").exists()
-
-
-@pytest.fixture
-def nobody_dir() -> Iterator[Path]:
-    """A directory under /tmp that the user ``nobody`` can reach (tmp_path's parents are 0700)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to act as another user")
-    top = Path(tempfile.mkdtemp(prefix="lcache-nobody-"))
-    top.chmod(0o755)
-    try:
-        yield top
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
 
 
 # Everything is imported first: nobody cannot read root's Python installation.
