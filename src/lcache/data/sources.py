@@ -71,6 +71,17 @@ class _Fsspec:
         fs, _ = self.fs()
         return str(fs.unstrip_protocol(path))
 
+    def cat(self, index: int, path: str, start: int | None = None,
+            end: int | None = None) -> bytes:
+        """Bytes of ``path`` (or its range); errors name the sample and the URL."""
+        fs, _ = self.fs()
+        try:
+            return bytes(fs.cat_file(path, start=start, end=end))
+        except Exception as exc:
+            where = "" if start is None else f"bytes {start}-{end} of "
+            raise SourceError(f"cannot read sample {index} ({where}{self.full_url(path)}): "
+                              f"{type(exc).__name__}: {exc}") from exc
+
 
 class FileSource:
     """One object per sample under a directory or prefix (``/data``, ``s3://b/train/``,
@@ -122,14 +133,7 @@ class FileSource:
         return self._sizes
 
     def fetch(self, index: int) -> bytes:
-        fs, _ = self._remote.fs()
-        path = self.paths[index]
-        try:
-            return bytes(fs.cat_file(path))
-        except Exception as exc:
-            raise SourceError(
-                f"cannot read sample {index} ({self._remote.full_url(path)}): "
-                f"{type(exc).__name__}: {exc}") from exc
+        return self._remote.cat(index, self.paths[index])
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
@@ -166,16 +170,11 @@ class RangeSource:
         return self.lengths
 
     def fetch(self, index: int) -> bytes:
-        fs, root = self._remote.fs()
+        _, root = self._remote.fs()
         path = f"{root.rstrip('/')}/{self._files[self._file_of[index]]}"
         start = int(self.offsets[index])
         end = start + int(self.lengths[index])
-        try:
-            data = bytes(fs.cat_file(path, start=start, end=end))
-        except Exception as exc:
-            raise SourceError(f"cannot read sample {index} (bytes {start}-{end} of "
-                              f"{self._remote.full_url(path)}): {type(exc).__name__}: "
-                              f"{exc}") from exc
+        data = self._remote.cat(index, path, start, end)
         if len(data) != end - start:
             raise SourceError(f"sample {index}: {self._remote.full_url(path)} ended after "
                               f"{len(data)} of bytes {start}-{end}")
