@@ -111,7 +111,6 @@ def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
 
 def test_unreachable_http_source(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{_closed_port()}/x/"
-    started = time.monotonic()
     with pytest.raises(SourceError) as info:
         FileSource(url)
     assert url in str(info.value)
@@ -122,7 +121,6 @@ def test_unreachable_http_source(tmp_path: Path) -> None:
     with pytest.raises(SourceError) as info:
         src.fetch(0)
     assert "sample 0" in str(info.value) and url + "big.bin" in str(info.value)
-    assert time.monotonic() - started < 30  # refused connections fail fast, no long retries
 
 
 def test_unreachable_http_source_says_why() -> None:
