@@ -195,7 +195,10 @@ class IntIndex:
             self._back_keys(keys)
         # Why the lock: two processes putting one key would otherwise interleave their two
         # words and leave an entry that no record matches (a permanent miss).
+        # Why loc = 0 first: a process killed between the two words would otherwise leave the
+        # old location with the new length, an entry no record matches; now it is a miss.
         with _file_locked(self._fd, self._tlock):
+            self._loc[keys] = 0
             self._len[keys] = lens
             self._ref[keys] = 0
             self._loc[keys] = locs
@@ -286,12 +289,16 @@ class HashIndex:
         return _file_locked(self._fd, self._tlock)
 
     def _find(self, h: int) -> int:
-        """Slot holding ``h``, or -1."""
+        """Slot holding ``h``, or -1.
+
+        A slot whose loc is 0 is being written (or was, by a killed process) and is stepped
+        over: writers clear loc first and set it last, so a slot with a loc is whole.
+        """
         i = h & self._mask
         for _ in range(self.slots):
             if self._state[i] == EMPTY:
                 return -1
-            if self._hash[i] == h:
+            if self._hash[i] == h and self._loc[i]:
                 return i
             i = (i + 1) & self._mask
         return -1
@@ -309,6 +316,7 @@ class HashIndex:
             if i < 0:
                 i = self._free_slot(h)
             self._back_slot(i)
+            self._loc[i] = 0
             self._hash[i] = h
             self._len[i] = length
             self._ref[i] = 0
@@ -327,7 +335,7 @@ class HashIndex:
     def _free_slot(self, h: int) -> int:
         i = h & self._mask
         for _ in range(self.slots):
-            if self._state[i] != USED:
+            if self._state[i] != USED or not self._loc[i]:  # empty, or a dead copy
                 return i
             i = (i + 1) & self._mask
         raise IndexFullError(
@@ -340,7 +348,8 @@ class HashIndex:
 
         Later entries of the probe run that may live at ``i`` move back, so no tombstones pile
         up and probes stay short. Each move copies before it clears, so a crash part-way leaves
-        at worst a duplicate of an entry (``remove`` removes all copies), never loses one.
+        at worst a duplicate of an entry (``remove`` removes all copies), never loses one; the
+        slot being overwritten has its loc cleared first, so it is never a mix of two entries.
         Concurrent readers may miss a moving entry; a miss is always allowed.
         """
         mask = self._mask
@@ -353,6 +362,7 @@ class HashIndex:
             stays = (i < home <= j) if i <= j else (home > i or home <= j)
             if stays:
                 continue
+            self._loc[i] = 0
             self._hash[i] = self._hash[j]
             self._len[i] = self._len[j]
             self._ref[i] = self._ref[j]

@@ -1,0 +1,91 @@
+"""A process killed between any two stores of an index update leaves every entry whole or a miss.
+
+An entry is several words (loc, length, ...), written one at a time into a shared mmap; kill -9
+can land between any two. Each store is checked here as it happens: at every point, each entry
+that has a location must be one that existed before or after the update, never the old location
+with the new length (fsck reported that as "points past the end" after a kill in CI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lcache.store.index import USED, HashIndex, IntIndex
+
+
+class _Watched(np.ndarray):  # type: ignore[type-arg]
+    """A view of an index column that runs ``check`` after each store into it."""
+
+    check: Callable[[], None]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        np.asarray(self)[key] = value
+        type(self).check()
+
+
+def _watch(index: Any, columns: list[str], check: Callable[[], None]) -> None:
+    watched = type("Watched", (_Watched,), {"check": staticmethod(check)})
+    for name in columns:
+        setattr(index, name, getattr(index, name).view(watched))
+
+
+def _int_entries(index: IntIndex) -> set[tuple[int, int, int]]:
+    return set(index.items())
+
+
+def test_int_index_overwrite_is_never_a_mix(tmp_path: Path) -> None:
+    index = IntIndex(str(tmp_path / "i.bin"), 64)
+    keys = np.arange(10, dtype=np.uint64)
+    index.set_many(keys, (keys + np.uint64(1)) << np.uint64(32), np.full(10, 100, np.uint32))
+    before = _int_entries(index)
+    after = {(int(k), (int(k) + 50) << 32, 300 + int(k)) for k in keys}
+    whole = before | after
+    seen: list[set[tuple[int, int, int]]] = []
+
+    def check() -> None:
+        now = _int_entries(index)
+        assert now <= whole, f"a torn entry: {sorted(now - whole)[:3]}"
+        seen.append(now)
+
+    _watch(index, ["_loc", "_len", "_ref"], check)
+    index.set_many(keys, (keys + np.uint64(50)) << np.uint64(32),
+                   (keys + np.uint64(300)).astype(np.uint32))
+    assert seen and seen[-1] == after
+    index.close()
+
+
+def _hash_entries(index: HashIndex) -> set[tuple[int, int, int]]:
+    return set(index.items())
+
+
+def test_hash_index_set_and_shift_are_never_a_mix(tmp_path: Path) -> None:
+    index = HashIndex(str(tmp_path / "h.bin"), 16)
+    # one home slot for all: a long probe run, so a delete shifts every later entry back
+    hashes = [(n << 8) | 3 for n in range(1, 8)]
+    for n, h in enumerate(hashes):
+        index.set(h, (n + 1) << 32, 40 + n)
+    whole = _hash_entries(index)
+    whole.add((hashes[2], 99 << 32, 7))  # the overwrite below
+    stores: list[int] = []
+
+    def check() -> None:
+        stores.append(1)
+        now = _hash_entries(index)
+        assert now <= whole, f"a torn entry: {sorted(now - whole)[:3]}"
+        # every entry not being removed stays findable at every moment
+        for h, _, _ in now:
+            assert index.lookup(h) is not None
+
+    _watch(index, ["_hash", "_loc", "_len", "_ref", "_state"], check)
+    index.set(hashes[2], 99 << 32, 7)
+    assert index.lookup(hashes[2]) == (99 << 32, 7)
+    index.remove(hashes[0])  # shifts the six others back one by one
+    assert len(stores) > 20
+    for h in hashes[1:]:
+        assert index.lookup(h) is not None
+    assert int(np.count_nonzero(index._state == USED)) == 6
+    index.close()
