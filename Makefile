@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,torch]'
+	$(BIN)/pip install -q -e '.[dev,torch,report]'
 	touch $@
 
 demo: $(STAMP)
