@@ -1,0 +1,48 @@
+"""The trace file format: Chrome trace events, one JSON object per line (docs/trace.md).
+
+An I/O operation is a complete event (``"ph": "X"``)::
+
+    {"name": "read", "cat": "cache-read", "pid": 12, "tid": 12, "ts": 1234.5, "dur": 8.2,
+     "ph": "X", "args": {"fid": 3, "off": 4096, "size": 4096, "ret": 4096}}
+
+``ts``/``dur`` are microseconds on the machine's monotonic clock (``CLOCK_MONOTONIC``, the clock
+of ``time.perf_counter_ns`` on Linux), so events of all processes of one machine line up.
+``args.fid`` refers to a ``file_name`` metadata event of the same pid; ``ret`` is the bytes
+transferred or ``-errno``. Samples of ``/proc`` are counter events (``"ph": "C"``).
+"""
+
+from __future__ import annotations
+
+from lcache.errors import LCacheError
+
+FORMAT_VERSION = 1
+
+#: I/O classes. ``cache-recovery``, ``cache-fsck`` and ``cache-meta`` are what lcache.store
+#: uses for reopen-after-crash scans, ``lcache fsck`` and index/metadata files; they are kept
+#: as classes of their own. ``syscall`` holds the events that ``lcache trace --syscalls``
+#: recovers from strace (all file I/O of the traced processes, whatever it was for).
+CLASSES = (
+    "data-source",
+    "cache-read",
+    "cache-write",
+    "cache-gc",
+    "cache-recovery",
+    "cache-fsck",
+    "cache-meta",
+    "checkpoint",
+    "offload",
+    "other",
+    "syscall",
+)
+
+#: Operations that move bytes; the others (fsync, fdatasync, open, unlink, lseek...) are
+#: counted apart.
+DATA_OPS = frozenset({"read", "write"})
+
+#: Category names of the counter events the /proc sampler writes.
+PROC_IO = "proc-io"
+DISKSTATS = "diskstats"
+
+
+class TraceFormatError(LCacheError, ValueError):
+    """A trace file is missing, truncated or not an lcache/Chrome trace; names file and line."""

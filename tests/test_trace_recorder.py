@@ -1,0 +1,133 @@
+"""The in-process recorder: events of lcache.io, record(), fork and DataLoader workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lcache.trace
+from lcache.io import get_tracer, open_file, pread_full, pwrite_full, sync_fd
+
+HERE = Path(__file__).parent
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _io(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["ph"] == "X"]
+
+
+def _files(events: list[dict]) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e["args"]["fid"]): e["args"]["name"]
+            for e in events if e.get("name") == "file_name"}
+
+
+def test_records_lcache_io_with_class_and_path(tmp_path: Path) -> None:
+    trace = tmp_path / "t.trace"
+    data = tmp_path / "data.bin"
+    assert not lcache.trace.enabled()
+    lcache.trace.enable(str(trace))
+    try:
+        assert lcache.trace.enabled() and get_tracer() is not None
+        fd = open_file(str(data), os.O_RDWR | os.O_CREAT)
+        pwrite_full(fd, 0, [b"a" * 8192], "checkpoint")
+        sync_fd(fd, io_class="checkpoint")
+        pread_full(fd, 4096, memoryview(bytearray(4096)), "cache-read")
+        os.close(fd)
+        # The same fd number on another file must not keep the old path (inode check).
+        other = tmp_path / "other.bin"
+        fd2 = open_file(str(other), os.O_RDWR | os.O_CREAT)
+        pwrite_full(fd2, 0, [b"b" * 10], "offload")
+        os.close(fd2)
+        lcache.trace.record("read", "s3://bucket/x", 5, 7, "data-source", 1000, 2000, 7)
+    finally:
+        lcache.trace.disable()
+    assert not lcache.trace.enabled() and get_tracer() is None
+    assert "LCACHE_TRACE" not in os.environ
+    events = _events(trace)
+    names = _files(events)
+    got = [(e["name"], e["cat"], names[(e["pid"], e["args"]["fid"])], e["args"]["off"],
+            e["args"]["size"], e["args"]["ret"]) for e in _io(events)]
+    assert got == [
+        ("write", "checkpoint", str(data), 0, 8192, 8192),
+        ("fdatasync", "checkpoint", str(data), 0, 0, 0),
+        ("read", "cache-read", str(data), 4096, 4096, 4096),
+        ("write", "offload", str(other), 0, 10, 10),
+        ("read", "data-source", "s3://bucket/x", 5, 7, 7),
+    ]
+    assert all(e["pid"] == os.getpid() and e["dur"] >= 0 for e in _io(events))
+    assert any(e.get("name") == "process_name" for e in events)
+
+
+def test_record_is_a_no_op_when_off_and_checks_names(tmp_path: Path) -> None:
+    lcache.trace.record("read", "x", 0, 1, "other", 0, 1, 1)  # off: nothing happens
+    lcache.trace.enable(str(tmp_path / "t.trace"))
+    try:
+        with pytest.raises(ValueError, match="class"):
+            lcache.trace.record("read", "x", 0, 1, 'bad"class', 0, 1, 1)
+    finally:
+        lcache.trace.disable()
+
+
+def test_compressed_trace_from_two_flushes(tmp_path: Path) -> None:
+    import gzip
+
+    trace = tmp_path / "t.trace.gz"
+    lcache.trace.enable(str(trace))
+    try:
+        lcache.trace.record("write", "f", 0, 1, "other", 0, 1, 1)
+        lcache.trace.flush()
+        lcache.trace.record("write", "f", 1, 1, "other", 2, 1, 1)
+    finally:
+        lcache.trace.disable()
+    lines = gzip.decompress(trace.read_bytes()).decode().splitlines()
+    assert [json.loads(x)["args"]["off"] for x in lines if '"ph":"X"' in x] == [0, 1]
+
+
+def test_forked_child_appends_its_own_events(tmp_path: Path) -> None:
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        lcache.trace.record("write", "parent-before", 0, 1, "other", 0, 1, 1)
+        pid = os.fork()
+        if pid == 0:  # child: record, then leave the way multiprocessing children do
+            code = 0
+            try:
+                lcache.trace.record("write", "child", 0, 1, "other", 0, 1, 1)
+                lcache.trace.flush()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    names = _files(events)
+    by_file = {names[(e["pid"], e["args"]["fid"])]: e["pid"] for e in _io(events)}
+    assert by_file == {"parent-before": os.getpid(), "child": pid}  # no duplicate in child
+
+
+def test_dataloader_workers_events_arrive_complete(tmp_path: Path) -> None:
+    trace = tmp_path / "dl.trace"
+    n = 96
+    env = dict(os.environ, LCACHE_TRACE=str(trace),
+               LCACHE_TRACE_FLUSH_S="3600")  # no background flush: only the exit flushes
+    out = subprocess.run([sys.executable, str(HERE / "_trace_dataloader.py"),
+                          str(tmp_path / "records.bin"), str(n)],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(n)
+    events = _io(_events(trace))
+    reads = [e for e in events if e["cat"] == "cache-read"]
+    assert sorted(e["args"]["off"] for e in reads) == [i * 4096 for i in range(n)]
+    main_pid = {e["pid"] for e in _events(trace) if e.get("name") == "process_name"
+                and e["args"].get("ppid") == os.getpid()}
+    worker_pids = {e["pid"] for e in reads}
+    assert len(worker_pids) == 2 and not worker_pids & main_pid
