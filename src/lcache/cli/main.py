@@ -226,3 +226,8 @@ def store_demo(directory: str | None, samples: int, sample_size: str, as_json: b
 
 def main() -> None:
     cli(prog_name="lcache")
+
+
+from lcache.cli.ckpt import ckpt  # noqa: E402
+
+cli.add_command(ckpt)

@@ -1,0 +1,330 @@
+"""``save`` and ``async_save``: snapshot on the caller's thread, persist in the background.
+
+Lifecycle of one checkpoint (``CheckpointHandle.state``)::
+
+    SNAPSHOT --> PERSISTING --> PERSISTED --> PUBLISHED
+         \\            \\            \\
+          +------------+------------+--> FAILED
+
+``PERSISTED`` is visible only in multi-rank runs: a rank's shard is on disk and the global
+manifest waits for every rank, which the caller's thread confirms in ``wait()`` (or in the next
+save) with one all-gather; rank 0 then publishes. A single process publishes from the
+background thread directly.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+from lcache.checkpoint import dirs
+from lcache.checkpoint.dist import all_gather, broadcast, rank_and_world
+from lcache.checkpoint.errors import CheckpointFailedError, ConfigError
+from lcache.checkpoint.format import data_file_name, dump_manifest
+from lcache.checkpoint.persist import write_data_file
+from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
+
+log = logging.getLogger("lcache.checkpoint")
+
+
+class CkptState(enum.Enum):
+    """Where a checkpoint is in its life (transitions in the module docstring)."""
+
+    SNAPSHOT = "snapshot"
+    PERSISTING = "persisting"
+    PERSISTED = "persisted"
+    PUBLISHED = "published"
+    FAILED = "failed"
+
+
+class CheckpointHandle:
+    """An asynchronous save in progress, returned by ``async_save``.
+
+    Attributes:
+        path: where the checkpoint appears when published.
+        state: a ``CkptState``.
+        stall_s: seconds the caller waited (previous save + snapshot).
+        persist_s: seconds the background write took (set when it ends).
+        data_bytes: bytes of this rank's data file.
+        direct: whether the data file was written with O_DIRECT.
+        uploaded_to: the remote URL, when an upload was asked for and finished.
+    """
+
+    def __init__(self, path: str, root: str, name: str, rank: int, world: int,
+                 options: dict[str, Any]) -> None:
+        self.path, self.root, self.name = path, root, name
+        self.rank, self.world = rank, world
+        self.state = CkptState.SNAPSHOT
+        self.stall_s = 0.0
+        self.persist_s = 0.0
+        self.data_bytes = 0
+        self.direct = False
+        self.uploaded_to: str | None = None
+        self._options = options
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stage: str | None = None
+        self._lock_fd: int | None = None
+        self._shard: dict[str, Any] | None = None
+        self._settled = False
+        self._meta: dict[str, Any] = options.get("meta") or {}
+
+    # --- public -------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the background work is over (multi-rank: published after ``wait()``)."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        return self.world == 1 or self._settled
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is published; returns its path.
+
+        In multi-rank runs every rank must call it (or save again): it holds the all-gather
+        that lets rank 0 publish.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            DiskFullError, OSError, LCacheError: what failed this checkpoint (on this rank,
+                or ``CheckpointFailedError`` naming the rank that failed).
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint {self.path} still persisting after {timeout} s")
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def exception(self) -> BaseException | None:
+        """The error that failed this checkpoint, if it is over and failed."""
+        return self._error if self.done() else None
+
+    # --- internals ----------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self.state = CkptState.FAILED
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _discard_stage(self) -> None:
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+        self._release_lock()
+
+    def _persist(self, snap: Snapshot) -> None:
+        """Background thread: write this rank's shard; a single process also publishes."""
+        t0 = time.perf_counter()
+        try:
+            if snap.cuda_event is not None:
+                snap.cuda_event.synchronize()
+            assert self._stage is not None  # set before the thread starts
+            fname = data_file_name(self.rank)
+            self.direct = write_data_file(
+                os.path.join(self._stage, fname), snap.data, snap.arrays,
+                direct=self._options["direct"], queue_depth=self._options["queue_depth"])
+            self._shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
+                           "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
+            self.data_bytes = snap.nbytes
+            self.state = CkptState.PERSISTED
+            self.persist_s = time.perf_counter() - t0
+            if self.world == 1:
+                self._publish([self._shard])
+                self._after_publish()
+        except BaseException as exc:
+            self._fail(exc)
+            if self.world == 1:
+                self._discard_stage()
+                log.warning("checkpoint %s failed: %s", self.path, exc)
+
+    def _publish(self, shards: list[dict[str, Any]]) -> None:
+        assert self._stage is not None
+        body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
+                "meta": self._meta, "shards": shards}
+        self.path = dirs.publish(self._stage, self.root, self.name, dump_manifest(body),
+                                 {s["file"] for s in shards})
+        self._stage = None
+        self._release_lock()
+        self.state = CkptState.PUBLISHED
+
+    def _after_publish(self) -> None:
+        """Rank 0, after publishing: retention, then the optional upload."""
+        keep = self._options.get("keep_last")
+        if keep is not None:
+            dirs.apply_retention(self.root, keep)
+        url = self._options.get("upload_to")
+        if url:
+            from lcache.checkpoint.upload import upload_checkpoint
+
+            self.uploaded_to = upload_checkpoint(self.path, url,
+                                                 self._options.get("storage_options"))
+
+    def _settle(self) -> None:
+        """Caller's thread, once: in multi-rank runs agree on the outcome and publish."""
+        if self._settled:
+            return
+        if self._thread is not None:
+            self._thread.join()
+        self._settled = True
+        if self.world == 1:
+            return
+        mine = {"ok": self._error is None, "shard": self._shard,
+                "error": None if self._error is None else
+                f"{type(self._error).__name__}: {self._error}"}
+        everyone = all_gather(mine, self.world)
+        failed = [f"rank {r}: {s['error']}" for r, s in enumerate(everyone) if not s["ok"]]
+        outcome: dict[str, Any] = {"ok": not failed, "error": "; ".join(failed)}
+        if self.rank == 0:
+            if failed:
+                self._discard_stage()
+            else:
+                try:
+                    self._publish([s["shard"] for s in everyone])
+                except BaseException as exc:
+                    self._fail(exc)
+                    self._discard_stage()
+                    outcome = {"ok": False, "error": f"rank 0 publish: {exc}"}
+        outcome = broadcast(outcome, self.world)
+        self._release_lock()
+        if not outcome["ok"]:
+            self._fail(CheckpointFailedError(
+                f"checkpoint {self.path} was not published: {outcome['error']}"))
+            return
+        self.state = CkptState.PUBLISHED
+        if self.rank == 0:
+            try:
+                self._after_publish()
+            except BaseException as exc:
+                self._fail(exc)
+
+
+class Checkpointer:
+    """Saves checkpoints through one reusable host buffer.
+
+    Args:
+        keep_last: after each save, keep only this many newest complete checkpoints in the
+            checkpoint's parent directory (None keeps all; the newest is never removed).
+        upload_to: an fsspec URL; each published checkpoint is copied to ``URL/<name>``.
+        storage_options: fsspec options for ``upload_to``.
+        direct: write and read data files with O_DIRECT where the filesystem allows it.
+        queue_depth: data-file writes in flight.
+    """
+
+    def __init__(self, *, keep_last: int | None = None, upload_to: str | None = None,
+                 storage_options: dict[str, Any] | None = None, direct: bool = True,
+                 queue_depth: int = 4) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last={keep_last} would delete the newest checkpoint; "
+                              "use keep_last >= 1 or None")
+        if queue_depth < 1:
+            raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
+        self._defaults = {"keep_last": keep_last, "upload_to": upload_to,
+                          "storage_options": storage_options, "direct": direct,
+                          "queue_depth": queue_depth}
+        self._buffer = HostBuffer()
+        self._pending: CheckpointHandle | None = None
+
+    def async_save(self, state: Any, path: str | os.PathLike[str], *,
+                   meta: dict[str, Any] | None = None, **overrides: Any) -> CheckpointHandle:
+        """Snapshot ``state`` now and persist it in the background.
+
+        Waits first for this checkpointer's previous save (its host buffer is reused). The
+        state may be changed as soon as this returns.
+
+        Args:
+            state: nested dicts/lists/tuples of tensors, numpy arrays and plain values.
+            path: the checkpoint directory to create, e.g. ``ckpts/step-000100``.
+            meta: small JSON-able facts stored in the manifest (shown by ``lcache ckpt ls``).
+            **overrides: any constructor option for this save only.
+
+        Raises:
+            UnsupportedValueError: a value in ``state`` cannot be saved (single process; in
+                multi-rank runs every rank gets the error from ``wait()``).
+            CheckpointExistsError: ``path`` holds a complete checkpoint already.
+        """
+        t0 = time.perf_counter()
+        unknown = set(overrides) - set(self._defaults)
+        if unknown:
+            raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
+                              f"known: {sorted(self._defaults)}")
+        options = {**self._defaults, **overrides, "meta": meta}
+        root, name = dirs.split_path(path)
+        rank, world = rank_and_world()
+        self.wait_pending()
+        handle = CheckpointHandle(os.path.join(root, name), root, name, rank, world, options)
+        self._pending = handle
+        try:
+            dirs.ensure_root(root)
+            if rank == 0:
+                dirs.clean_leftovers(root, keep=dirs.staging_dir(root, name))
+            handle._stage, handle._lock_fd = dirs.open_staging(root, name)
+            snap = take_snapshot(state, self._buffer)
+        except BaseException as exc:
+            handle._fail(exc)
+            if world == 1:
+                handle._discard_stage()
+                handle._settled = True
+                raise
+            return handle  # the other ranks learn of it in the all-gather of wait()
+        handle.state = CkptState.PERSISTING
+        handle.stall_s = time.perf_counter() - t0
+        # not a daemon: a script that ends right after a save still finishes writing it
+        handle._thread = threading.Thread(target=handle._persist, args=(snap,),
+                                          name=f"lcache-ckpt-{name}")
+        handle._thread.start()
+        return handle
+
+    def save(self, state: Any, path: str | os.PathLike[str], *,
+             meta: dict[str, Any] | None = None, **overrides: Any) -> str:
+        """Save ``state`` and return once it is published; returns its path."""
+        return self.async_save(state, path, meta=meta, **overrides).wait()
+
+    def wait_pending(self) -> None:
+        """Finish the previous save (its errors stay with its handle, and are logged)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending._settle()
+            if pending._error is not None:
+                log.warning("previous checkpoint %s failed: %s", pending.path, pending._error)
+
+    def close(self) -> None:
+        """Finish the pending save and free the host buffer."""
+        self.wait_pending()
+        self._buffer.release()
+
+
+_default: tuple[int, Checkpointer] | None = None
+_default_lock = threading.Lock()
+
+
+def default_checkpointer() -> Checkpointer:
+    """The process's checkpointer behind ``save``/``async_save`` (a new one after fork)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default[0] != os.getpid():
+            _default = (os.getpid(), Checkpointer())
+        return _default[1]
+
+
+def async_save(state: Any, path: str | os.PathLike[str], *,
+               meta: dict[str, Any] | None = None, **options: Any) -> CheckpointHandle:
+    """``Checkpointer.async_save`` on the process's default checkpointer."""
+    return default_checkpointer().async_save(state, path, meta=meta, **options)
+
+
+def save(state: Any, path: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
+         **options: Any) -> str:
+    """Save ``state`` to the checkpoint directory ``path`` and wait until it is published.
+
+    Options are ``Checkpointer``'s (``keep_last``, ``upload_to``, ``direct``...).
+    """
+    return default_checkpointer().save(state, path, meta=meta, **options)

@@ -1,0 +1,222 @@
+"""Checkpoint directories: staging, atomic publish, listing, leftovers and retention.
+
+A save writes into ``ROOT/.lcache-partial-NAME/`` and publishes by writing ``manifest.json``
+there (temp file, fsync, rename) and then renaming the directory to ``ROOT/NAME`` (and fsyncing
+ROOT). So ``ROOT/NAME`` either does not exist or holds a complete checkpoint; ``kill -9`` at any
+moment leaves at most a hidden staging directory, which the next save in ROOT removes.
+
+Writers hold a shared ``flock`` on the staging directory's ``.lock`` file, released by the kernel
+when they die, so clean-up never removes a save in progress (DESIGN: no lock files whose
+existence is the lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
+from lcache.checkpoint.format import MANIFEST, parse_manifest
+from lcache.checkpoint.persist import read_small_file, write_file_atomic
+from lcache.errors import CorruptionError, LCacheError, StorePermissionError
+from lcache.io import fsync_dir
+
+PARTIAL = ".lcache-partial-"
+TRASH = ".lcache-trash-"
+LOCK = ".lock"
+_ORPHAN_AGE_S = 60.0  # a staging dir without its lock file is left alone this long
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A complete checkpoint found in a directory (from its manifest)."""
+
+    name: str
+    path: str
+    created_unix: float
+    world_size: int
+    arrays: int
+    data_bytes: int
+    meta: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "created_unix": self.created_unix,
+                "world_size": self.world_size, "arrays": self.arrays,
+                "data_bytes": self.data_bytes, "meta": self.meta}
+
+
+def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(root, name) of a checkpoint path; the name must be a plain directory name."""
+    full = os.path.abspath(os.fspath(path))
+    root, name = os.path.split(full.rstrip(os.sep))
+    if not name or name.startswith(".") or name in ("..",):
+        raise ConfigError(f"checkpoint path {os.fspath(path)!r} must end in a directory name "
+                          "that does not start with '.', e.g. ckpts/step-100")
+    return root, name
+
+
+def staging_dir(root: str, name: str) -> str:
+    return os.path.join(root, PARTIAL + name)
+
+
+def ensure_root(root: str) -> None:
+    """Create ``root`` owner-only if needed; refuse one that belongs to another user."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.stat(root)
+    if hasattr(os, "getuid") and st.st_uid != os.getuid() and os.getuid() != 0:
+        raise StorePermissionError(f"checkpoint directory {root} belongs to uid {st.st_uid}, "
+                                   "not you; choose a directory of your own")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def open_staging(root: str, name: str) -> tuple[str, int]:
+    """Create (or reuse) the staging directory and take a shared lock in it.
+
+    Returns (staging path, lock fd); close the fd when the save is over.
+    """
+    if is_complete(os.path.join(root, name)):
+        raise CheckpointExistsError(f"a checkpoint named {name!r} already exists in {root}; "
+                                    "checkpoints are never overwritten: pick a new name "
+                                    "(e.g. with the step number) or delete it first")
+    stage = staging_dir(root, name)
+    os.makedirs(stage, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(stage, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return stage, fd
+
+
+def _unlocked(path: str) -> bool:
+    """Whether no live process holds the lock of staging dir ``path``."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(path).st_mtime > _ORPHAN_AGE_S
+        except FileNotFoundError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def leftovers(root: str) -> list[str]:
+    """Staging and trash directories in ``root`` (interrupted saves and deletions)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(root, n) for n in names if n.startswith((PARTIAL, TRASH)))
+
+
+def clean_leftovers(root: str, keep: str | None = None) -> list[str]:
+    """Remove what interrupted saves left in ``root`` (never a save still running, never
+    ``keep``); returns the paths removed."""
+    removed = []
+    for path in leftovers(root):
+        if path == keep:
+            continue
+        if os.path.basename(path).startswith(PARTIAL) and not _unlocked(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def publish(stage: str, root: str, name: str, manifest: bytes, expected: set[str]) -> str:
+    """Make the staged checkpoint visible as ``root/name``; returns that path."""
+    for entry in os.listdir(stage):  # stale files of an earlier, interrupted save
+        if entry not in expected and entry != LOCK:
+            os.unlink(os.path.join(stage, entry))
+    write_file_atomic(os.path.join(stage, MANIFEST), manifest)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(stage, LOCK))
+    fsync_dir(stage)
+    final = os.path.join(root, name)
+    if is_complete(final):
+        raise CheckpointExistsError(f"a checkpoint named {name!r} appeared in {root} while "
+                                    "this one was saved; it was not overwritten")
+    os.rename(stage, final)  # atomic; replaces only an empty directory
+    fsync_dir(root)
+    return final
+
+
+def read_info(path: str) -> CheckpointInfo:
+    """The listing entry of the checkpoint at ``path`` (raises CorruptionError if damaged)."""
+    where = os.path.join(path, MANIFEST)
+    body = parse_manifest(read_small_file(where), where)
+    try:
+        shards = body["shards"]
+        return CheckpointInfo(
+            os.path.basename(path), path, float(body["created_unix"]), int(body["world_size"]),
+            sum(len(s["arrays"]) for s in shards), sum(int(s["data_bytes"]) for s in shards),
+            dict(body.get("meta") or {}))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptionError(f"{where}: malformed manifest ({exc!r:.200})") from exc
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo], list[str]]:
+    """Complete checkpoints in ``root``, oldest first, and the names of damaged ones.
+
+    Staging and trash directories are never listed.
+    """
+    root = os.fspath(root)
+    good: list[CheckpointInfo] = []
+    bad: list[str] = []
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return [], []
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(".") or not is_complete(path):
+            continue
+        try:
+            good.append(read_info(path))
+        except (LCacheError, OSError):
+            bad.append(name)
+    good.sort(key=lambda c: (c.created_unix, c.name))
+    return good, bad
+
+
+def latest(root: str | os.PathLike[str]) -> str | None:
+    """The path of the newest complete checkpoint in ``root``, or None."""
+    good, _ = list_checkpoints(root)
+    return good[-1].path if good else None
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint: rename it out of sight first, so no half-deleted one is listed."""
+    root, name = os.path.split(path)
+    trash = os.path.join(root, f"{TRASH}{name}-{os.getpid()}-{time.time_ns()}")
+    os.rename(path, trash)
+    fsync_dir(root)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def apply_retention(root: str, keep_last: int) -> list[str]:
+    """Keep the newest ``keep_last`` complete checkpoints in ``root``; returns paths removed.
+
+    The newest complete checkpoint is never removed (``keep_last`` must be >= 1).
+    """
+    if keep_last < 1:
+        raise ConfigError(f"keep_last={keep_last} would delete the newest checkpoint; use >= 1")
+    good, _ = list_checkpoints(root)
+    doomed = [c.path for c in good[:-keep_last]]
+    for path in doomed:
+        remove_checkpoint(path)
+    return doomed

@@ -1,0 +1,160 @@
+"""Phase two of a save, and the reads of a load: large aligned I/O through ``lcache.io``.
+
+Data files are written from the snapshot's host buffer in ``CHUNK``-sized writes with
+``queue_depth`` of them in flight (``pwritev`` releases the GIL), with O_DIRECT where the
+filesystem allows it, so a checkpoint neither waits on the page cache nor evicts the training
+job's useful pages. Every operation carries ``io_class="checkpoint"`` for the tracer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from lcache.checkpoint.format import ALIGN, ArrayRef, checksum
+from lcache.errors import ConfigError
+from lcache.io import IOEngine, ReadRequest, open_file, pread_full, pwrite_full, sync_fd
+
+IO_CLASS = "checkpoint"
+CHUNK = 8 << 20  # large enough to stream at device speed, small enough to keep several busy
+_engine: IOEngine | None = None
+
+
+def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and the filesystem allows it; returns (fd, direct)."""
+    if direct and os.statvfs(os.path.dirname(path) or ".").f_bsize <= ALIGN:
+        try:
+            return open_file(path, flags, direct=True), True
+        except ConfigError:  # tmpfs and some network filesystems refuse O_DIRECT
+            pass
+    return open_file(path, flags), False
+
+
+def _write_all(fd: int, data: memoryview, queue_depth: int) -> None:
+    chunks = [(off, data[off : off + CHUNK]) for off in range(0, len(data), CHUNK)]
+    if queue_depth <= 1 or len(chunks) <= 1:
+        for off, part in chunks:
+            pwrite_full(fd, off, [part], IO_CLASS)
+        return
+    with ThreadPoolExecutor(queue_depth, thread_name_prefix="lcache-ckpt-io") as pool:
+        futures = [pool.submit(pwrite_full, fd, off, [part], IO_CLASS) for off, part in chunks]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
+                    direct: bool = True, queue_depth: int = 4) -> bool:
+    """Write ``data`` (length a multiple of ``ALIGN``) to a new file at ``path``, fill in the
+    arrays' checksums, and fsync. Returns whether O_DIRECT was used.
+
+    Raises:
+        DiskFullError: the device filled up; the caller removes the partial file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd, used_direct = _open(path, flags, direct)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="lcache-ckpt-sum") as hasher:
+            # checksums of the host copy run beside the writes (xxh3 releases the GIL)
+            sums = hasher.submit(_checksums, data, arrays)
+            try:
+                _write_all(fd, data, queue_depth)
+            except OSError as exc:
+                if not used_direct or exc.errno != errno.EINVAL:
+                    raise
+                # the filesystem took O_DIRECT at open but refuses the I/O: go buffered
+                os.close(fd)
+                fd, used_direct = _open(path, flags, False)
+                _write_all(fd, data, queue_depth)
+            sums.result()
+        sync_fd(fd, data_only=False, io_class=IO_CLASS)
+    finally:
+        os.close(fd)
+    return used_direct
+
+
+def _checksums(data: memoryview, arrays: list[ArrayRef]) -> None:
+    for ref in arrays:
+        ref.xxh3 = checksum(data[ref.offset : ref.offset + ref.nbytes])
+
+
+def write_file_atomic(path: str, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` via a temp file beside it, fsync, ``os.replace``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        try:
+            pwrite_full(fd, 0, [payload], IO_CLASS)
+            sync_fd(fd, data_only=False, io_class=IO_CLASS)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_small_file(path: str, limit: int = 1 << 30) -> bytes:
+    """A whole (manifest-sized) file through ``lcache.io``."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ConfigError(f"{path} is {size} bytes, more than a manifest can be")
+        buf = bytearray(size)
+        got = pread_full(fd, 0, memoryview(buf), IO_CLASS)
+        return bytes(buf[:got])
+    finally:
+        os.close(fd)
+
+
+def _read_engine(queue_depth: int) -> IOEngine:
+    global _engine
+    if _engine is None or _engine.queue_depth != queue_depth:
+        _engine = IOEngine(queue_depth)
+    return _engine
+
+
+def read_data_file(path: str, nbytes: int, *, direct: bool = True,
+                   queue_depth: int = 8) -> tuple[np.ndarray[Any, Any], int]:
+    """Read the first ``nbytes`` of ``path`` into a new page-aligned array.
+
+    Returns (array of ``align_up(nbytes)`` bytes, bytes actually read: short when truncated).
+    Each load gets its own buffer: the loaded arrays are views of it, with no further copy.
+    """
+    padded = -(-nbytes // ALIGN) * ALIGN
+    fd, used_direct = _open(path, os.O_RDONLY, direct)
+    try:
+        buf = mmap.mmap(-1, max(padded, ALIGN))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        array = np.frombuffer(buf, dtype=np.uint8, count=padded)
+        view = memoryview(buf)[:padded]
+        requests = [ReadRequest(fd, off, view[off : off + CHUNK])
+                    for off in range(0, padded, CHUNK)]
+        try:
+            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS)
+        except OSError as exc:
+            if not used_direct or exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)
+            fd, used_direct = _open(path, os.O_RDONLY, False)
+            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS)
+    finally:
+        os.close(fd)
+    total = 0
+    for req, n in zip(requests, got, strict=False):
+        total += n
+        if n < len(req.buf):
+            break
+    return array, min(total, nbytes)

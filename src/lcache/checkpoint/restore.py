@@ -1,0 +1,278 @@
+"""Loading and verifying checkpoints: raw bytes and JSON in, never an unpickle.
+
+A load reads this rank's data file with large aligned reads into one new page-aligned buffer,
+checks every array's xxh3 checksum, and returns arrays that are views of that buffer (no
+further copy; the buffer is freed when the last of them is).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lcache.checkpoint.dist import rank_and_world
+from lcache.checkpoint.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptionError,
+    StateMismatchError,
+)
+from lcache.checkpoint.format import (
+    ALIGN,
+    MANIFEST,
+    ArrayRef,
+    checksum,
+    decode_tree,
+    expected_nbytes,
+    numpy_dtype,
+    parse_manifest,
+    torch_dtype,
+)
+from lcache.checkpoint.persist import read_data_file, read_small_file
+
+_MAX_LISTED = 20
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest body of the complete checkpoint at ``path``.
+
+    Raises:
+        CheckpointNotFoundError: no complete checkpoint there.
+        CorruptionError: the manifest is damaged.
+    """
+    path = os.fspath(path)
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isfile(where):
+        hint = ("a directory without manifest.json is an unfinished save"
+                if os.path.isdir(path) else "no such directory")
+        raise CheckpointNotFoundError(f"no complete checkpoint at {path} ({hint}); "
+                                      "`lcache ckpt ls` lists the complete ones")
+    body = parse_manifest(read_small_file(where), where)
+    shards = body.get("shards")
+    if not isinstance(shards, list) or len(shards) != body.get("world_size") or not shards:
+        raise CorruptionError(f"{where}: shard list does not match world_size")
+    return body
+
+
+def _shard_refs(path: str, shard: Any) -> tuple[str, int, list[ArrayRef], Any]:
+    """(data file path, padded size, arrays, tree) of one shard entry, validated."""
+    where = os.path.join(path, MANIFEST)
+    try:
+        fname, nbytes, tree = str(shard["file"]), int(shard["data_bytes"]), shard["tree"]
+        refs = [ArrayRef.from_json(a, where) for a in shard["arrays"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptionError(f"{where}: malformed shard entry ({exc!r:.200})") from exc
+    if os.sep in fname or fname.startswith(".") or nbytes % ALIGN or nbytes < 0:
+        raise CorruptionError(f"{where}: invalid data file entry {fname!r:.80}")
+    for ref in refs:
+        if ref.offset % ALIGN or ref.offset + ref.nbytes > nbytes:
+            raise CorruptionError(f"{where}: array {ref.key!r} lies outside {fname}")
+    return os.path.join(path, fname), nbytes, refs, tree
+
+
+def _materialize(buf: np.ndarray[Any, Any], ref: ArrayRef, data_path: str) -> Any:
+    where = f"{data_path} array {ref.key!r}"
+    if expected_nbytes(ref, where) != ref.nbytes:
+        raise CorruptionError(f"{where}: {ref.nbytes} bytes do not fit dtype {ref.dtype} and "
+                              f"shape {ref.shape}")
+    raw = buf[ref.offset : ref.offset + ref.nbytes]
+    if ref.kind == "torch":
+        import torch
+
+        if ref.nbytes == 0:  # a byte view of nothing cannot be reinterpreted
+            return torch.empty(ref.shape, dtype=torch_dtype(ref.dtype, where))
+        return torch.from_numpy(raw).view(torch_dtype(ref.dtype, where)).reshape(ref.shape)
+    if ref.nbytes == 0:
+        return np.empty(ref.shape, dtype=numpy_dtype(ref.dtype, where))
+    arr = raw.view(numpy_dtype(ref.dtype, where)).reshape(ref.shape)
+    return arr[()] if ref.kind == "npscalar" else arr
+
+
+def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> Any:
+    world = int(body["world_size"])
+    if rank is None:
+        rank, my_world = rank_and_world()
+        if my_world != world and not (my_world == 1 and world == 1):
+            if my_world == 1:
+                raise ConfigError(f"{path} was saved by {world} ranks; load it under torchrun "
+                                  f"with {world} ranks, or pass rank= to read one shard")
+            raise ConfigError(f"{path} was saved by {world} ranks, this run has {my_world}; "
+                              "resharding is not supported: load with the same world size")
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not in [0, {world}) for {path}")
+    for shard in body["shards"]:
+        if isinstance(shard, dict) and shard.get("rank") == rank:
+            return shard
+    raise CorruptionError(f"{os.path.join(path, MANIFEST)} has no shard for rank {rank}")
+
+
+def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = None,
+         verify: bool = True, direct: bool = True) -> Any:
+    """Load the checkpoint at ``path`` (this rank's shard in a multi-rank run).
+
+    Args:
+        path: a checkpoint directory (``lcache.checkpoint.latest(root)`` finds the newest).
+        like: a state of the expected structure (e.g. a fresh ``model.state_dict()``): keys,
+            shapes and dtypes must match, and tensors are moved to ``like``'s devices.
+        rank: which shard to read (default: this process's rank).
+        verify: check every array's checksum (xxh3, several GB/s).
+        direct: read with O_DIRECT where the filesystem allows it.
+
+    Raises:
+        CheckpointNotFoundError: no complete checkpoint at ``path``.
+        CorruptionError: a damaged manifest or data file; names the file and array.
+        StateMismatchError: the state differs from ``like``; lists the keys.
+    """
+    path = os.fspath(path)
+    body = read_manifest(path)
+    data_path, nbytes, refs, tree = _shard_refs(path, _pick_shard(body, path, rank))
+    buf = _read_checked(data_path, nbytes)
+    arrays = []
+    for ref in refs:
+        raw = buf[ref.offset : ref.offset + ref.nbytes]
+        if verify and checksum(raw) != ref.xxh3:
+            raise CorruptionError(f"checksum mismatch in {data_path} for array {ref.key!r} "
+                                  f"({ref.nbytes} bytes at offset {ref.offset}): the "
+                                  "checkpoint is damaged; load an earlier one")
+        arrays.append(_materialize(buf, ref, data_path))
+    state = decode_tree(tree, arrays, os.path.join(path, MANIFEST))
+    if like is not None:
+        state = match_like(state, like)
+    return state
+
+
+def _read_checked(data_path: str, nbytes: int) -> np.ndarray[Any, Any]:
+    if not os.path.isfile(data_path):
+        raise CorruptionError(f"data file {data_path} is missing; the checkpoint is damaged")
+    size = os.path.getsize(data_path)
+    if size < nbytes:
+        raise CorruptionError(f"data file {data_path} is {size} bytes, the manifest says "
+                              f"{nbytes}: it was truncated")
+    buf, got = read_data_file(data_path, nbytes)
+    if got < nbytes:
+        raise CorruptionError(f"data file {data_path} ended after {got} of {nbytes} bytes")
+    return buf
+
+
+# --- like= ---------------------------------------------------------------------------------
+def _describe(value: Any) -> str:
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        kind = "tensor" if type(value).__module__.startswith("torch") else "array"
+        return f"{kind} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            diffs.append(f"{key or '<root>'}: checkpoint has {_describe(got)}, like= a dict")
+            return
+        for k in want:
+            if k not in got:
+                diffs.append(f"{key}/{k}: missing from the checkpoint")
+        for k in got:
+            if k not in want:
+                diffs.append(f"{key}/{k}: in the checkpoint, not in like=")
+            else:
+                _compare(got[k], want[k], f"{key}/{k}", diffs)
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            diffs.append(f"{key}: checkpoint has {_describe(got)} of "
+                         f"{len(got) if isinstance(got, (list, tuple)) else '-'} items, "
+                         f"like= {len(want)}")
+            return
+        for i, (g, w) in enumerate(zip(got, want, strict=False)):
+            _compare(g, w, f"{key}/{i}", diffs)
+    elif hasattr(want, "dtype") and hasattr(want, "shape"):
+        same_kind = type(got).__module__.split(".")[0] == type(want).__module__.split(".")[0]
+        if not (hasattr(got, "dtype") and same_kind and got.dtype == want.dtype
+                and tuple(got.shape) == tuple(want.shape)):
+            diffs.append(f"{key}: checkpoint has {_describe(got)}, like= {_describe(want)}")
+
+
+def _to_devices(got: Any, want: Any) -> Any:
+    if isinstance(want, dict):
+        for k in want:
+            got[k] = _to_devices(got[k], want[k])
+        return got
+    if isinstance(want, (list, tuple)):
+        items = [_to_devices(g, w) for g, w in zip(got, want, strict=False)]
+        return type(got)(items) if isinstance(got, tuple) else items
+    device = getattr(want, "device", None)
+    if device is not None and not isinstance(device, str) and getattr(device, "type", "cpu") \
+            != "cpu":
+        return got.to(device)
+    return got
+
+
+def match_like(state: Any, like: Any) -> Any:
+    """Check ``state`` against ``like`` and move tensors to its devices.
+
+    Raises:
+        StateMismatchError: listing every key whose presence, shape or dtype differs.
+    """
+    diffs: list[str] = []
+    _compare(state, like, "", diffs)
+    if diffs:
+        shown = "\n  ".join(diffs[:_MAX_LISTED])
+        more = f"\n  ... and {len(diffs) - _MAX_LISTED} more" if len(diffs) > _MAX_LISTED else ""
+        raise StateMismatchError(f"the checkpoint does not match like= at {len(diffs)} "
+                                 f"key(s):\n  {shown}{more}")
+    return _to_devices(state, like)
+
+
+# --- verify --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class VerifyReport:
+    """What ``verify`` found in one checkpoint."""
+
+    path: str
+    arrays: int = 0
+    data_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "arrays": self.arrays,
+                "data_bytes": self.data_bytes, "problems": self.problems}
+
+
+def verify(path: str | os.PathLike[str]) -> VerifyReport:
+    """Read every shard of the checkpoint at ``path`` and check every checksum.
+
+    Never raises for damage: every problem found is listed in the report.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    try:
+        body = read_manifest(path)
+    except (CheckpointNotFoundError, CorruptionError, OSError) as exc:
+        report.problems.append(str(exc))
+        return report
+    for shard in body["shards"]:
+        try:
+            data_path, nbytes, refs, tree = _shard_refs(path, shard)
+            report.arrays += len(refs)
+            report.data_bytes += nbytes
+            buf = _read_checked(data_path, nbytes)
+            for ref in refs:
+                if checksum(buf[ref.offset : ref.offset + ref.nbytes]) != ref.xxh3:
+                    report.problems.append(f"checksum mismatch in {data_path} for array "
+                                           f"{ref.key!r} ({ref.nbytes} bytes at {ref.offset})")
+                    continue
+                try:
+                    if expected_nbytes(ref, data_path) != ref.nbytes:
+                        report.problems.append(f"{data_path} array {ref.key!r}: {ref.nbytes} "
+                                               f"bytes do not fit {ref.dtype}{ref.shape}")
+                except ImportError:
+                    pass  # torch arrays without torch installed: the bytes are still checked
+            decode_tree(tree, [None] * len(refs), os.path.join(path, MANIFEST))
+        except (CorruptionError, OSError) as exc:
+            report.problems.append(str(exc))
+    return report

@@ -1,0 +1,120 @@
+"""Phase one of a save: copy the state's arrays into a reusable, page-aligned host buffer.
+
+This copy is the only part of a save the training loop waits for (CheckFreq's snapshot). The
+buffer is laid out exactly as the data file, so the persist phase writes it with large aligned
+writes and no further copy. It is kept between saves: fresh pages cost a fault each on first
+touch, more than the copy itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lcache.checkpoint.format import ArrayRef, encode_tree, layout, torch_dtype
+from lcache.io import align_up
+
+_HUGE = 2 << 20
+
+
+class HostBuffer:
+    """A page-aligned host buffer that grows on demand and is reused between saves.
+
+    When the state holds CUDA tensors the buffer is pinned memory (so device-to-host copies
+    run asynchronously at full speed); otherwise an anonymous mmap with transparent huge pages
+    asked for (512 times fewer page faults on first touch).
+    """
+
+    def __init__(self) -> None:
+        self._owner: Any = None
+        self.view: memoryview = memoryview(bytearray(0))
+        self.pinned = False
+        self.lock = threading.Lock()  # held from snapshot until the persist is done with it
+
+    def ensure(self, nbytes: int, pinned: bool) -> memoryview:
+        """A view of at least ``nbytes`` (contents undefined); reallocates only to grow."""
+        if len(self.view) >= nbytes and self.pinned == pinned:
+            return self.view
+        self.release()
+        size = align_up(max(nbytes, 1), _HUGE)
+        if pinned:
+            import torch
+
+            tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._owner = tensor
+            self.view = memoryview(tensor.numpy().data).cast("B")
+        else:
+            buf = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            self._owner = buf
+            self.view = memoryview(buf)
+        self.pinned = pinned
+        return self.view
+
+    def release(self) -> None:
+        self.view.release()
+        self.view = memoryview(bytearray(0))
+        if isinstance(self._owner, mmap.mmap):
+            self._owner.close()
+        self._owner = None
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A state copied to host memory: its tree, its arrays' layout and the bytes.
+
+    Attributes:
+        tree: the JSON form of the state (``format.encode_tree``).
+        arrays: one ``ArrayRef`` per array, offsets set, checksums filled in by the persist.
+        nbytes: the data file's padded size (a multiple of ``format.ALIGN``).
+        data: the host buffer's first ``nbytes`` bytes.
+        cuda_event: recorded after the device-to-host copies; the persist waits for it.
+    """
+
+    tree: Any
+    arrays: list[ArrayRef]
+    nbytes: int
+    data: memoryview
+    cuda_event: Any = None
+    array_bytes: int = field(default=0)
+
+
+def take_snapshot(state: Any, buffer: HostBuffer) -> Snapshot:
+    """Copy ``state``'s arrays into ``buffer`` and return the snapshot (caller holds the lock).
+
+    Raises:
+        UnsupportedValueError: the state holds a value that cannot be saved (names its key).
+    """
+    arrays: list[ArrayRef] = []
+    tree = encode_tree(state, arrays)
+    nbytes = layout(arrays)
+    on_cuda = any(ref.kind == "torch" and ref.source.device.type == "cuda" for ref in arrays)
+    data = buffer.ensure(nbytes, pinned=on_cuda)[:nbytes]
+    event = None
+    for ref in arrays:
+        src = ref.source
+        ref.source = None  # the snapshot must not keep the live state alive
+        if ref.nbytes == 0:
+            continue
+        raw = np.frombuffer(data, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
+        if ref.kind == "torch":
+            import torch
+
+            dst = torch.from_numpy(raw).view(torch_dtype(ref.dtype, ref.key)).reshape(ref.shape)
+            with torch.no_grad():
+                # non_blocking from CUDA into pinned memory: the copies queue on the current
+                # stream, so later in-place updates of the training loop run after them
+                dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+        else:
+            np.copyto(raw.view(np.dtype(ref.dtype)).reshape(ref.shape), src, casting="no")
+    if on_cuda:
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+    return Snapshot(tree, arrays, nbytes, data, event, sum(r.nbytes for r in arrays))

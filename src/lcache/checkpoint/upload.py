@@ -1,0 +1,45 @@
+"""Copy a finished checkpoint to any fsspec URL (s3://, gs://, file://, ...), manifest last.
+
+The remote copy follows the local rule as far as an object store allows: the manifest is
+uploaded after every data file, so a reader that finds it finds complete data.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lcache.checkpoint.format import MANIFEST
+from lcache.checkpoint.persist import CHUNK
+from lcache.io import open_file, pread_full
+
+IO_CLASS = "checkpoint-upload"
+
+
+def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | None = None
+                      ) -> str:
+    """Upload the checkpoint directory ``path`` to ``url/<name>``; returns that URL."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    name = os.path.basename(path.rstrip(os.sep))
+    dest = f"{base.rstrip('/')}/{name}"
+    fs.makedirs(dest, exist_ok=True)
+    files = sorted(f for f in os.listdir(path) if f != MANIFEST and not f.startswith("."))
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    for fname in [*files, MANIFEST]:
+        fd = open_file(os.path.join(path, fname), os.O_RDONLY)
+        try:
+            with fs.open(f"{dest}/{fname}", "wb") as out:
+                offset = 0
+                while True:
+                    n = pread_full(fd, offset, view, IO_CLASS)
+                    if n == 0:
+                        break
+                    out.write(view[:n])
+                    offset += n
+        finally:
+            os.close(fd)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://{dest}" if protocol != "file" else dest

@@ -1,0 +1,100 @@
+"""``lcache ckpt ls DIR`` and ``lcache ckpt verify DIR``: list and check checkpoints."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@click.group("ckpt")
+def ckpt() -> None:
+    """List and verify lcache checkpoints."""
+
+
+@ckpt.command("ls")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def ls_cmd(directory: str, as_json: bool) -> None:
+    """List the complete checkpoints in DIRECTORY, oldest first (partial saves never)."""
+    from lcache.checkpoint import leftovers, list_checkpoints
+
+    good, bad = list_checkpoints(directory)
+    left = [os.path.basename(p) for p in leftovers(directory)]
+    if as_json:
+        click.echo(json.dumps({"checkpoints": [c.to_dict() for c in good], "damaged": bad,
+                               "leftovers": left}, indent=2, sort_keys=True))
+        return
+    table = Table(title=f"checkpoints in {directory}")
+    for col in ("name", "created (UTC)", "ranks", "arrays", "data", "meta"):
+        table.add_column(col, justify="left" if col in ("name", "meta") else "right")
+    for c in good:
+        created = datetime.datetime.fromtimestamp(c.created_unix, datetime.timezone.utc)
+        table.add_row(c.name, created.strftime("%Y-%m-%d %H:%M:%S"), str(c.world_size),
+                      str(c.arrays), _size(c.data_bytes),
+                      json.dumps(c.meta, sort_keys=True) if c.meta else "")
+    console.print(table)
+    if bad:
+        console.print(f"[red]damaged manifests (not listed):[/] {', '.join(bad)}",
+                      highlight=False)
+    if left:
+        console.print(f"[dim]{len(left)} unfinished save(s) or deletion(s), removed by the "
+                      "next save here[/]", highlight=False)
+
+
+@ckpt.command("verify")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def verify_cmd(directory: str, as_json: bool) -> None:
+    """Check every checksum of the checkpoint DIRECTORY, or of every checkpoint in it.
+
+    Exit status 0 when all are intact, 2 when a problem was found.
+    """
+    from lcache.checkpoint import list_checkpoints, verify
+    from lcache.checkpoint.format import MANIFEST
+
+    if os.path.isfile(os.path.join(directory, MANIFEST)) or not os.path.isdir(directory):
+        paths = [directory]
+    else:
+        good, bad = list_checkpoints(directory)
+        paths = [c.path for c in good] + [os.path.join(directory, b) for b in bad]
+        if not paths:
+            paths = [directory]  # reports "no complete checkpoint"
+    reports: list[dict[str, Any]] = []
+    with console.status("verifying...", spinner="dots") if not as_json else _Null():
+        for path in paths:
+            reports.append(verify(path).to_dict())
+    ok = all(r["ok"] for r in reports)
+    if as_json:
+        click.echo(json.dumps({"ok": ok, "checkpoints": reports}, indent=2, sort_keys=True))
+    else:
+        for r in reports:
+            mark = "[green]ok[/]" if r["ok"] else "[bold red]DAMAGED[/]"
+            console.print(f"{mark} {r['path']}: {r['arrays']} arrays, "
+                          f"{_size(r['data_bytes'])}", highlight=False)
+            for problem in r["problems"]:
+                console.print(f"  [red]problem:[/] {problem}", highlight=False)
+    sys.exit(0 if ok else 2)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
