@@ -140,6 +140,22 @@ class TrainingConfig:
         """Raise :class:`ConfigError` naming the first setting that cannot work."""
         if not isinstance(self.model, ModelShape):
             raise ConfigError(f"model must be a ModelShape, got {type(self.model).__name__}")
+        for fld in dataclasses.fields(self):
+            value = getattr(self, fld.name)
+            kind = str(fld.type)
+            if value is None and "None" in kind:
+                continue
+            if kind.startswith("bool"):
+                ok = isinstance(value, bool)
+            elif kind.startswith(("int", "float")):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            elif kind.startswith("str"):
+                ok = isinstance(value, str)
+            else:
+                continue
+            if not ok:
+                raise ConfigError(f"{fld.name} must be {kind.replace(' | None', '')}, "
+                                  f"got {value!r}")
         for key in ("gpus", "global_batch", "micro_batch", "tp", "pp", "gpus_per_node",
                     "ssds_per_node", "retention"):
             value = getattr(self, key)

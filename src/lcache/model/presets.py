@@ -59,6 +59,15 @@ class ModelShape:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model {self.name!r}: {key} must be a positive integer, "
                                   f"got {value!r}")
+        for key in ("gated_mlp", "tied_embeddings", "bias"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"model {self.name!r}: {key} must be true or false, "
+                                  f"got {getattr(self, key)!r}")
+        for key in ("position_embeddings", "extra_params"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"model {self.name!r}: {key} must be an integer >= 0, "
+                                  f"got {value!r}")
         if self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden {self.hidden} is not a multiple of "
                               f"heads {self.heads}; the head size must be a whole number")
@@ -68,9 +77,6 @@ class ModelShape:
         if self.norm not in NORMS:
             raise ConfigError(f"model {self.name!r}: norm {self.norm!r} is not one of "
                               f"{', '.join(NORMS)}")
-        if self.position_embeddings < 0 or self.extra_params < 0:
-            raise ConfigError(f"model {self.name!r}: position_embeddings and extra_params "
-                              "must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

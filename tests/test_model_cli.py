@@ -1,0 +1,154 @@
+"""``lcache model`` on the command line, and YAML model files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lcache.cli.main import cli
+from lcache.errors import ConfigError
+from lcache.model import CLASSES, config_from_preset, load_model_file, predict
+
+CLASS_KEYS = {"direction", "bytes_per_step", "bytes_per_event", "bytes_per_day", "per_node",
+              "per_gpu", "per_node_bytes_per_day", "per_gpu_bytes_per_day",
+              "MBps_needed_overlap", "MBps_needed_no_overlap"}
+SSD_KEYS = {"write_bytes_per_day_per_node", "dwpd", "keeps_up", "margin", "verdict"}
+
+LLAMA_8B_YAML = """\
+name: my-8b
+layers: 32
+hidden: 4096
+ffn_hidden: 14336
+heads: 32
+kv_heads: 8
+vocab: 128256
+seq_len: 8192
+training:
+  gpus: 16
+  tp: 2
+  checkpoint_interval_steps: 50
+  ssd_capacity_bytes: 7.68TB
+"""
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["model", *args])
+    return result.exit_code, result.output
+
+
+def test_json_has_the_promised_keys() -> None:
+    code, out = _run("llama3-70b", "--gpus", "128", "--optimizer-offload", "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    for key in ("step_time_s", "params", "checkpoint_bytes", "checkpoint_interval_steps",
+                "classes", "ssd"):
+        assert key in doc
+    assert set(doc["classes"]) == set(CLASSES)
+    for c in doc["classes"].values():
+        assert set(c) >= CLASS_KEYS
+    assert set(doc["ssd"]) >= SSD_KEYS
+    assert isinstance(doc["ssd"]["keeps_up"], bool)
+    assert doc["gpus"] == 128 and doc["dp"] == 16
+    assert doc["classes"]["optimizer-offload"]["enabled"] is True
+    # The CLI prints what the library computes.
+    lib = predict(config_from_preset("llama3-70b", gpus=128, optimizer_offload=True)).to_dict()
+    assert doc["checkpoint_bytes"] == lib["checkpoint_bytes"]
+    assert doc["step_time_s"] == pytest.approx(lib["step_time_s"])
+
+
+def test_options_reach_the_config() -> None:
+    code, out = _run("llama3-8b", "--gpus", "16", "--gpu", "a100", "--mfu", "0.5",
+                     "--ckpt-minutes", "15", "--ssd-capacity", "7.68TB", "--ssd-write", "2GB",
+                     "--seq-len", "4096", "--recompute", "full", "--zero", "1", "--json")
+    assert code == 0, out
+    cfg = json.loads(out)["config"]
+    assert (cfg["gpus"], cfg["gpu"], cfg["mfu"], cfg["checkpoint_interval_minutes"]) == \
+        (16, "a100", 0.5, 15.0)
+    assert cfg["ssd_capacity_bytes"] == 7_680_000_000_000
+    assert cfg["ssd_write_bytes_per_s"] == 2_000_000_000
+    assert cfg["model"]["seq_len"] == 4096 and cfg["recompute"] == "full"
+    assert cfg["peak_flops"] == 312e12
+
+
+def test_table_prints_sizes_in_both_units_and_a_verdict() -> None:
+    code, out = _run("llama3-8b")
+    assert code == 0, out
+    assert "112.4 GB" in out and "104.7 GiB" in out
+    assert "verdict:" in out and "keeps up" in out
+
+
+def test_real_subprocess_json() -> None:
+    out = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert json.loads(out)["params"] == 335_141_888
+
+
+def test_bad_input_is_one_clear_line() -> None:
+    code, out = _run("llama3-8b", "--gpus", "12", "--tp", "8")
+    assert code == 1 and "multiple of tp x pp" in out and "Traceback" not in out
+    code, out = _run()
+    assert code == 1 and "give a preset" in out
+    code, out = _run("nope")
+    assert code == 1 and "unknown model preset 'nope'" in out
+
+
+def test_list_presets() -> None:
+    code, out = _run("--list", "--json")
+    assert code == 0
+    assert set(json.loads(out)) == {"llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b",
+                                    "bert-large"}
+
+
+# -- YAML model files ----------------------------------------------------------------------------
+
+def test_model_file_equals_the_preset(tmp_path: Path) -> None:
+    path = tmp_path / "my8b.yaml"
+    path.write_text(LLAMA_8B_YAML)
+    cfg = load_model_file(path)
+    assert cfg.model.name == "my-8b" and cfg.gpus == 16 and cfg.tp == 2
+    assert cfg.ssd_capacity_bytes == 7_680_000_000_000
+    ours = predict(cfg)
+    assert ours.params == predict(config_from_preset("llama3-8b")).params
+    assert ours.checkpoint_interval_steps == 50
+    code, out = _run("--model-file", str(path), "--gpus", "32", "--json")
+    assert code == 0, out
+    assert json.loads(out)["gpus"] == 32  # the command line wins over the file
+
+
+def test_model_file_from_a_preset_with_changes(tmp_path: Path) -> None:
+    path = tmp_path / "long.yaml"
+    path.write_text("preset: llama3-8b\nseq_len: 32768\ntraining: {global_batch: 128}\n")
+    cfg = load_model_file(path)
+    assert cfg.model.seq_len == 32768 and cfg.model.layers == 32 and cfg.global_batch == 128
+    assert cfg.gpus == 8  # the preset's training defaults still apply
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (LLAMA_8B_YAML.replace("ffn_hidden:", "ffn_hiden:"), "unknown key 'ffn_hiden'"),
+    (LLAMA_8B_YAML.replace("  gpus: 16", "  gpu_count: 16"), "unknown setting 'gpu_count'"),
+    (LLAMA_8B_YAML.replace("heads: 32\n", "heads: many\n", 1), "heads must be a positive"),
+    (LLAMA_8B_YAML.replace("layers: 32\n", ""), "lacks layers"),
+    (LLAMA_8B_YAML.replace("  tp: 2", "  tp: 3"), "multiple of tp x pp"),
+    (LLAMA_8B_YAML.replace("  gpus: 16", "  gpus: sixteen"), "gpus must be"),
+    ("- a list\n", "must hold a mapping"),
+    ("layers: [1, 2\n", "not valid YAML"),
+])
+def test_bad_model_file_names_the_key_and_the_file(tmp_path: Path, text: str,
+                                                   words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as info:
+        load_model_file(path)
+    assert str(path) in str(info.value)
+    code, out = _run("--model-file", str(path))
+    assert code == 1 and "bad.yaml" in out and "Traceback" not in out
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model_file(tmp_path / "none.yaml")
