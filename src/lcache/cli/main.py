@@ -228,6 +228,10 @@ def main() -> None:
     cli(prog_name="lcache")
 
 
+from lcache.cli.model import model_cmd  # noqa: E402 (subcommands register after the group)
+
+cli.add_command(model_cmd)
+
 from lcache.cli.ckpt import ckpt  # noqa: E402
 
 cli.add_command(ckpt)
