@@ -235,3 +235,12 @@ cli.add_command(model_cmd)
 from lcache.cli.ckpt import ckpt  # noqa: E402
 
 cli.add_command(ckpt)
+
+from lcache.cli.trace import report_cmd, trace_cmd  # noqa: E402
+
+cli.add_command(trace_cmd)
+cli.add_command(report_cmd)
+
+from lcache.cli.bench import bench  # noqa: E402
+
+cli.add_command(bench)

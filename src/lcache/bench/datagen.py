@@ -1,0 +1,146 @@
+"""Dataset files in DLIO's layout and formats: generate them, list them, index their samples.
+
+Layout (DLIO ``data_generator.py``): ``DATA/train/{prefix}_{i}_of_{n}.{format}`` with ``i``
+zero-padded to the width of ``n``, so a folder DLIO generated is read here and vice versa.
+
+Formats:
+    npz / npy: one numpy array ``x`` of shape (samples, bytes) uint8 (npz adds labels ``y``).
+        A reader loads the whole file, as DLIO's ``np.load`` does.
+    indexed_binary / mmap_indexed_binary: raw sample bytes, plus ``FILE.off.idx`` and
+        ``FILE.sz.idx`` holding uint64 offsets and sizes (DLIO ``indexed_binary_generator.py``).
+    tfrecord: TFRecord framing (u64 length, u32 length CRC, data, u32 data CRC). The CRC fields
+        are written as zero (CRC32C in pure Python would dominate generation time); the
+        framing and bytes on disk are TFRecord's, TensorFlow itself would refuse the CRCs.
+
+Sample sizes: ``record_length`` bytes, or with ``record_length_stdev`` one normal draw per file
+(all samples of a file share it). DLIO draws a square image side ``d = sqrt(record_length)``,
+so its samples hold ``int(d)**2`` bytes, a little under ``record_length``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lcache.bench.config import Workload
+from lcache.errors import ConfigError
+from lcache.io import fsync_dir, open_file, pwrite_full, sync_fd
+
+IO_CLASS = "data-source"
+_CHUNK = 16 << 20
+
+
+def file_names(w: Workload) -> list[str]:
+    """The training file names DLIO gives this workload (relative to ``DATA/train``)."""
+    n = w.num_files_train
+    width = len(str(n))
+    return [f"{w.file_prefix}_{i:0{width}d}_of_{n}.{w.format}" for i in range(n)]
+
+
+def sample_size_of_file(w: Workload, index: int) -> int:
+    """Bytes per sample in file ``index`` (a deterministic draw when stdev > 0)."""
+    if w.record_length_stdev <= 0:
+        return w.record_length
+    rng = np.random.default_rng([w.seed, index])
+    return max(1, int(rng.normal(w.record_length, w.record_length_stdev)))
+
+
+def _payload(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    return np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)
+
+
+def _encode(w: Workload, index: int) -> list[bytes | memoryview]:
+    """The bytes of data file ``index`` (and, for indexed formats, its index files)."""
+    size = sample_size_of_file(w, index)
+    n = w.num_samples_per_file
+    rng = np.random.default_rng([w.seed, index, 1])
+    x = _payload(rng, size * n).reshape(n, size)
+    if w.format in ("npz", "npy"):
+        buf = io.BytesIO()
+        if w.format == "npz":
+            np.savez(buf, x=x, y=np.zeros(n, dtype=np.uint8))
+        else:
+            np.save(buf, x)
+        return [buf.getbuffer()]
+    if w.format == "tfrecord":
+        parts: list[bytes | memoryview] = []
+        for row in x:
+            parts += [np.uint64(size).tobytes(), b"\0\0\0\0", row.tobytes(), b"\0\0\0\0"]
+        return [b"".join(parts)]
+    offsets = np.arange(n, dtype="<u8") * size
+    sizes = np.full(n, size, dtype="<u8")
+    return [x.tobytes(), offsets.tobytes(), sizes.tobytes()]
+
+
+def _publish(path: str, data: bytes | memoryview) -> None:
+    """Write ``path`` atomically: temp file, fsync, rename (nothing half-written is visible)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=0o644)
+    try:
+        view = memoryview(data)
+        for off in range(0, len(view), _CHUNK):
+            pwrite_full(fd, off, [view[off:off + _CHUNK]], io_class=IO_CLASS)
+        sync_fd(fd, io_class=IO_CLASS)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
+             progress: Callable[[int], None] | None = None) -> int:
+    """Write this rank's share of the training files (file ``i`` goes to rank ``i % world``).
+
+    Files that already exist with the expected name are kept (DLIO regenerates them; keeping
+    them makes a rerun cheap). Returns the bytes written by this rank.
+    """
+    train = os.path.join(data_dir, "train")
+    os.makedirs(train, mode=0o755, exist_ok=True)
+    written = 0
+    for i, name in enumerate(file_names(w)):
+        if i % world != rank:
+            continue
+        path = os.path.join(train, name)
+        if not os.path.exists(path):
+            parts = _encode(w, i)
+            _publish(path, parts[0])
+            if len(parts) == 3:
+                _publish(path + ".off.idx", parts[1])
+                _publish(path + ".sz.idx", parts[2])
+            written += sum(len(p) for p in parts)
+        if progress is not None:
+            progress(1)
+    fsync_dir(train)
+    return written
+
+
+def list_train_files(w: Workload, data_dir: str) -> list[str]:
+    """Sorted training files of the workload's format (as DLIO lists them), first n used.
+
+    Raises:
+        ConfigError: fewer files than ``num_files_train``; the message says how to generate.
+    """
+    train = os.path.join(data_dir, "train")
+    suffix = f".{w.format}"
+    names = sorted(e for e in os.listdir(train) if e.endswith(suffix)) \
+        if os.path.isdir(train) else []
+    if len(names) < w.num_files_train:
+        raise ConfigError(
+            f"{train} holds {len(names)} {w.format} files but the workload needs "
+            f"{w.num_files_train}; generate them with workflow.generate_data: True "
+            "(or `lcache bench run --generate`)")
+    return [os.path.join(train, n) for n in names[:w.num_files_train]]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleIndex:
+    """Where each sample of one file lies: ``offsets[i]``, ``sizes[i]`` bytes."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray

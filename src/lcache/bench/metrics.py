@@ -1,0 +1,268 @@
+"""DLIO's metrics: accelerator utilization (AU), throughput, I/O rate, checkpoint durations.
+
+Per rank (DLIO ``utils/statscounter.py``): steps are grouped in *blocks*, a block ending at each
+checkpoint so checkpoint time never counts against AU. For each step the rank records ``load``
+(waiting for the batch), ``proc`` (load + compute) and ``compute`` (the sleep). For a block::
+
+    AU         = sum(compute[s..e]) / (block wall time - sum(proc outside s..e))
+    throughput = (e - s + 1) * batch_size / (block wall time - sum(proc outside s..e))
+
+where steps ``s..e`` exclude ``metric.exclude_start_steps`` (default 1: the first step pays
+the reader's warm-up) and ``exclude_end_steps`` (default 0). An epoch's figure is the
+step-weighted mean of its blocks.
+
+Across ranks (DLIO's allreduce): AU is the mean over ranks, samples/s the sum over ranks (the
+job's rate), ``train_io_mean_MB_per_second = samples/s * record_length / 2**20`` (DLIO's
+formula; the bytes actually read are reported beside it). Checkpoint durations are the slowest
+rank's (every rank waits at the barrier for it), so a checkpoint's rate is
+``checkpoint_size_GB / duration``: the whole checkpoint over the slowest rank's time, which is
+the minimum of the ranks' rates, not their sum. ``GB`` in DLIO's key names is GiB (2**30).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+
+@dataclass
+class _Block:
+    start: float
+    end: float = 0.0
+    load: list[float] = field(default_factory=list)
+    proc: list[float] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def block_metrics(b: _Block, batch_size: int, skip_start: int, skip_end: int
+                  ) -> tuple[float, float, int]:
+    """(AU percent, samples/s, metric steps) of one block, DLIO's formula."""
+    n = len(b.compute)
+    s, e = skip_start, n - 1 - skip_end
+    if e < s:
+        return 0.0, 0.0, 0
+    wall = b.end - b.start
+    total = wall - sum(b.proc[:s]) - sum(b.proc[e + 1:])
+    compute = sum(b.compute[s:e + 1])
+    if total <= 0:
+        return 0.0, 0.0, 0
+    au = 100.0 * compute / total if compute > 0 else 0.0
+    return au, (e - s + 1) * batch_size / total, e - s + 1
+
+
+class RankRecorder:
+    """One rank's timings, in DLIO's shape; ``to_dict`` is this rank's ``{rank}_output.json``."""
+
+    def __init__(self, rank: int, batch_size: int, skip_start: int = 1, skip_end: int = 0
+                 ) -> None:
+        self.rank = rank
+        self.batch_size = batch_size
+        self.skip_start = skip_start
+        self.skip_end = skip_end
+        self.epochs: dict[int, list[_Block]] = {}
+        self.epoch_wall: dict[int, tuple[float, float]] = {}
+        self.checkpoints: list[dict[str, Any]] = []
+        self._t_load = 0.0
+        self._t_compute = 0.0
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epochs[epoch] = []
+        self.epoch_wall[epoch] = (time.time(), 0.0)
+        self.start_block(epoch)
+
+    def end_epoch(self, epoch: int) -> None:
+        blocks = self.epochs[epoch]
+        if blocks and blocks[-1].end == 0.0:
+            blocks[-1].end = time.time()
+        if blocks and not blocks[-1].compute:
+            blocks.pop()  # an empty block after a final checkpoint
+        self.epoch_wall[epoch] = (self.epoch_wall[epoch][0], time.time())
+
+    def start_block(self, epoch: int) -> None:
+        self.epochs[epoch].append(_Block(start=time.time()))
+
+    def end_block(self, epoch: int) -> None:
+        self.epochs[epoch][-1].end = time.time()
+
+    def step(self, epoch: int, load_s: float, compute_s: float, proc_s: float,
+             nbytes: int) -> None:
+        b = self.epochs[epoch][-1]
+        b.load.append(load_s)
+        b.compute.append(compute_s)
+        b.proc.append(proc_s)
+        b.nbytes += nbytes
+
+    def checkpoint(self, kind: str, name: str, duration_s: float, own_s: float,
+                   nbytes: int) -> None:
+        """Record a ``save`` or ``load``: barrier-to-barrier duration and this rank's own."""
+        self.checkpoints.append({"kind": kind, "name": name, "duration_s": duration_s,
+                                 "rank_duration_s": own_s, "bytes": nbytes})
+
+    def epoch_metrics(self, epoch: int) -> dict[str, Any]:
+        rows = [block_metrics(b, self.batch_size, self.skip_start, self.skip_end)
+                for b in self.epochs[epoch]]
+        steps = sum(r[2] for r in rows)
+        au = sum(r[0] * r[2] for r in rows) / steps if steps else 0.0
+        thr = sum(r[1] * r[2] for r in rows) / steps if steps else 0.0
+        blocks = self.epochs[epoch]
+        n_steps = sum(len(b.compute) for b in blocks)
+        load = [x for b in blocks for x in b.load]
+        t0, t1 = self.epoch_wall[epoch]
+        return {
+            "au_percentage": au, "throughput_samples_per_second": thr,
+            "steps": n_steps, "metric_steps": steps, "blocks": len(blocks),
+            "duration_s": t1 - t0, "bytes_read": sum(b.nbytes for b in blocks),
+            "load_mean_s": float(np.mean(load)) if load else 0.0,
+            "compute_total_s": sum(sum(b.compute) for b in blocks),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank,
+                "epochs": {str(e): self.epoch_metrics(e) for e in self.epochs},
+                "checkpoints": self.checkpoints}
+
+
+def write_json_atomic(path: str, doc: Any) -> None:
+    """Publish ``doc`` as JSON at ``path``: temp file, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, default=_jsonable)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    return float(np.mean(values)), float(np.std(values))
+
+
+def aggregate(ranks: list[dict[str, Any]], record_length: int, au_target: float,
+              checkpoint_bytes: int) -> dict[str, Any]:
+    """DLIO's ``summary['metric']`` from every rank's output, plus per-epoch and per-rank rows.
+
+    Args:
+        ranks: each rank's :meth:`RankRecorder.to_dict`, in rank order.
+        record_length: ``dataset.record_length`` (DLIO's I/O-rate formula uses it).
+        au_target: ``metric.au`` as a fraction.
+        checkpoint_bytes: one whole checkpoint, all ranks.
+    """
+    metric: dict[str, Any] = {}
+    epochs = sorted({int(e) for r in ranks for e in r["epochs"]})
+    per_epoch = []
+    au_list, thr_list = [], []
+    for e in epochs:
+        rows = [r["epochs"][str(e)] for r in ranks if str(e) in r["epochs"]]
+        au = float(np.mean([x["au_percentage"] for x in rows]))
+        thr = float(sum(x["throughput_samples_per_second"] for x in rows))
+        au_list.append(au)
+        thr_list.append(thr)
+        duration = max(x["duration_s"] for x in rows)
+        nbytes = sum(x["bytes_read"] for x in rows)
+        per_epoch.append({
+            "epoch": e, "au_percentage": au, "throughput_samples_per_second": thr,
+            "duration_s": duration, "bytes_read": nbytes,
+            "measured_io_MB_per_second": nbytes / MIB / duration if duration > 0 else 0.0,
+            "min_rank_throughput_samples_per_second":
+                min(x["throughput_samples_per_second"] for x in rows),
+            "steps": rows[0]["steps"],
+        })
+    if epochs:
+        au_mean, au_std = _mean_std(au_list)
+        thr_mean, thr_std = _mean_std(thr_list)
+        metric.update({
+            "train_au_percentage": au_list,
+            "train_au_mean_percentage": au_mean,
+            "train_au_meet_expectation": "success" if au_mean >= au_target * 100 else "fail",
+            "train_au_stdev_percentage": au_std,
+            "train_throughput_samples_per_second": thr_list,
+            "train_throughput_mean_samples_per_second": thr_mean,
+            "train_throughput_stdev_samples_per_second": thr_std,
+            "train_io_mean_MB_per_second": thr_mean * record_length / MIB,
+            "train_io_stdev_MB_per_second": thr_std * record_length / MIB,
+            "train_io_measured_mean_MB_per_second":
+                float(np.mean([p["measured_io_MB_per_second"] for p in per_epoch])),
+        })
+    size_gib = checkpoint_bytes / GIB
+    by_name: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in ranks:
+        for c in r["checkpoints"]:
+            by_name.setdefault((c["kind"], c["name"]), []).append(c)
+    ckpt_rows = []
+    for kind in ("save", "load"):
+        durations = []
+        for (k, name), rows in by_name.items():
+            if k != kind:
+                continue
+            d = max(c["duration_s"] for c in rows)
+            durations.append(d)
+            ckpt_rows.append({"kind": kind, "name": name, "duration_s": d,
+                              "slowest_rank": max(rows, key=lambda c: c["rank_duration_s"])
+                              ["rank_duration_s"],
+                              "GB_per_second": size_gib / d if d > 0 else 0.0,
+                              "bytes": sum(c["bytes"] for c in rows)})
+        if durations:
+            rates = [size_gib / d for d in durations if d > 0]
+            d_mean, d_std = _mean_std(durations)
+            r_mean, r_std = _mean_std(rates)
+            metric[f"{kind}_checkpoint_duration_mean_seconds"] = d_mean
+            metric[f"{kind}_checkpoint_duration_stdev_seconds"] = d_std
+            metric[f"{kind}_checkpoint_io_mean_GB_per_second"] = r_mean
+            metric[f"{kind}_checkpoint_io_stdev_GB_per_second"] = r_std
+    if ckpt_rows:
+        metric["checkpoint_size_GB"] = size_gib
+    per_rank = [{"rank": r["rank"], "epochs": r["epochs"],
+                 "checkpoints": r["checkpoints"]} for r in ranks]
+    return {"metric": metric, "per_epoch": per_epoch, "checkpoints": ckpt_rows,
+            "per_rank": per_rank, "epochs": len(epochs)}
+
+
+def verdict(summary: dict[str, Any], au_target: float) -> str:
+    """One line: AU met or not, and why (the figure that decides it)."""
+    m = summary["metric"]
+    parts = []
+    if "train_au_mean_percentage" in m:
+        au = m["train_au_mean_percentage"]
+        target = au_target * 100
+        rows = summary["per_epoch"]
+        load = [r for rank in summary["per_rank"] for e, r in rank["epochs"].items()]
+        wait = float(np.mean([x["load_mean_s"] for x in load])) if load else 0.0
+        if au >= target:
+            parts.append(f"AU {au:.1f}% >= {target:g}%: MET, storage kept the accelerators "
+                         f"busy ({m['train_throughput_mean_samples_per_second']:.1f} samples/s, "
+                         f"mean wait for a batch {wait * 1000:.1f} ms)")
+        else:
+            parts.append(f"AU {au:.1f}% < {target:g}%: NOT MET, each step waited "
+                         f"{wait * 1000:.1f} ms on average for its batch "
+                         f"({rows[-1]['measured_io_MB_per_second']:.1f} MiB/s read in the last "
+                         "epoch): storage or reader threads are the bottleneck")
+    if "save_checkpoint_duration_mean_seconds" in m:
+        parts.append(f"checkpoint {m['checkpoint_size_GB']:.3f} GiB saved in "
+                     f"{m['save_checkpoint_duration_mean_seconds']:.2f} s "
+                     f"({m['save_checkpoint_io_mean_GB_per_second']:.3f} GiB/s)")
+    if "load_checkpoint_duration_mean_seconds" in m:
+        parts.append(f"loaded in {m['load_checkpoint_duration_mean_seconds']:.2f} s "
+                     f"({m['load_checkpoint_io_mean_GB_per_second']:.3f} GiB/s)")
+    caching = summary.get("potential_caching")
+    if caching:
+        parts.append("WARNING: the dataset fits in this host's page cache and was not "
+                     "dropped; later epochs may measure memory (use --drop-cache or "
+                     "reader.odirect)")
+    return "; ".join(parts) if parts else "nothing was measured"
+

@@ -1,0 +1,252 @@
+"""Reader threads: the sample order of an epoch, split across ranks, read batch by batch.
+
+Order (DLIO ``reader.file_shuffle`` / ``sample_shuffle``): with ``seed`` the permutation is a
+pure function of (seed, epoch), the same on every rank; with ``random`` it differs per run.
+Ranks then take every ``world``-th sample of it, as ``torch.utils.data.DistributedSampler``
+does, and every rank runs ``floor(samples / batch / world)`` steps (DLIO's step count).
+
+Reading: ``read_threads`` threads each build whole batches (as DataLoader workers do), with
+``prefetch_size`` batches per thread in flight; batches come back in order. ``os.preadv``
+releases the GIL, so threads overlap their I/O like worker processes would, without a fork.
+Whole-file formats (npz, npy) are read whole, once per access, as ``np.load`` does; a thread
+keeps the file it read last, so a file of many samples read in a row is read once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from lcache.bench.config import Workload
+from lcache.errors import CorruptionError
+from lcache.io import aligned_buffer, drop_page_cache, open_file, pread_full
+from lcache.io.buffers import align_down, align_up
+from lcache.io.files import logical_block_size
+
+IO_CLASS = "data-source"
+_CHUNK = 16 << 20
+
+
+def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int) -> np.ndarray:
+    """Global sample indices this rank reads in ``epoch``, ``steps * batch_size`` of them."""
+    spf = w.num_samples_per_file
+    seed = w.seed + (epoch if w.seed_change_epoch else 0)
+    files = np.arange(num_files)
+    if w.file_shuffle != "off":
+        rng = np.random.default_rng(seed if w.file_shuffle == "seed" else None)
+        files = rng.permutation(files)
+    order = (files[:, None] * spf + np.arange(spf)[None, :]).reshape(-1)
+    if w.sample_shuffle != "off":
+        rng = np.random.default_rng(seed + 1 if w.sample_shuffle == "seed" else None)
+        order = rng.permutation(order)
+    steps = steps_per_epoch(w, world, num_files)
+    return order[rank::world][: steps * w.batch_size]
+
+
+def steps_per_epoch(w: Workload, world: int, num_files: int | None = None) -> int:
+    """DLIO's ``floor(files * samples_per_file / batch / ranks)``, capped by total steps."""
+    files = w.num_files_train if num_files is None else num_files
+    steps = files * w.num_samples_per_file // w.batch_size // world
+    if w.total_training_steps > 0:
+        steps = min(steps, w.total_training_steps)
+    return steps
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        self.index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.buf: memoryview | None = None
+        self.last_file: str | None = None
+
+
+class SampleReader:
+    """Reads samples of a file list the way the workload's format needs.
+
+    Args:
+        w: the workload.
+        files: the training files (``list_train_files``).
+        direct: open with O_DIRECT and read block-aligned ranges (``reader.odirect``).
+    """
+
+    def __init__(self, w: Workload, files: list[str], direct: bool = False) -> None:
+        self.w = w
+        self.files = files
+        self.direct = direct
+        self.block = logical_block_size(os.path.dirname(files[0])) if files else 4096
+        self._local = _ThreadState()
+        self._all_fds: list[int] = []
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _fd(self, path: str) -> int:
+        """An fd for ``path``: kept per thread for indexed formats (few, large files)."""
+        st = self._local
+        fd = st.fds.get(path)
+        if fd is None:
+            fd = open_file(path, os.O_RDONLY, direct=self.direct)
+            st.fds[path] = fd
+            with self._lock:
+                self._all_fds.append(fd)
+        return fd
+
+    def _release(self, path: str) -> None:
+        """Close a whole-file format's fd after its read (np.load opens per call too)."""
+        fd = self._local.fds.pop(path, None)
+        if fd is not None:
+            with self._lock:
+                self._all_fds.remove(fd)
+            os.close(fd)
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        st = self._local
+        if st.buf is None or len(st.buf) < nbytes:
+            st.buf = memoryview(aligned_buffer(max(nbytes, 1 << 20)))
+        return st.buf
+
+    def _read(self, path: str, offset: int, size: int) -> int:
+        """Read ``size`` bytes at ``offset`` (aligned out to blocks under O_DIRECT)."""
+        fd = self._fd(path)
+        if self.direct:
+            start = align_down(offset, self.block)
+            end = align_up(offset + size, self.block)
+        else:
+            start, end = offset, offset + size
+        chunk = self.w.transfer_size or _CHUNK
+        buf = self._buffer(min(end - start, chunk) if self.direct else min(size, chunk))
+        got = 0
+        pos = start
+        while pos < end:
+            n = min(len(buf), end - pos)
+            if self.direct:
+                n = align_up(n, self.block)
+            r = pread_full(fd, pos, buf[:n], io_class=IO_CLASS)
+            got += r
+            pos += n
+            if r < n:
+                break
+        return min(got, size)
+
+    def _index(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        st = self._local
+        found = st.index.get(path)
+        if found is not None:
+            return found
+        if self.w.format == "tfrecord":
+            found = self._scan_tfrecord(path)
+        else:
+            arrays = []
+            for suffix in (".off.idx", ".sz.idx"):
+                fd = open_file(path + suffix, os.O_RDONLY)
+                try:
+                    raw = bytearray(os.fstat(fd).st_size)
+                    pread_full(fd, 0, memoryview(raw), io_class=IO_CLASS)
+                finally:
+                    os.close(fd)
+                arrays.append(np.frombuffer(raw, dtype="<u8"))
+            found = (arrays[0], arrays[1])
+        if len(found[0]) < self.w.num_samples_per_file:
+            raise CorruptionError(f"{path} indexes {len(found[0])} samples; the workload "
+                                  f"needs {self.w.num_samples_per_file} per file")
+        st.index[path] = found
+        return found
+
+    def _scan_tfrecord(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """Record offsets from the 12-byte headers (tf.data reads the same headers)."""
+        fd = open_file(path, os.O_RDONLY)
+        try:
+            end = os.fstat(fd).st_size
+            offs, sizes = [], []
+            pos = 0
+            head = memoryview(bytearray(12))
+            while pos + 12 <= end:
+                pread_full(fd, pos, head, io_class=IO_CLASS)
+                length = int(np.frombuffer(head[:8], dtype="<u8")[0])
+                offs.append(pos + 12)
+                sizes.append(length)
+                pos += 12 + length + 4
+        finally:
+            os.close(fd)
+        return np.array(offs, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
+
+    def read_sample(self, sample: int) -> int:
+        """Read global sample ``sample``; returns the bytes it moved from storage."""
+        w = self.w
+        path = self.files[sample // w.num_samples_per_file]
+        if w.format in ("npz", "npy"):
+            st = self._local
+            if st.last_file == path:
+                return 0
+            st.last_file = path
+            try:
+                n = self._read(path, 0, os.fstat(self._fd(path)).st_size)
+            finally:
+                self._release(path)
+        else:
+            offsets, sizes = self._index(path)
+            i = sample % w.num_samples_per_file
+            n = self._read(path, int(offsets[i]), int(sizes[i]))
+            if w.format == "tfrecord":
+                self._release(path)
+        if w.preprocess_time > 0:
+            time.sleep(w.preprocess_time)
+        return n
+
+    def read_batch(self, samples: np.ndarray) -> int:
+        total = sum(self.read_sample(int(s)) for s in samples)
+        with self._lock:
+            self.bytes_read += total
+        return total
+
+    def drop_cache(self) -> None:
+        """Evict the dataset's pages so the next epoch reads the storage, not memory."""
+        for path in self.files:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                drop_page_cache(fd)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._all_fds = self._all_fds, []
+        for fd in fds:
+            os.close(fd)
+        self._local = _ThreadState()
+
+
+def iterate_batches(reader: SampleReader, order: np.ndarray, batch_size: int, threads: int,
+                    prefetch: int) -> Iterator[int]:
+    """Yield the bytes read for each batch of ``order``, in order.
+
+    With ``threads == 0`` the caller's thread reads (DataLoader's ``num_workers=0``).
+    """
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if threads <= 0:
+        for b in batches:
+            yield reader.read_batch(b)
+        return
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lcache-bench-read")
+    pending: deque[Future[int]] = deque()
+    it = iter(batches)
+    try:
+        for b in it:
+            pending.append(pool.submit(reader.read_batch, b))
+            if len(pending) >= threads * max(1, prefetch):
+                break
+        while pending:
+            got = pending.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(reader.read_batch, nxt))
+            yield got
+    finally:
+        for f in pending:
+            f.cancel()
+        pool.shutdown(wait=True)
