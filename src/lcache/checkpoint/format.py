@@ -241,9 +241,7 @@ def layout(arrays: list[ArrayRef]) -> int:
 def expected_nbytes(ref: ArrayRef, where: str) -> int:
     """Bytes ``ref``'s dtype and shape imply (checked against ``nbytes`` on load)."""
     if ref.kind == "torch":
-        import torch
-
-        itemsize = torch.empty((), dtype=torch_dtype(ref.dtype, where)).element_size()
+        itemsize = int(torch_dtype(ref.dtype, where).itemsize)
     else:
         itemsize = numpy_dtype(ref.dtype, where).itemsize
     return math.prod(ref.shape) * itemsize

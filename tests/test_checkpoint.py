@@ -1,0 +1,361 @@
+"""Checkpoints: exact round trips of every kind of state, damage detection, like= checks,
+async handles, retention, upload, the CLI, tracing, and numpy-only use without torch."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from lcache import checkpoint as ck
+from lcache.cli.main import cli
+from lcache.errors import ConfigError, CorruptionError, LCacheError
+from lcache.io import IOEvent, set_tracer
+
+from .conftest import subprocess_env
+
+torch = pytest.importorskip("torch")
+
+ALL_TORCH_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.complex32,
+]
+
+
+def random_tensor(dtype: Any, shape: tuple[int, ...], seed: int) -> Any:
+    """Random bits reinterpreted as ``dtype`` (NaN payloads included: bits must survive)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and a.tobytes() == b.tobytes())
+    return (type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape
+            and a.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            == b.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def assert_same_state(a: Any, b: Any, key: str = "") -> None:
+    """Structure, types and every bit equal (NaN == NaN, -0.0 != 0.0)."""
+    assert type(a) is type(b), f"{key}: {type(a)} vs {type(b)}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), key
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), key
+        for k in a:
+            assert_same_state(a[k], b[k], f"{key}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), key
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{key}/{i}")
+    elif isinstance(a, float):
+        assert a.hex() == b.hex(), key
+    elif isinstance(a, (np.ndarray, torch.Tensor)):
+        assert same_bits(a, b), key
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), key
+    else:
+        assert a == b, key
+
+
+def small_model_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+# --------------------------------------------------------------------------- round trips
+def test_every_dtype_and_layout_round_trips_bit_exact(tmp_path: Path) -> None:
+    state: dict[str, Any] = {
+        "torch": {str(dt).removeprefix("torch."): random_tensor(dt, (3, 5), i)
+                  for i, dt in enumerate(ALL_TORCH_DTYPES)},
+        "non_contiguous": random_tensor(torch.float32, (6, 4), 99).t(),
+        "strided_slice": random_tensor(torch.bfloat16, (10, 10), 98)[::3, 1::2],
+        "zero_d": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 3, dtype=torch.bfloat16),
+        "expanded": torch.arange(4.0).expand(3, 4),
+        "numpy": {np.dtype(c).name: np.random.default_rng(1).integers(0, 255, 96, np.uint8)
+                  .view(c).reshape(2, -1) for c in "bBhHiIlLqQefdgFD?"},
+        "numpy_fortran": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
+        "numpy_empty": np.empty((0, 2), dtype=np.int16),
+        "numpy_scalar": np.float32(1.5),
+        "plain": [1, -2**70, 2.5, float("nan"), float("-inf"), -0.0, True, None, "ü", ()],
+        "tuple": (1, (2, [3, {"a": 4}])),
+        7: "int key",
+        "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),
+    }
+    state.update(small_model_state())
+    path = ck.save(state, tmp_path / "ckpts" / "step-1", meta={"step": 1})
+    back = ck.load(path)
+    assert_same_state(state, back)
+    assert back["non_contiguous"].shape == (4, 6)
+    assert type(back["model"]) is collections.OrderedDict and back["model"]._metadata
+
+
+def test_loaded_state_restores_a_model_and_optimizer(tmp_path: Path) -> None:
+    state = small_model_state()
+    ck.save(state, tmp_path / "c" / "a")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    back = ck.load(tmp_path / "c" / "a", like={"model": model.state_dict(),
+                                               "optimizer": state["optimizer"]})
+    model.load_state_dict(back["model"])
+    opt.load_state_dict(back["optimizer"])
+    for k, v in state["model"].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert set(back["optimizer"]["state"]) == {0, 1, 2, 3, 4, 5}  # int keys stay ints
+
+
+def test_snapshot_is_taken_at_async_save(tmp_path: Path) -> None:
+    """The state may change as soon as async_save returns: the checkpoint has the old bytes."""
+    weights = torch.zeros(1 << 20)
+    handle = ck.async_save({"w": weights}, tmp_path / "c" / "s")
+    weights.add_(1.0)
+    assert handle.wait() == str(tmp_path / "c" / "s")
+    assert handle.done() and handle.exception() is None
+    assert handle.state is ck.CkptState.PUBLISHED
+    assert torch.count_nonzero(ck.load(handle.path)["w"]) == 0
+
+
+def test_host_buffer_is_reused_between_saves(tmp_path: Path) -> None:
+    saver = ck.Checkpointer()
+    state = {"w": torch.randn(300_000)}
+    saver.save(state, tmp_path / "c" / "1")
+    first = saver._buffer.view
+    saver.save({"w": state["w"] * 2}, tmp_path / "c" / "2")
+    assert saver._buffer.view is first
+    assert torch.equal(ck.load(tmp_path / "c" / "2")["w"], state["w"] * 2)
+
+
+# --------------------------------------------------------------------------- bad input
+def test_unsupported_values_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ck.UnsupportedValueError, match=r"opt/extra/fn.*function"):
+        ck.save({"opt": {"extra": {"fn": len}}}, tmp_path / "c" / "x")
+    with pytest.raises(TypeError, match=r"state key 1\.5"):
+        ck.save({1.5: 1}, tmp_path / "c" / "x")
+    with pytest.raises(ck.UnsupportedValueError, match=r"obj.*Python objects"):
+        ck.save({"obj": np.array([object()])}, tmp_path / "c" / "x")
+    with pytest.raises(ConfigError, match="must end in a directory name"):
+        ck.save({}, tmp_path / ".hidden")
+    assert ck.leftovers(tmp_path / "c") == []  # a refused save leaves nothing behind
+
+
+def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
+    ck.save({"a": 1}, tmp_path / "c" / "s")
+    with pytest.raises(ck.CheckpointExistsError, match="already exists"):
+        ck.save({"a": 2}, tmp_path / "c" / "s")
+    assert ck.load(tmp_path / "c" / "s") == {"a": 1}
+
+
+def test_like_mismatch_lists_the_keys(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "step": 1,
+             "arr": np.zeros(4, np.float32)}
+    ck.save(state, tmp_path / "c" / "s")
+    like = {"model": {"w": torch.zeros(3, 2), "b": torch.zeros(3, dtype=torch.float16),
+                      "extra": torch.zeros(1)}, "step": 1, "arr": np.zeros(4, np.float64)}
+    with pytest.raises(ck.StateMismatchError) as info:
+        ck.load(tmp_path / "c" / "s", like=like)
+    text = str(info.value)
+    assert "4 key(s)" in text
+    for needle in ("/model/w: checkpoint has tensor float32[2, 3], like= tensor float32[3, 2]",
+                   "/model/b:", "float16", "/model/extra: missing", "/arr:", "float64"):
+        assert needle in text, text
+    assert isinstance(info.value, ValueError)
+
+
+def test_missing_checkpoint_and_partial_dir(tmp_path: Path) -> None:
+    with pytest.raises(ck.CheckpointNotFoundError, match="no such directory"):
+        ck.load(tmp_path / "nope")
+    (tmp_path / "half").mkdir()
+    with pytest.raises(FileNotFoundError, match="unfinished save"):
+        ck.load(tmp_path / "half")
+
+
+def test_flipped_byte_is_detected_and_named(tmp_path: Path) -> None:
+    state = {"model": {"a": torch.arange(5000.0), "b": torch.ones(3000)}}
+    path = Path(ck.save(state, tmp_path / "c" / "s"))
+    data = path / "rank00000.data"
+    b_offset = next(a["offset"] for a in ck.read_manifest(path)["shards"][0]["arrays"]
+                    if a["key"] == "model/b")
+    with open(data, "r+b") as f:
+        f.seek(b_offset + 17)
+        byte = f.read(1)
+        f.seek(b_offset + 17)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CorruptionError, match=r"rank00000\.data for array 'model/b'"):
+        ck.load(path)
+    report = ck.verify(path)
+    assert not report.ok and len(report.problems) == 1 and "'model/b'" in report.problems[0]
+    assert ck.load(path, verify=False)["model"]["a"].equal(state["model"]["a"])
+
+
+def test_damaged_manifest_and_truncated_data(tmp_path: Path) -> None:
+    path = Path(ck.save({"x": torch.ones(10_000)}, tmp_path / "c" / "s"))
+    manifest = path / "manifest.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(good.replace(b'"x"', b'"y"', 1))
+    with pytest.raises(CorruptionError, match="manifest checksum mismatch"):
+        ck.load(path)
+    manifest.write_bytes(good[:100])
+    with pytest.raises(CorruptionError, match="not valid JSON"):
+        ck.load(path)
+    manifest.write_bytes(good)
+    os.truncate(path / "rank00000.data", 4096)
+    with pytest.raises(CorruptionError, match=r"rank00000\.data is 4096 bytes.*truncated"):
+        ck.load(path)
+    listed, damaged = ck.list_checkpoints(tmp_path / "c")
+    assert [c.name for c in listed] == ["s"] and damaged == []
+
+
+def test_crafted_manifest_cannot_reach_outside(tmp_path: Path) -> None:
+    """A manifest pointing at another file, a bogus dtype or an out-of-range offset is
+    refused with CorruptionError (and nothing is ever unpickled)."""
+    path = Path(ck.save({"x": torch.ones(10)}, tmp_path / "c" / "s"))
+    from lcache.checkpoint.format import dump_manifest
+
+    body = ck.read_manifest(path)
+    for mutate, needle in [
+        (lambda b: b["shards"][0].update(file="../../etc/passwd"), "invalid data file"),
+        (lambda b: b["shards"][0]["arrays"][0].update(dtype="Storage"), "unknown torch dtype"),
+        (lambda b: b["shards"][0]["arrays"][0].update(offset=1 << 40), "lies outside"),
+        (lambda b: b["shards"][0]["arrays"][0].update(shape=[11]), "do not fit"),
+        (lambda b: b["shards"][0]["tree"].update(t="pickle"), "unknown node type"),
+    ]:
+        doc = json.loads(json.dumps(body))
+        mutate(doc)
+        (path / "manifest.json").write_bytes(dump_manifest(doc))
+        with pytest.raises(CorruptionError, match=needle):
+            ck.load(path)
+
+
+# --------------------------------------------------------------------------- async, retention
+def test_async_errors_are_reraised_by_the_handle(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    ck.save({"a": 1}, root / "s1")
+    # a directory where the data file must go: the background write fails
+    saver = ck.Checkpointer()
+    stage = root / ".lcache-partial-s2"
+    (stage / "rank00000.data").mkdir(parents=True)
+    handle = saver.async_save({"a": torch.ones(10)}, root / "s2")
+    with pytest.raises(IsADirectoryError):
+        handle.wait()
+    assert handle.state is ck.CkptState.FAILED and isinstance(handle.exception(), OSError)
+    assert not stage.exists() and [c.name for c in ck.list_checkpoints(root)[0]] == ["s1"]
+
+
+def test_keep_last_never_removes_the_newest(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    saver = ck.Checkpointer(keep_last=2)
+    for step in range(5):
+        saver.async_save({"step": step, "w": torch.full((10,), step)}, root / f"step-{step}")
+    saver.wait_pending()
+    assert [c.name for c in ck.list_checkpoints(root)[0]] == ["step-3", "step-4"]
+    assert ck.latest(root) == str(root / "step-4")
+    assert ck.apply_retention(str(root), 1) == [str(root / "step-3")]
+    with pytest.raises(ConfigError, match="keep_last"):
+        ck.apply_retention(str(root), 0)
+    assert ck.load(ck.latest(root))["step"] == 4
+
+
+def test_upload_to_fsspec_url(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    handle = ck.async_save({"w": torch.arange(1000)}, tmp_path / "c" / "s",
+                           upload_to=f"file://{remote}")
+    handle.wait()
+    assert handle.uploaded_to == str(remote / "s")
+    assert sorted(os.listdir(remote / "s")) == ["manifest.json", "rank00000.data"]
+    assert torch.equal(ck.load(remote / "s")["w"], torch.arange(1000))
+
+
+def test_io_goes_through_lcache_io_as_checkpoint_class(tmp_path: Path) -> None:
+    events: list[IOEvent] = []
+    previous = set_tracer(events.append)
+    try:
+        path = ck.save({"w": torch.ones(3 << 20)}, tmp_path / "c" / "s", queue_depth=4)
+        ck.load(path)
+    finally:
+        set_tracer(previous)
+    ckpt = [e for e in events if e.io_class == "checkpoint"]
+    writes = [e for e in ckpt if e.op == "write" and e.size >= 1 << 20]
+    reads = [e for e in ckpt if e.op == "read" and e.size >= 1 << 20]
+    assert sum(e.size for e in writes) == 12 << 20 and len(writes) >= 2
+    assert sum(e.result for e in reads) == 12 << 20
+    assert any(e.op in ("fsync", "fdatasync") for e in ckpt)
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_ls_and_verify(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    ck.save({"w": torch.ones(100)}, root / "a", meta={"step": 10})
+    ck.save({"w": torch.zeros(100)}, root / "b")
+    (root / ".lcache-partial-c").mkdir()
+    runner = CliRunner()
+    out = runner.invoke(cli, ["ckpt", "ls", str(root), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert [c["name"] for c in doc["checkpoints"]] == ["a", "b"]
+    assert doc["checkpoints"][0]["meta"] == {"step": 10}
+    assert doc["leftovers"] == [".lcache-partial-c"]
+    table = runner.invoke(cli, ["ckpt", "ls", str(root)])
+    assert table.exit_code == 0 and "a" in table.output and "unfinished" in table.output
+    out = runner.invoke(cli, ["ckpt", "verify", str(root), "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["ok"] is True
+    with open(root / "b" / "rank00000.data", "r+b") as f:
+        f.write(b"\xff")
+    out = runner.invoke(cli, ["ckpt", "verify", str(root / "b"), "--json"])
+    assert out.exit_code == 2
+    (problem,) = json.loads(out.output)["checkpoints"][0]["problems"]
+    assert "rank00000.data" in problem and "'w'" in problem
+    text = runner.invoke(cli, ["ckpt", "verify", str(root)])
+    assert text.exit_code == 2 and "DAMAGED" in text.output and "ok" in text.output
+    missing = runner.invoke(cli, ["ckpt", "verify", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and "no complete checkpoint" in missing.output
+
+
+# --------------------------------------------------------------------------- without torch
+NUMPY_ONLY = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+import numpy as np
+from lcache import checkpoint as ck
+state = {"w": np.arange(10, dtype=np.float16), "step": 3, "t": (1, [2.5])}
+path = ck.save(state, sys.argv[1] + "/c/s")
+back = ck.load(path, like=state)
+assert back["w"].tobytes() == state["w"].tobytes() and back["t"] == (1, [2.5])
+assert ck.verify(path).ok
+print("ok")
+"""
+
+
+def test_numpy_only_states_need_no_torch(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", NUMPY_ONLY, str(tmp_path)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_errors_are_lcache_errors() -> None:
+    for cls in (ck.UnsupportedValueError, ck.StateMismatchError, ck.CheckpointNotFoundError,
+                ck.CheckpointExistsError, ck.CheckpointFailedError):
+        assert issubclass(cls, LCacheError)
