@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,24 @@ def test_bad_model_file_names_the_key_and_the_file(tmp_path: Path, text: str,
 def test_missing_model_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_model_file(tmp_path / "none.yaml")
+
+
+# -- docs/model.md's examples run as written -----------------------------------------------------
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "model.md"
+
+
+def test_doc_python_examples_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, str(DOC), "exec"), {"__name__": "__doc__"})
+
+
+def test_doc_yaml_example_loads(tmp_path: Path) -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    assert blocks
+    path = tmp_path / "doc.yaml"
+    path.write_text(blocks[0])
+    cfg = load_model_file(path)
+    assert cfg.model.name == "my-8b" and cfg.checkpoint_interval_steps == 50
