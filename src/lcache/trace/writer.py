@@ -32,7 +32,7 @@ def is_compressed_path(path: str) -> bool:
     return path.endswith(".gz")
 
 
-def dumps(event: dict[str, Any]) -> str:
+def dumps(event: Any) -> str:
     return json.dumps(event, separators=(",", ":"), ensure_ascii=True)
 
 

@@ -1,0 +1,150 @@
+"""``lcache trace -o TRACE -- CMD...`` and ``lcache report TRACE... -o report.html``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import click
+
+from lcache.trace.recorder import ENV
+from lcache.trace.schema import TraceFormatError
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"lcache trace: {message}", err=True)
+    sys.exit(code)
+
+
+def run_traced(output: str, command: list[str], interval: float = 0.2,
+               syscalls: bool = False) -> dict[str, Any]:
+    """Run ``command`` with /proc sampling (and strace), writing the trace to ``output``.
+
+    Returns a dict with ``exit_code`` (the command's, 128+N when killed by signal N, 127 when
+    it cannot be found, 126 when it cannot be executed), ``seconds`` and counts.
+    """
+    from lcache.trace import strace as strace_mod
+    from lcache.trace.sampler import ProcSampler
+    from lcache.trace.writer import TraceWriter, process_metadata, wall_minus_mono_us
+
+    exe = shutil.which(command[0])
+    if exe is None:
+        if "/" in command[0] and os.path.exists(command[0]):  # as a shell says it
+            what = "is a directory" if os.path.isdir(command[0]) else "permission denied"
+            return {"exit_code": 126, "error": f"{command[0]}: {what}"}
+        return {"exit_code": 127, "error": f"{command[0]}: command not found"}
+    argv = list(command)
+    log_path = ""
+    if syscalls:
+        strace = shutil.which("strace")
+        if strace is None:
+            return {"exit_code": 2, "error": "--syscalls needs strace; install it "
+                    "(Debian: apt-get install strace) or drop --syscalls"}
+        fd, log_path = tempfile.mkstemp(prefix="lcache-strace-", suffix=".log")
+        os.close(fd)
+        argv = strace_mod.strace_command(log_path, argv, strace)
+    if os.path.exists(output):
+        os.unlink(output)  # a trace of this run only, not appended to an older one
+    writer = TraceWriter(output)
+    writer.write_lines(process_metadata(os.getpid(), "lcache trace " + " ".join(command)))
+    env = dict(os.environ)
+    env[ENV] = writer.path  # Python commands that import lcache record their own events
+    start = time.perf_counter()
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child itself
+    try:
+        try:
+            proc = subprocess.Popen(argv, env=env)
+        except OSError as exc:
+            return {"exit_code": 127 if isinstance(exc, FileNotFoundError) else 126,
+                    "error": f"{command[0]}: {exc.strerror}"}
+        sampler = ProcSampler(proc.pid, writer, interval)
+        sampler.start()
+        # Wait for the exit without reaping, so the last sample still reads the zombie's
+        # /proc/<pid>/io (the kernel drops it at reaping) and covers the final interval.
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        sampler.stop()
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+    seconds = time.perf_counter() - start
+    syscall_events = 0
+    if log_path:
+        try:
+            for lines in strace_mod.convert(log_path, wall_minus_mono_us()):
+                writer.write_lines(lines)
+                syscall_events += len(lines)
+        finally:
+            os.unlink(log_path)
+    writer.close()
+    return {"exit_code": code if code >= 0 else 128 - code, "seconds": round(seconds, 3),
+            "samples": sampler.samples, "syscall_events": syscall_events,
+            "trace": writer.path}
+
+
+@click.command("trace", context_settings={"ignore_unknown_options": True,
+                                          "allow_interspersed_args": False})
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Trace file to write (ending in .gz compresses it).")
+@click.option("--interval", default=0.2, show_default=True, type=click.FloatRange(0.01),
+              help="Seconds between samples of /proc/<pid>/io and /proc/diskstats.")
+@click.option("--syscalls", is_flag=True,
+              help="Also trace every file I/O system call with strace (slows the command).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print what was recorded as JSON on stderr when the command ends.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def trace_cmd(output: str, interval: float, syscalls: bool, as_json: bool,
+              command: tuple[str, ...]) -> None:
+    """Run COMMAND and record its I/O to a trace; exits with COMMAND's exit code.
+
+    Always samples the I/O counters of the whole process tree and of the block devices; with
+    --syscalls, records each file I/O system call; Python commands that use lcache record
+    lcache's own events too (LCACHE_TRACE is set for them). Example:
+
+        lcache trace -o run.trace -- python train.py --epochs 1
+    """
+    result = run_traced(output, list(command), interval, syscalls)
+    if "error" in result:
+        _fail(result["error"], result["exit_code"])
+    if as_json:
+        click.echo(json.dumps(result), err=True)
+    else:
+        click.echo(f"lcache trace: {result['trace']} ({result['seconds']:.1f} s, "
+                   f"{result['samples']} samples, {result['syscall_events']} syscall events); "
+                   f"view it with: lcache report {output} -o report.html", err=True)
+    sys.exit(result["exit_code"])
+
+
+@click.command("report")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "html_path", default="report.html", show_default=True,
+              type=click.Path(dir_okay=False), help="The self-contained HTML report.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write the summary (per class) to this JSON file ('-' prints it).")
+@click.option("--perfetto", default=None, type=click.Path(dir_okay=False),
+              help="Also write the events as one JSON array that Perfetto/chrome://tracing open.")
+def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
+               perfetto: str | None) -> None:
+    """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table."""
+    from lcache.report import print_summary, write_perfetto, write_report
+
+    try:
+        summary = write_report(list(traces), html_path,
+                               None if json_path in (None, "-") else json_path)
+        if perfetto:
+            write_perfetto(list(traces), perfetto)
+    except TraceFormatError as exc:
+        raise click.ClickException(str(exc)) from None
+    if json_path == "-":
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary)
+        click.echo(f"report: {html_path}" + (f", summary: {json_path}" if json_path else ""))

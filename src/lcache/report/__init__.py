@@ -1,0 +1,106 @@
+"""The characterization report: summary statistics, plots, one self-contained HTML page."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from lcache.report.load import Trace, load
+from lcache.report.stats import summarize_trace
+
+PathLike = str | os.PathLike[str]
+
+__all__ = ["Trace", "load", "print_summary", "summarize", "write_perfetto", "write_report"]
+
+
+def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
+    """The summary.json content of one or more trace files.
+
+    Returns a dict whose ``classes`` maps each I/O class to ``ops, bytes, read_bytes,
+    write_bytes, size_p50, size_p99, seq_fraction, MBps_mean, MBps_peak, lat_p50_us,
+    lat_p99_us`` (and a few more counts), plus ``total``, ``top_files``, ``processes``,
+    ``devices`` and ``trace``. Definitions: docs/trace.md.
+
+    Raises:
+        lcache.trace.TraceFormatError: a file is missing, truncated or not a trace.
+    """
+    return summarize_trace(load(paths))
+
+
+def _atomic_write(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".lcache-report-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_report(paths: PathLike | Sequence[PathLike], html_path: PathLike,
+                 json_path: PathLike | None = None) -> dict[str, Any]:
+    """Write the HTML report (and summary.json) of the traces; returns the summary.
+
+    Raises:
+        lcache.trace.TraceFormatError: a file is missing, truncated or not a trace.
+    """
+    from lcache.report.html import render
+    from lcache.report.plots import all_plots
+
+    trace = load(paths)
+    summary = summarize_trace(trace)
+    _atomic_write(os.fspath(html_path), render(summary, all_plots(trace, summary)))
+    if json_path is not None:
+        _atomic_write(os.fspath(json_path), json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def write_perfetto(paths: PathLike | Sequence[PathLike], out: PathLike) -> None:
+    """All events of the traces as one JSON array (what Perfetto and chrome://tracing open)."""
+    from lcache.report.load import _lines
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    lines = []
+    for p in paths:
+        for _, line in _lines(os.fspath(p)):
+            text = line.strip().rstrip(",")
+            if text and text not in ("[", "]"):
+                lines.append(text)
+    _atomic_write(os.fspath(out), "[\n" + ",\n".join(lines) + "\n]\n")
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """A rich table of the per-class figures on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"I/O by class ({summary['trace']['io_events']:,} events, "
+                        f"{summary['trace']['span_s']:.2f} s)")
+    cols = ("ops", "read MiB", "write MiB", "size p50", "size p99", "seq", "MB/s mean",
+            "MB/s peak", "lat p50 us", "lat p99 us")
+    table.add_column("class")
+    for c in cols:
+        table.add_column(c, justify="right")
+    rows = [*summary["classes"].items(), ("total", summary["total"])]
+    for name, c in rows:
+        table.add_row(name, f"{c['ops']:,}", f"{c['read_bytes'] / 2**20:,.1f}",
+                      f"{c['write_bytes'] / 2**20:,.1f}", f"{c['size_p50']:,}",
+                      f"{c['size_p99']:,}", f"{c['seq_fraction']:.3f}",
+                      f"{c['MBps_mean']:,.1f}", f"{c['MBps_peak']:,.1f}",
+                      f"{c['lat_p50_us']:,.1f}", f"{c['lat_p99_us']:,.1f}")
+    Console().print(table)
+    for dev, d in summary["devices"].items():
+        if d["read_bytes"] or d["write_bytes"]:
+            Console().print(f"device {dev}: read {d['read_bytes'] / 2**20:,.1f} MiB, "
+                            f"wrote {d['write_bytes'] / 2**20:,.1f} MiB, peak "
+                            f"{d['MBps_peak']:,.1f} MB/s, {d['IOPS_peak']:,.0f} IOPS")

@@ -1,0 +1,107 @@
+"""One self-contained HTML page: inline CSS, plots as data: URIs, no network at view time.
+
+Every string from the trace (file names, process names) goes through ``html.escape``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from lcache.report.plots import Plot
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;
+background:#fff;max-width:1100px}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f2f2f2}td.l,th.l{text-align:left}
+figure{margin:16px 0}figcaption{font-size:12px;color:#555}
+img.plot{max-width:100%;border:1px solid #eee}
+.small{font-size:12px;color:#555}
+"""
+
+# Tells a headless browser (and the report test) that every plot decoded.
+_SCRIPT = """
+window.addEventListener('load', function () {
+  var imgs = document.querySelectorAll('img.plot'), ok = 0;
+  for (var i = 0; i < imgs.length; i++) {
+    if (imgs[i].complete && imgs[i].naturalWidth > 0) { ok++; }
+  }
+  document.body.setAttribute('data-plots-loaded', ok + '/' + imgs.length);
+  console.log('lcache-report: ' + ok + '/' + imgs.length + ' plots loaded');
+});
+"""
+
+_CLASS_COLS = ("ops", "bytes", "read_bytes", "write_bytes", "size_p50", "size_p99",
+               "seq_fraction", "MBps_mean", "MBps_peak", "lat_p50_us", "lat_p99_us")
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if key == "seq_fraction" else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return _e(value)
+
+
+def _table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    head = "".join(f'<th class="l">{_e(h)}</th>' if i < left else f"<th>{_e(h)}</th>"
+                   for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="l">{c}</td>' if i < left else f"<td>{c}</td>"
+                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render(summary: dict[str, Any], plots: list[Plot]) -> str:
+    t = summary["trace"]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'\">",
+        "<title>lcache I/O report</title>", f"<style>{_CSS}</style></head><body>",
+        "<h1>lcache I/O characterization</h1>",
+        f'<p class="small">Trace: {", ".join(_e(p) for p in t["files"])} &middot; '
+        f'{t["io_events"]:,} I/O events, {t["processes"]} processes, '
+        f'{t["span_s"]:.2f} s of I/O.</p>',
+        "<h2>Per class</h2>",
+    ]
+    rows = [[_e(name)] + [_fmt(k, v.get(k, 0)) for k in _CLASS_COLS]
+            for name, v in summary["classes"].items()]
+    rows.append(["<b>total</b> (without syscall)"] +
+                [_fmt(k, summary["total"].get(k, 0)) for k in _CLASS_COLS])
+    parts.append(_table(["class", *_CLASS_COLS], rows))
+    parts.append('<p class="small">Bytes are bytes transferred; MB = 10<sup>6</sup> bytes; '
+                 "percentiles are nearest-rank; definitions in docs/trace.md.</p>")
+    for i, (title, caption, png) in enumerate(plots):
+        parts.append(f'<figure><h2>{_e(title)}</h2><img class="plot" id="plot-{i}" '
+                     f'alt="{_e(title)}" src="data:image/png;base64,{png}">'
+                     f"<figcaption>{_e(caption)}</figcaption></figure>")
+    if summary["top_files"]:
+        parts.append("<h2>Top files</h2>")
+        parts.append(_table(["file", "bytes", "ops", "classes"], [
+            [_e(f["file"]), f"{f['bytes']:,}", f"{f['ops']:,}", _e(", ".join(f["classes"]))]
+            for f in summary["top_files"]]))
+    if summary["processes"]:
+        parts.append("<h2>Processes (/proc/&lt;pid&gt;/io)</h2>")
+        parts.append(_table(["pid", "command", "read_bytes", "write_bytes", "rchar", "wchar",
+                             "seconds"], [
+            [_e(pid), _e(p["name"][:120]), f"{p['read_bytes']:,}", f"{p['write_bytes']:,}",
+             f"{p['rchar']:,}", f"{p['wchar']:,}", f"{p['seconds']:.2f}"]
+            for pid, p in summary["processes"].items()], left=2))
+    if summary["devices"]:
+        parts.append("<h2>Devices (/proc/diskstats)</h2>")
+        cols = ["read_bytes", "write_bytes", "reads", "writes", "MBps_mean", "MBps_peak",
+                "IOPS_mean", "IOPS_peak", "busy_fraction"]
+        parts.append(_table(["device", *cols], [
+            [_e(dev)] + [_fmt(k, d[k]) for k in cols] for dev, d in summary["devices"].items()]))
+    parts.append("<h2>summary.json</h2><details><summary>show</summary><pre>"
+                 f"{_e(json.dumps(summary, indent=1))}</pre></details>")
+    parts.append(f"<script>{_SCRIPT}</script></body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,259 @@
+"""The report's plots: matplotlib (Agg) figures rendered to base64 PNG.
+
+Each function returns (title, caption, png_base64). A plot without data is still drawn (it
+says why it is empty), so the page always has the same set of images.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+
+from lcache.report.load import PROC_FIELDS, Trace
+from lcache.report.stats import SECTOR, data_mask, nearest_rank, rates, time_bins
+
+Plot = tuple[str, str, str]
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    _plt().close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _empty(ax: Any, why: str) -> None:
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="#666")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _size_label(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g}{unit}"
+        n /= 1024
+    return f"{n:g}TiB"
+
+
+def _classes(trace: Trace) -> list[tuple[int, str]]:
+    return sorted(enumerate(trace.classes), key=lambda c: c[1])
+
+
+def size_histogram(trace: Trace) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    data = data_mask(trace) & (trace.size > 0)
+    if not data.any():
+        _empty(ax, "no read/write events")
+    else:
+        exp = np.floor(np.log2(trace.size[data])).astype(int)
+        lo, hi = int(exp.min()), int(exp.max())
+        bins = np.arange(lo, hi + 1)
+        series = []
+        for code, name in _classes(trace):
+            for op in ("read", "write"):
+                if op not in trace.ops:
+                    continue
+                m = data & (trace.cls == code) & (trace.op == trace.ops.index(op))
+                if m.any():
+                    e = np.floor(np.log2(trace.size[m])).astype(int)
+                    series.append((f"{name} {op}", np.bincount(e - lo, minlength=len(bins))))
+        width = 0.8 / max(len(series), 1)
+        for i, (label, counts) in enumerate(series):
+            ax.bar(np.arange(len(bins)) + i * width, counts, width, label=label)
+        ax.set_xticks(np.arange(len(bins)) + 0.4 - width / 2)
+        ax.set_xticklabels([_size_label(2.0 ** b) for b in bins], rotation=45, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("operations")
+        ax.set_xlabel("request size (power-of-two bin: [2^k, 2^(k+1)))")
+        ax.legend(fontsize=7, ncol=2)
+    return ("Request sizes", "Operations per request-size bin, per class and op.", _png(fig))
+
+
+def rw_mix(summary: dict[str, Any]) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3))
+    classes = [(k, v) for k, v in summary["classes"].items() if v["bytes"] > 0]
+    if not classes:
+        _empty(ax, "no bytes moved")
+    else:
+        names = [k for k, _ in classes]
+        r = np.array([v["read_bytes"] for _, v in classes]) / 2**20
+        w = np.array([v["write_bytes"] for _, v in classes]) / 2**20
+        ax.barh(names, r, label="read", color="#4c78a8")
+        ax.barh(names, w, left=r, label="write", color="#f58518")
+        ax.set_xlabel("MiB")
+        ax.legend(fontsize=8)
+    return ("Read/write mix", "Bytes read and written per class.", _png(fig))
+
+
+def seq_random(summary: dict[str, Any]) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3))
+    classes = [(k, v) for k, v in summary["classes"].items() if v["ops"] > 0]
+    if not classes:
+        _empty(ax, "no read/write events")
+    else:
+        names = [k for k, _ in classes]
+        seq = np.array([v["seq_fraction"] for _, v in classes])
+        ax.barh(names, seq, label="sequential", color="#54a24b")
+        ax.barh(names, 1 - seq, left=seq, label="random", color="#e45756")
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("fraction of operations")
+        ax.legend(fontsize=8)
+    return ("Sequential vs random",
+            "An op is sequential when it starts where the previous op of the same process, "
+            "file and kind ended.", _png(fig))
+
+
+def over_time(trace: Trace) -> tuple[Plot, Plot]:
+    plt = _plt()
+    figs = [plt.subplots(figsize=(9, 3.2)) for _ in range(2)]
+    data = data_mask(trace)
+    if not data.any():
+        for _, ax in figs:
+            _empty(ax, "no read/write events")
+    else:
+        t0 = float(trace.ts_us[data].min())
+        span = (float((trace.ts_us[data] + trace.dur_us[data]).max()) - t0) / 1e6
+        bin_s, nbins = time_bins(span)
+        x = np.arange(nbins) * bin_s
+        moved = np.where(trace.result > 0, trace.result, 0)
+        for code, name in _classes(trace):
+            m = data & (trace.cls == code)
+            if m.any():
+                mb, iops = rates(trace.ts_us[m], moved[m], t0, bin_s, nbins)
+                figs[0][1].plot(x, mb, label=name)
+                figs[1][1].plot(x, iops, label=name)
+        for (_, ax), ylabel in zip(figs, ("MB/s", "IOPS"), strict=True):
+            ax.set_xlabel(f"seconds (bins of {bin_s * 1000:.3g} ms)")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=7)
+    return (("Bandwidth over time", "MB/s per class (10^6 bytes).", _png(figs[0][0])),
+            ("IOPS over time", "Operations per second per class.", _png(figs[1][0])))
+
+
+def latency(trace: Trace) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    data = data_mask(trace)
+    rows = []
+    for code, name in _classes(trace):
+        for op in ("read", "write"):
+            if op in trace.ops:
+                m = data & (trace.cls == code) & (trace.op == trace.ops.index(op))
+                if m.any():
+                    d = trace.dur_us[m]
+                    rows.append((f"{name} {op}", [nearest_rank(d, p) for p in
+                                                  (50, 90, 99, 99.9)]))
+    if not rows:
+        _empty(ax, "no read/write events")
+    else:
+        width = 0.2
+        for j, p in enumerate(("p50", "p90", "p99", "p99.9")):
+            ax.bar(np.arange(len(rows)) + j * width, [max(r[1][j], 0.01) for r in rows],
+                   width, label=p)
+        ax.set_xticks(np.arange(len(rows)) + 0.3)
+        ax.set_xticklabels([r[0] for r in rows], rotation=20, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("microseconds")
+        ax.legend(fontsize=8)
+    return ("Latency percentiles", "Per class and op (nearest-rank percentiles).", _png(fig))
+
+
+def top_files(summary: dict[str, Any]) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    files = summary["top_files"]
+    if not files:
+        _empty(ax, "no bytes moved")
+    else:
+        labels = [("..." + f["file"][-47:]) if len(f["file"]) > 50 else f["file"]
+                  for f in files][::-1]
+        ax.barh(labels, [f["bytes"] / 2**20 for f in files][::-1], color="#72b7b2")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_xlabel("MiB")
+    return ("Top files by bytes", "Files that moved the most bytes (all classes).", _png(fig))
+
+
+def processes(trace: Trace) -> Plot:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
+    rc, wc = PROC_FIELDS.index("rchar"), PROC_FIELDS.index("wchar")
+    drawn = 0
+    t0 = min((float(ts[0]) for ts, _ in trace.proc.values()), default=0.0)
+    for pid, (ts, vals) in sorted(trace.proc.items()):
+        if len(ts) < 2:
+            continue
+        dt = np.diff(ts) / 1e6
+        dt[dt <= 0] = np.nan
+        step = np.diff(vals, axis=0)
+        storage = (step[:, rb] + step[:, wb]) / 1e6 / dt
+        syscalls = (step[:, rc] + step[:, wc]) / 1e6 / dt
+        if np.nansum(syscalls) <= 0 and np.nansum(storage) <= 0:
+            continue
+        x = (ts[1:] - t0) / 1e6
+        line = ax.plot(x, syscalls, label=f"pid {pid} read+write calls")[0]
+        ax.plot(x, storage, linestyle="--", color=line.get_color(),
+                label=f"pid {pid} storage")
+        drawn += 1
+        if drawn >= 8:
+            break
+    if not drawn:
+        _empty(ax, "no /proc samples with I/O (only `lcache trace` samples /proc)")
+    else:
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MB/s")
+        ax.legend(fontsize=6, ncol=2)
+    return ("Bandwidth per process (/proc/<pid>/io)",
+            "Solid: bytes through read/write calls (rchar+wchar, page cache included); "
+            "dashed: bytes the process caused the block layer to move (read_bytes+write_bytes).",
+            _png(fig))
+
+
+def devices(trace: Trace) -> Plot:
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    drawn = 0
+    t0 = min((float(ts[0]) for ts, _ in trace.disks.values()), default=0.0)
+    for dev, (ts, vals) in sorted(trace.disks.items()):
+        if len(ts) < 2:
+            continue
+        dt = np.diff(ts) / 1e6
+        dt[dt <= 0] = np.nan
+        step = np.diff(vals, axis=0)
+        x = (ts[1:] - t0) / 1e6
+        ax.plot(x, (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt, label=dev)
+        ax2.plot(x, (step[:, 0] + step[:, 2]) / dt, label=dev)
+        drawn += 1
+    if not drawn:
+        _empty(ax, "no /proc/diskstats samples")
+        _empty(ax2, "no /proc/diskstats samples")
+    else:
+        ax.set_ylabel("MB/s")
+        ax2.set_ylabel("IOPS")
+        for a in (ax, ax2):
+            a.set_xlabel("seconds")
+            a.legend(fontsize=7)
+    return ("Devices (/proc/diskstats)", "Bandwidth and IOPS per block device (whole disks).",
+            _png(fig))
+
+
+def all_plots(trace: Trace, summary: dict[str, Any]) -> list[Plot]:
+    bw, iops = over_time(trace)
+    return [size_histogram(trace), rw_mix(summary), seq_random(summary), bw, iops,
+            latency(trace), top_files(summary), processes(trace), devices(trace)]

@@ -1,0 +1,186 @@
+"""Summary statistics of a trace (the content of summary.json; definitions in docs/trace.md).
+
+Definitions, per class, over its data operations (``read`` and ``write``):
+- ``ops``: data operations; ``other_ops``: the rest (fsync, open...); ``errors``: failed ops.
+- ``bytes``/``read_bytes``/``write_bytes``: bytes transferred (the result of successful ops).
+- ``size_p50``/``size_p99``: nearest-rank percentiles of the requested sizes.
+- ``seq_fraction``: of the ops with a known offset, those whose offset equals the end
+  (offset + bytes transferred) of the previous op of the same process on the same file with
+  the same op, in start-time order. The first op of each (process, file, op) is not sequential.
+- ``MBps_mean``: bytes / 10^6 over the class's active span (first start to last end).
+- ``MBps_peak``: the highest rate over equal time bins that tile the span (100 bins, or one per
+  millisecond for spans under 0.1 s), each op counted in the bin where it starts; it is never
+  below ``MBps_mean``.
+- ``lat_p50_us``/``lat_p99_us``: nearest-rank percentiles of op durations in microseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.report.load import DISK_FIELDS, PROC_FIELDS, Trace
+
+SECTOR = 512
+
+
+def nearest_rank(values: npt.NDArray[Any], p: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least p% of values <= it."""
+    if len(values) == 0:
+        return 0.0
+    ordered = np.sort(values)
+    k = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return float(ordered[k - 1])
+
+
+def data_mask(trace: Trace) -> npt.NDArray[np.bool_]:
+    codes = [i for i, name in enumerate(trace.ops) if name in ("read", "write")]
+    return np.isin(trace.op, codes)
+
+
+def sequential(trace: Trace, mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    """Per row of ``mask``: whether the op continues the previous one (see module doc)."""
+    idx = np.flatnonzero(mask & (trace.offset >= 0))
+    seq = np.zeros(len(trace), dtype=bool)
+    if len(idx) == 0:
+        return seq
+    order = idx[np.lexsort((trace.ts_us[idx], trace.op[idx], trace.file[idx],
+                            trace.pid[idx]))]
+    end = trace.offset[order] + np.maximum(trace.result[order], 0)
+    same = np.zeros(len(order), dtype=bool)
+    same[1:] = ((trace.pid[order][1:] == trace.pid[order][:-1])
+                & (trace.file[order][1:] == trace.file[order][:-1])
+                & (trace.op[order][1:] == trace.op[order][:-1]))
+    hit = np.zeros(len(order), dtype=bool)
+    hit[1:] = same[1:] & (trace.offset[order][1:] == end[:-1])
+    seq[order] = hit
+    return seq
+
+
+def time_bins(span_s: float) -> tuple[float, int]:
+    """(bin width in seconds, number of bins): equal bins that tile the span exactly."""
+    nbins = min(100, max(1, int(span_s / 0.001)))
+    return (span_s / nbins if span_s > 0 else 0.001), nbins
+
+
+def rates(ts_us: npt.NDArray[np.float64], nbytes: npt.NDArray[np.int64], t0_us: float,
+          bin_s: float, nbins: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """(MB/s, IOPS) per bin, each op counted in the bin where it starts."""
+    b = np.clip(((ts_us - t0_us) / 1e6 / bin_s).astype(np.int64), 0, max(nbins - 1, 0))
+    mb = np.bincount(b, weights=nbytes.astype(np.float64), minlength=nbins) / 1e6 / bin_s
+    iops = np.bincount(b, minlength=nbins) / bin_s
+    return mb, iops
+
+
+def _class_stats(trace: Trace, rows: npt.NDArray[np.bool_], data: npt.NDArray[np.bool_],
+                 seq: npt.NDArray[np.bool_], read_code: int, write_code: int) -> dict[str, Any]:
+    d = rows & data
+    ok = d & (trace.result >= 0)
+    moved = np.where(ok, trace.result, 0)
+    known = d & (trace.offset >= 0)
+    reads, writes = d & (trace.op == read_code), d & (trace.op == write_code)
+    n = int(d.sum())
+    out: dict[str, Any] = {
+        "ops": n, "read_ops": int(reads.sum()), "write_ops": int(writes.sum()),
+        "other_ops": int((rows & ~data).sum()), "errors": int((d & (trace.result < 0)).sum()),
+        "bytes": int(moved[d].sum()), "read_bytes": int(moved[reads].sum()),
+        "write_bytes": int(moved[writes].sum()),
+        "size_p50": int(nearest_rank(trace.size[d], 50)),
+        "size_p99": int(nearest_rank(trace.size[d], 99)),
+        "seq_fraction": float(seq[known].sum() / known.sum()) if known.any() else 0.0,
+        "MBps_mean": 0.0, "MBps_peak": 0.0,
+        "lat_p50_us": round(nearest_rank(trace.dur_us[d], 50), 3),
+        "lat_p99_us": round(nearest_rank(trace.dur_us[d], 99), 3),
+    }
+    if n:
+        start = float(trace.ts_us[d].min())
+        span_s = (float((trace.ts_us[d] + trace.dur_us[d]).max()) - start) / 1e6
+        if span_s > 0:
+            out["MBps_mean"] = round(out["bytes"] / 1e6 / span_s, 3)
+            bin_s, nbins = time_bins(span_s)
+            mb, _ = rates(trace.ts_us[d], moved[d], start, bin_s, nbins)
+            out["MBps_peak"] = round(float(mb.max()), 3)
+        out["span_s"] = round(span_s, 6)
+    return out
+
+
+def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
+    """The summary.json content of a loaded trace."""
+    data = data_mask(trace)
+    seq = sequential(trace, data)
+    read_code = trace.ops.index("read") if "read" in trace.ops else -1
+    write_code = trace.ops.index("write") if "write" in trace.ops else -1
+    classes: dict[str, Any] = {}
+    for code, name in sorted(enumerate(trace.classes), key=lambda c: c[1]):
+        classes[name] = _class_stats(trace, trace.cls == code, data, seq, read_code,
+                                     write_code)
+    # The total leaves out strace's events: they are the same bytes seen from the kernel side.
+    lib = np.ones(len(trace), dtype=bool)
+    if "syscall" in trace.classes:
+        lib = trace.cls != trace.classes.index("syscall")
+    moved = np.where(data & (trace.result >= 0), trace.result, 0)
+    per_file = np.bincount(trace.file, weights=moved.astype(np.float64),
+                           minlength=len(trace.files)) if len(trace) else np.zeros(0)
+    ranked = [int(i) for i in np.argsort(-per_file, kind="stable")[:top_files]
+              if per_file[i] > 0]
+    files = []
+    for i in ranked:
+        rows = trace.file == i
+        files.append({"file": trace.files[i], "bytes": int(per_file[i]),
+                      "ops": int((rows & data).sum()),
+                      "classes": sorted({trace.classes[c] for c in np.unique(trace.cls[rows])})})
+    span = 0.0
+    if len(trace):
+        span = (float((trace.ts_us + trace.dur_us).max()) - float(trace.ts_us.min())) / 1e6
+    return {
+        "trace": {"files": trace.paths, "events": trace.events, "io_events": len(trace),
+                  "ignored_events": trace.ignored, "span_s": round(span, 6),
+                  "processes": len(set(trace.pid.tolist()) | set(trace.proc))},
+        "classes": classes,
+        "total": _class_stats(trace, lib, data, seq, read_code, write_code),
+        "top_files": files,
+        "processes": _proc_summary(trace),
+        "devices": _disk_summary(trace),
+    }
+
+
+def _proc_summary(trace: Trace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
+    rc, wc = PROC_FIELDS.index("rchar"), PROC_FIELDS.index("wchar")
+    for pid, (ts, vals) in sorted(trace.proc.items()):
+        d = vals[-1] - vals[0]
+        out[str(pid)] = {"name": trace.process_names.get(pid, ""), "samples": len(ts),
+                         "read_bytes": int(d[rb]), "write_bytes": int(d[wb]),
+                         "rchar": int(d[rc]), "wchar": int(d[wc]),
+                         "seconds": round(float(ts[-1] - ts[0]) / 1e6, 3)}
+    return out
+
+
+def _disk_summary(trace: Trace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dev, (ts, vals) in sorted(trace.disks.items()):
+        d = vals[-1] - vals[0]
+        secs = float(ts[-1] - ts[0]) / 1e6
+        f = {k: int(d[i]) for i, k in enumerate(DISK_FIELDS)}
+        ops = f["reads"] + f["writes"]
+        dt = np.diff(ts) / 1e6
+        peak_mb = peak_iops = 0.0
+        if len(dt) and (dt > 0).all():
+            step = np.diff(vals, axis=0)
+            mbps = (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt
+            iops = (step[:, 0] + step[:, 2]) / dt
+            peak_mb, peak_iops = float(mbps.max()), float(iops.max())
+        out[dev] = {"read_bytes": f["read_sectors"] * SECTOR,
+                    "write_bytes": f["write_sectors"] * SECTOR,
+                    "reads": f["reads"], "writes": f["writes"], "seconds": round(secs, 3),
+                    "MBps_mean": round((f["read_sectors"] + f["write_sectors"]) * SECTOR / 1e6
+                                       / secs, 3) if secs > 0 else 0.0,
+                    "MBps_peak": round(peak_mb, 3),
+                    "IOPS_mean": round(ops / secs, 1) if secs > 0 else 0.0,
+                    "IOPS_peak": round(peak_iops, 1),
+                    "busy_fraction": round(f["io_ms"] / 1000 / secs, 4) if secs > 0 else 0.0}
+    return out

@@ -1,0 +1,103 @@
+"""`lcache trace`: exit codes, the known-answer trace, /proc sampling, --syscalls."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lcache.report import summarize
+
+HERE = Path(__file__).parent
+LCACHE = [sys.executable, "-m", "lcache"]
+
+
+def _trace(out: Path, *cmd: str, opts: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    return subprocess.run([*LCACHE, "trace", "-o", str(out), *opts, "--", *cmd], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_exit_codes_like_a_shell(tmp_path: Path) -> None:
+    t = tmp_path / "t.trace"
+    assert _trace(t, "sh", "-c", "exit 3").returncode == 3
+    assert _trace(t, "sh", "-c", "kill -9 $$").returncode == 128 + 9
+    missing = _trace(t, "no-such-command-lcache")
+    assert missing.returncode == 127
+    assert "no-such-command-lcache: command not found" in missing.stderr
+    script = tmp_path / "not-executable.sh"
+    script.write_text("echo hi\n")
+    assert _trace(t, str(script)).returncode == 126
+
+
+def test_known_answer(tmp_path: Path) -> None:
+    """100 x 1 MiB sequential writes then 4 KiB reads at 1,000 random offsets: exact figures."""
+    t = tmp_path / "known.trace"
+    run = _trace(t, sys.executable, str(HERE / "_trace_known.py"), str(tmp_path / "data.bin"),
+                 "7", opts=("--interval", "0.05"))
+    assert run.returncode == 0, run.stderr
+    offsets = json.loads(run.stdout)
+    seq_reads = sum(1 for a, b in zip(offsets, offsets[1:], strict=False) if b == a + 4096)
+    s = summarize(t)
+    mib = 1 << 20
+    w, r, total = s["classes"]["checkpoint"], s["classes"]["cache-read"], s["total"]
+    assert set(s["classes"]) == {"checkpoint", "cache-read"}
+    assert (w["ops"], w["write_ops"], w["read_ops"]) == (100, 100, 0)
+    assert (w["bytes"], w["write_bytes"], w["read_bytes"]) == (100 * mib, 100 * mib, 0)
+    assert (w["size_p50"], w["size_p99"], w["seq_fraction"]) == (mib, mib, 0.99)
+    assert (r["ops"], r["read_ops"], r["bytes"], r["read_bytes"]) == (1000, 1000, 4096000,
+                                                                       4096000)
+    assert (r["size_p50"], r["size_p99"]) == (4096, 4096)
+    assert r["seq_fraction"] == seq_reads / 1000
+    assert (total["ops"], total["bytes"]) == (1100, 100 * mib + 4096000)
+    assert (total["size_p50"], total["size_p99"]) == (4096, mib)
+    assert total["seq_fraction"] == (99 + seq_reads) / 1100
+    for c in (w, r):
+        assert c["MBps_peak"] >= c["MBps_mean"] > 0 and c["lat_p99_us"] >= c["lat_p50_us"] > 0
+    assert s["top_files"][0]["file"] == str(tmp_path / "data.bin")
+    # The sampler saw the Python process write the 100 MiB (wchar counts write() bytes).
+    assert any(p["wchar"] >= 100 * mib for p in s["processes"].values())
+
+
+def test_sampling_a_non_python_process_tree(tmp_path: Path) -> None:
+    t = tmp_path / "sh.trace"
+    data = tmp_path / "x"
+    # A shell whose child writes 8 MiB in 1 MiB pieces with pauses, so samples see it grow.
+    cmd = (f"for i in 1 2 3 4 5 6 7 8; do head -c 1048576 /dev/zero >> {data}; sleep 0.1; "
+           "done; sleep 0.2")
+    run = _trace(t, "sh", "-c", cmd, opts=("--interval", "0.02"))
+    assert run.returncode == 0, run.stderr
+    s = summarize(t)
+    assert s["classes"] == {}  # no lcache inside: only samples
+    shells = [p for p in s["processes"].values() if p["name"].startswith("sh -c")]
+    assert shells and shells[0]["samples"] >= 5
+    assert sum(p["wchar"] for p in s["processes"].values()) >= 4 << 20  # some heads are seen
+    assert s["devices"], "no block device in /proc/diskstats"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
+                    reason="strace is not installed and cannot be (not root)")
+def test_syscalls_with_offsets(tmp_path: Path) -> None:
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    t = tmp_path / "sys.trace"
+    data = tmp_path / "f.bin"
+    code = (f"import os\nfd = os.open({str(data)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "os.write(fd, b'a' * 1000)\nos.write(fd, b'b' * 24)\n"
+            "os.pwrite(fd, b'c' * 10, 5000)\nos.lseek(fd, 100, 0)\nos.read(fd, 50)\n"
+            "os.pread(fd, 7, 3)\nos.close(fd)\n")
+    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
+    assert run.returncode == 0, run.stderr
+    from lcache.report import load
+
+    tr = load(t)
+    rows = [(tr.ops[tr.op[i]], int(tr.offset[i]), int(tr.size[i]), int(tr.result[i]))
+            for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)]
+    assert rows == [("write", 0, 1000, 1000), ("write", 1000, 24, 24),
+                    ("write", 5000, 10, 10), ("read", 100, 50, 50), ("read", 3, 7, 7)]
+    assert summarize(t)["classes"]["syscall"]["ops"] >= 5
