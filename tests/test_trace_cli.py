@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ def test_known_answer(tmp_path: Path) -> None:
                  "7", opts=("--interval", "0.05"))
     assert run.returncode == 0, run.stderr
     offsets = json.loads(run.stdout)
-    seq_reads = sum(1 for a, b in zip(offsets, offsets[1:], strict=False) if b == a + 4096)
+    seq_reads = sum(1 for a, b in itertools.pairwise(offsets) if b == a + 4096)
     s = summarize(t)
     mib = 1 << 20
     w, r, total = s["classes"]["checkpoint"], s["classes"]["cache-read"], s["total"]
