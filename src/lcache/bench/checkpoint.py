@@ -8,8 +8,8 @@ Sizes follow DLIO's ``checkpointing/base_checkpointing.py`` (argonne-lcf/dlio_be
   grouped-query attention this gives Llama 3 8B = 8.03e9 parameters, so 14 B/param makes the
   MLPerf Storage v2.0 sizes (105 GiB for 8B). Older DLIO used ``3*h*h`` for QKV.
 * model weights in ``model_datatype`` (2 B for fp16): per pipeline stage, per tensor-parallel
-  rank (``/tp``), and with ZeRO-3 sharded over data-parallel ranks; below ZeRO-3 only
-  data-parallel rank 0 writes them, one file per layer;
+  rank (``/tp``, the embedding and LM head included), and with ZeRO-3 sharded over
+  data-parallel ranks; below ZeRO-3 only data-parallel rank 0 writes them, one file per layer;
 * optimizer state: three fp32 tensors (master weights, Adam m and v) of ``P / ranks``
   parameters each with ZeRO >= 1 (``P / (tp*pp)`` without ZeRO), plus DLIO's ``5*h`` extra
   elements per tensor: 12 B/param in all;
@@ -56,7 +56,9 @@ def _layer_bytes(w: Workload, layer: int, shard: int, dtype: int) -> int:
     h, n_layers, ffn, voc, tp = (w.hidden_size, w.num_layers, w.ffn_hidden_size,
                                  w.vocab_size, w.tensor_parallelism)
     if layer in (0, n_layers + 1):
-        return h * voc // shard * dtype  # embedding, LM head (DLIO does not split them by tp)
+        # Embedding, LM head: split by tp (vocabulary-parallel), which reproduces MLPerf's
+        # published 912 GiB for 70B; DLIO's base_checkpointing.py writes them whole per tp rank.
+        return h * voc // tp // shard * dtype
     if layer == n_layers + 2:
         return h // shard * dtype  # final norm
     kv_dim = h * w.num_kv_heads // w.num_attention_heads \

@@ -1,0 +1,363 @@
+"""lcache bench: DLIO workload configs, data generation, reader order, checkpoint sizes,
+DLIO's metrics, end-to-end runs on real files (every format), the CLI, --trace, from-model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lcache.bench import BenchOptions, load_workload, parse_workload, run_workload
+from lcache.bench import checkpoint as ckpt
+from lcache.bench.config import resolve_config, shipped_configs
+from lcache.bench.datagen import file_names, generate, list_train_files
+from lcache.bench.metrics import _Block, block_metrics
+from lcache.bench.reader import SampleReader, epoch_order, steps_per_epoch
+from lcache.cli.main import cli
+from lcache.errors import ConfigError
+
+GIB = 2**30
+
+
+def small(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A tiny unet3d-like workload writing under ``tmp``; ``sections`` override keys."""
+    doc: dict[str, Any] = {
+        "model": {"name": "tiny", "model_size": 256 * 1024},
+        "framework": "pytorch",
+        "workflow": {"generate_data": True, "train": True, "checkpoint": False},
+        "dataset": {"data_folder": str(tmp / "data"), "format": "npz", "num_files_train": 12,
+                    "num_samples_per_file": 1, "record_length_bytes": 64 * 1024},
+        "reader": {"batch_size": 2, "read_threads": 2, "file_shuffle": "seed",
+                   "sample_shuffle": "seed"},
+        "train": {"epochs": 2, "computation_time": 0.002},
+        "checkpoint": {"checkpoint_folder": str(tmp / "ckpt")},
+        "output": {"folder": str(tmp / "out")},
+        "metric": {"au": 0.9},
+    }
+    for name, body in sections.items():
+        doc.setdefault(name, {}).update(body)
+    return doc
+
+
+def write_yaml(path: Path, doc: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --------------------------------------------------------------------------- config
+def test_shipped_configs_load_and_cite_their_source() -> None:
+    shipped = shipped_configs()
+    assert {"unet3d_h100", "resnet50_h100", "cosmoflow_h100", "llama3_8b", "llama3_70b",
+            "llama3_405b"} <= set(shipped)
+    for name, path in shipped.items():
+        w = load_workload(path)
+        assert w.do_train or w.do_checkpoint, name
+        assert "mlcommons/storage" in Path(path).read_text(), name  # cites where it came from
+    unet = load_workload(shipped["unet3d_h100"])
+    assert (unet.batch_size, unet.read_threads, unet.computation_time) == (7, 4, 0.323)
+    assert unet.record_length == 146600628 and unet.au == 0.9
+    assert load_workload(shipped["cosmoflow_h100"]).au == 0.7
+
+
+def test_unknown_key_is_refused_naming_key_and_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "typo.yaml", small(tmp_path, train={"epoch": 3}))
+    with pytest.raises(ConfigError) as err:
+        load_workload(str(path))
+    assert "train.epoch" in str(err.value) and str(path) in str(err.value)
+    assert "'epochs'" in str(err.value)  # says what to write instead
+    bad = small(tmp_path)
+    bad["dataset"]["record_lenght"] = 5
+    with pytest.raises(ConfigError, match=r"dataset\.record_lenght"):
+        parse_workload(bad, "x.yaml")
+    with pytest.raises(ConfigError, match="unknown section 'trainer'"):
+        parse_workload({"trainer": {}}, "x.yaml")
+
+
+@pytest.mark.parametrize(("section", "key", "value", "match"), [
+    ("dataset", "format", "hdf5", "does not implement"),
+    ("dataset", "format", "parquet", "does not implement"),
+    ("reader", "data_loader", "dali", "not supported"),
+    ("storage", "storage_type", "s3", "not supported"),
+    ("workflow", "evaluation", True, "not supported"),
+    ("metric", "au", 90, "fraction"),
+    ("reader", "batch_size", 0, "at least 1"),
+])
+def test_unsupported_values_are_refused(tmp_path: Path, section: str, key: str, value: Any,
+                                        match: str) -> None:
+    doc = small(tmp_path, **{section: {key: value}})
+    with pytest.raises(ConfigError, match=match):
+        parse_workload(doc, "w.yaml")
+
+
+def test_both_dlio_spellings_of_record_length() -> None:
+    old = parse_workload({"dataset": {"record_length": 1000, "record_length_stdev": 10}})
+    new = parse_workload({"dataset": {"record_length_bytes": 1000,
+                                      "record_length_bytes_stdev": 10}})
+    assert (old.record_length, old.record_length_stdev) == (1000, 10)
+    assert (new.record_length, new.record_length_stdev) == (1000, 10)
+    assert parse_workload({"dataset": {"record_length": 114660.07}}).record_length == 114660
+    with pytest.raises(ConfigError, match="disagree"):
+        parse_workload({"dataset": {"record_length": 1, "record_length_bytes": 2}})
+    # model.model_size (newer DLIO) and checkpoint.model_size (older) are the same setting
+    assert parse_workload({"checkpoint": {"model_size": 7}}).model_size == 7
+    assert parse_workload({"model": "resnet50"}).model_name == "resnet50"
+
+
+def test_overrides_work_like_dlio_plus_plus_workload(tmp_path: Path) -> None:
+    w = parse_workload(small(tmp_path), "w.yaml",
+                       overrides=["train.epochs=7", "++workload.reader.batch_size=3"])
+    assert (w.epochs, w.batch_size) == (7, 3)
+    with pytest.raises(ConfigError, match=r"train\.epoch'"):
+        parse_workload(small(tmp_path), "w.yaml", overrides=["train.epoch=7"])
+    with pytest.raises(ConfigError, match="neither a file nor a shipped config"):
+        resolve_config("no_such_workload")
+
+
+# --------------------------------------------------------------------------- checkpoint sizes
+@pytest.mark.parametrize(("name", "ranks", "published_gib"), [
+    ("llama3_8b", 8, 105), ("llama3_70b", 64, 912), ("llama3_405b", 512, 5.29 * 1024)])
+def test_llama3_checkpoints_match_mlperf_storage_sizes(name: str, ranks: int,
+                                                        published_gib: float) -> None:
+    """MLPerf Storage v2.0: 8B 105 GB, 70B 912 GB, 405B 5.29 TB (binary units), 14 B/param."""
+    w = load_workload(resolve_config(name))
+    total = ckpt.total_bytes(w, ranks)
+    assert abs(total / GIB - published_gib) / published_gib < 0.02, total / GIB
+    if name == "llama3_8b":
+        assert ckpt.num_parameters(w) == 8_030_261_248
+        # ZeRO-3: the same whole checkpoint on any rank count, split evenly
+        assert abs(ckpt.total_bytes(w, 1) - total) / total < 1e-4  # DLIO adds 5h per rank
+        sizes = {f.nbytes for r in range(ranks) for f in ckpt.rank_files(w, r, ranks)}
+        assert len(sizes) == 2  # every rank: one optimizer and one model-state shard
+
+
+def test_parallelism_needs_enough_ranks() -> None:
+    w = load_workload(resolve_config("llama3_70b"))
+    with pytest.raises(ConfigError, match="multiple of 8 ranks"):
+        ckpt.rank_files(w, 0, 2)
+
+
+# --------------------------------------------------------------------------- data and order
+@pytest.mark.parametrize("fmt", ["npz", "npy", "indexed_binary", "mmap_indexed_binary",
+                                 "tfrecord"])
+def test_generated_files_follow_dlio_layout(tmp_path: Path, fmt: str) -> None:
+    doc = small(tmp_path, dataset={"format": fmt, "num_samples_per_file": 3,
+                                   "record_length_bytes": 1000, "num_files_train": 10})
+    w = parse_workload(doc)
+    generate(w, str(tmp_path / "data"))
+    files = list_train_files(w, str(tmp_path / "data"))
+    assert [os.path.basename(f) for f in files] == file_names(w)
+    assert os.path.basename(files[0]) == f"img_00_of_10.{fmt}"  # DLIO's zero-padded names
+    if fmt == "npz":
+        with np.load(files[0], allow_pickle=False) as z:
+            assert z["x"].shape == (3, 1000)
+    elif fmt == "npy":
+        assert np.load(files[0], allow_pickle=False).shape == (3, 1000)
+    reader = SampleReader(w, files)
+    try:
+        got = reader.read_batch(np.arange(30))
+    finally:
+        reader.close()
+    whole = sum(os.path.getsize(f) for f in files)
+    if fmt in ("npz", "npy"):
+        assert got == whole  # whole files, read once per run of samples from one file
+    else:
+        assert got == 30 * 1000  # exactly the samples' bytes, found through the index
+
+
+def test_missing_dataset_says_how_to_generate(tmp_path: Path) -> None:
+    w = parse_workload(small(tmp_path))
+    with pytest.raises(ConfigError, match="generate_data"):
+        list_train_files(w, str(tmp_path / "nothing"))
+
+
+def test_ranks_split_every_epoch_like_a_distributed_sampler(tmp_path: Path) -> None:
+    w = parse_workload(small(tmp_path, dataset={"num_files_train": 101}))
+    world = 3
+    steps = steps_per_epoch(w, world)
+    assert steps == 101 // 2 // 3
+    orders = [epoch_order(w, 1, r, world, 101) for r in range(world)]
+    flat = np.concatenate(orders)
+    assert all(len(o) == steps * 2 for o in orders)
+    assert len(set(flat.tolist())) == len(flat)  # no sample on two ranks
+    again = epoch_order(w, 1, 0, world, 101)
+    assert np.array_equal(again, orders[0])  # seed: the same order on every run
+    assert not np.array_equal(epoch_order(w, 2, 0, world, 101), orders[0])  # reshuffled
+    plain = parse_workload(small(tmp_path, reader={"file_shuffle": "off",
+                                                   "sample_shuffle": "off"}))
+    assert epoch_order(plain, 1, 1, 2, 12).tolist() == list(range(1, 12, 2))
+
+
+# --------------------------------------------------------------------------- metrics
+def test_au_and_throughput_follow_dlio_formula() -> None:
+    b = _Block(start=100.0, end=110.0, load=[3.0, 0.5, 0.5, 0.5],
+               proc=[4.0, 2.0, 2.0, 2.0], compute=[1.0, 1.5, 1.5, 1.5])
+    au, thr, steps = block_metrics(b, batch_size=4, skip_start=1, skip_end=0)
+    # first step excluded: 4.5 s of compute over 10 - 4 = 6 s
+    assert au == pytest.approx(75.0) and steps == 3
+    assert thr == pytest.approx(3 * 4 / 6.0)
+    au2, _, _ = block_metrics(b, batch_size=4, skip_start=1, skip_end=1)
+    assert au2 == pytest.approx(100 * 3.0 / (10 - 4 - 2))
+
+
+# --------------------------------------------------------------------------- end to end
+def run(tmp_path: Path, doc: dict[str, Any], **opts: Any) -> dict[str, Any]:
+    w = parse_workload(doc, str(tmp_path / "w.yaml"))
+    return run_workload(w, BenchOptions(show_progress=False, **opts))
+
+
+def test_run_writes_dlio_summary_and_checkpoints(tmp_path: Path) -> None:
+    doc = small(tmp_path, workflow={"checkpoint": True},
+                checkpoint={"checkpoint_after_epoch": 1, "epochs_between_checkpoints": 1,
+                            "num_checkpoints_read": 2})
+    s = run(tmp_path, doc)
+    out = tmp_path / "out"
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["metric"] == s["metric"]
+    m = s["metric"]
+    for key in ("train_au_mean_percentage", "train_au_meet_expectation",
+                "train_throughput_mean_samples_per_second", "train_io_mean_MB_per_second",
+                "save_checkpoint_duration_mean_seconds", "save_checkpoint_io_mean_GB_per_second",
+                "load_checkpoint_duration_mean_seconds", "load_checkpoint_io_mean_GB_per_second",
+                "checkpoint_size_GB"):
+        assert key in m, key
+    assert len(m["train_au_percentage"]) == 2 and 0 < m["train_au_mean_percentage"] <= 100
+    assert m["checkpoint_size_GB"] == pytest.approx(256 * 1024 / GIB)
+    assert m["train_io_mean_MB_per_second"] == pytest.approx(
+        m["train_throughput_mean_samples_per_second"] * 64 * 1024 / 2**20)
+    # every sample read once per epoch: 12 files x 2 epochs, each npz read whole
+    data = sum(os.path.getsize(p) for p in (tmp_path / "data" / "train").iterdir())
+    assert sum(e["bytes_read"] for e in s["per_epoch"]) == 2 * data
+    assert [e["steps"] for e in s["per_epoch"]] == [6, 6]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved == ["global_epoch1_step6", "global_epoch2_step6"]
+    assert (tmp_path / "ckpt" / saved[0] / "model_states-0").stat().st_size == 256 * 1024
+    assert not [p for p in (tmp_path / "ckpt" / saved[0]).iterdir() if ".tmp" in p.name]
+    assert [c["kind"] for c in s["checkpoints"]] == ["save", "save", "load", "load"]
+    assert (out / "0_output.json").exists() and (out / "per_epoch_stats.json").exists()
+    assert s["verdict"].startswith("AU ")
+
+
+def test_slow_storage_fails_au_with_a_reason(tmp_path: Path) -> None:
+    """A reader slower than compute (preprocess 20 ms per sample vs 1 ms of compute) cannot
+    reach 90% AU on any machine: the verdict says NOT MET and why."""
+    doc = small(tmp_path, reader={"read_threads": 0, "preprocess_time": 0.02},
+                train={"epochs": 1, "computation_time": 0.001})
+    s = run(tmp_path, doc, drop_cache=True)
+    assert s["metric"]["train_au_meet_expectation"] == "fail"
+    assert "NOT MET" in s["verdict"] and "waited" in s["verdict"]
+    assert not s["potential_caching"]
+
+
+@pytest.mark.parametrize("fmt", ["indexed_binary", "mmap_indexed_binary", "tfrecord", "npy"])
+def test_every_format_runs(tmp_path: Path, fmt: str) -> None:
+    doc = small(tmp_path, dataset={"format": fmt, "num_samples_per_file": 4,
+                                   "num_files_train": 3, "record_length_bytes": 4096},
+                train={"epochs": 1})
+    s = run(tmp_path, doc)
+    assert s["per_epoch"][0]["steps"] == 6
+    if fmt != "npy":
+        assert s["per_epoch"][0]["bytes_read"] == 12 * 4096
+
+
+def test_odirect_reads_aligned(tmp_path: Path) -> None:
+    doc = small(tmp_path, dataset={"format": "indexed_binary", "num_samples_per_file": 4,
+                                   "num_files_train": 2, "record_length_bytes": 5000},
+                train={"epochs": 1})
+    try:
+        s = run(tmp_path, doc, direct=True)
+    except ConfigError as exc:
+        if "O_DIRECT" in str(exc):
+            pytest.skip(f"this filesystem refuses O_DIRECT: {exc}")
+        raise
+    assert s["odirect"] and s["per_epoch"][0]["bytes_read"] == 8 * 5000
+
+
+def test_checkpoint_only_workflow_like_mlperf_llama3(tmp_path: Path) -> None:
+    """The llama3 configs: no training, N checkpoints written then N read (shrunk shape)."""
+    path = resolve_config("llama3_8b")
+    w = load_workload(path, [
+        "model.num_layers=1", "model.transformer.hidden_size=64",
+        "model.transformer.ffn_hidden_size=128", "model.transformer.vocab_size=256",
+        "model.transformer.num_attention_heads=4", "model.transformer.num_kv_heads=2",
+        "checkpoint.num_checkpoints_write=2", "checkpoint.num_checkpoints_read=2",
+        "checkpoint.time_between_checkpoints=0.01",
+        f"checkpoint.checkpoint_folder={tmp_path / 'ck'}", f"output.folder={tmp_path / 'o'}"])
+    s = run_workload(w, BenchOptions(show_progress=False, drop_cache=True))
+    m = s["metric"]
+    assert "train_au_mean_percentage" not in m
+    assert m["checkpoint_size_GB"] * GIB == ckpt.total_bytes(w, 1)
+    assert len([c for c in s["checkpoints"] if c["kind"] == "load"]) == 2
+    files = sorted(p.name for p in (tmp_path / "ck" / "global_epoch1_step1").iterdir())
+    assert files == ["zero_pp_rank_0_mp_rank_00_model_states",
+                     "zero_pp_rank_0_mp_rank_00_optim_states"]
+
+
+# --------------------------------------------------------------------------- CLI, trace
+def test_cli_run_json_and_errors(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "w.yaml", small(tmp_path, train={"epochs": 1}))
+    res = CliRunner().invoke(cli, ["bench", "run", str(path), "--json",
+                                   "--set", "reader.read_threads=1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["metric"]["train_au_meet_expectation"] in ("success", "fail")
+    res = CliRunner().invoke(cli, ["bench", "run", str(path), "--set", "train.epoc=1"])
+    assert res.exit_code == 1 and "train.epoc" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(cli, ["bench", "configs", "--json"])
+    assert res.exit_code == 0 and "unet3d_h100" in {r["name"] for r in json.loads(res.output)}
+    res = CliRunner().invoke(cli, ["bench", "run", str(path)])
+    assert res.exit_code == 0 and "verdict:" in res.output
+
+
+def test_trace_records_the_runs_io(tmp_path: Path) -> None:
+    doc = small(tmp_path, workflow={"checkpoint": True}, train={"epochs": 1})
+    s = run(tmp_path, doc, trace=True)
+    trace = tmp_path / "out" / "trace-rank0.pfw"
+    assert s["trace"]["traces"] == [str(trace)]
+    cats: dict[str, int] = {}
+    for line in trace.read_text().splitlines():
+        line = line.strip().rstrip(",")
+        if line.startswith("{"):
+            ev = json.loads(line)
+            if ev.get("ph") == "X":
+                cats[ev["cat"]] = cats.get(ev["cat"], 0) + 1
+    assert cats.get("data-source", 0) >= 12 and cats.get("checkpoint", 0) >= 1, cats
+    if s["trace"].get("report"):
+        assert Path(s["trace"]["report"]).exists()
+
+
+# --------------------------------------------------------------------------- from-model
+def test_from_model_plan_keeps_each_class_bandwidth() -> None:
+    from lcache.bench.from_model import plan
+    from lcache.model import config_from_preset, predict
+
+    pred = predict(config_from_preset("llama3-8b", gpus=16, optimizer_offload=True)).to_dict()
+    p = plan(pred, duration=10.0, steps=10, max_step_bytes=1 << 40)
+    step_s = 10.0 / p.steps
+    node = pred["classes"]["optimizer-offload"]["per_node"]["bytes_per_step"]
+    moved = p.classes["optimizer-offload"]["emulated_bytes_per_step_per_node"]
+    assert moved / step_s == pytest.approx(node / pred["step_time_s"], rel=1e-9)
+    assert p.workload.computation_time == pytest.approx(step_s)
+    assert p.workload.model_size == int(pred["checkpoint_bytes_per_node"] * p.scale)
+    capped = plan(pred, duration=10.0, steps=10, max_step_bytes=1 << 20)
+    assert capped.classes["optimizer-offload"]["capped"]
+
+
+def test_from_model_runs_on_real_storage(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, [
+        "bench", "from-model", "bert-large", "--duration", "0.3", "--steps", "3",
+        "--dir", str(tmp_path), "--set", "gpus=8", "--set", "optimizer_offload=true",
+        "--max-step-bytes", "2MiB", "--restart", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    info = doc["from_model"]
+    assert info["preset"] == "bert-large" and info["steps"] == 3
+    assert "optimizer-offload" in info["classes"]
+    assert doc["metric"]["train_au_mean_percentage"] > 0
+    assert any(c["kind"] == "load" for c in doc["checkpoints"])
+    assert list(tmp_path.glob("output/checkpoints/offload-offload-*-rank0.bin"))
