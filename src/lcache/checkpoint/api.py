@@ -72,6 +72,7 @@ class CheckpointHandle:
         self._lock_fd: int | None = None
         self._shard: dict[str, Any] | None = None
         self._settled = False
+        self._observed = False
         self._meta: dict[str, Any] = options.get("meta") or {}
 
     # --- public -------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class CheckpointHandle:
                 raise TimeoutError(f"checkpoint {self.path} still persisting after {timeout} s")
         self._settle()
         if self._error is not None:
+            self._observed = True
             raise self._error
         return self.path
 
@@ -293,7 +295,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending._settle()
-            if pending._error is not None:
+            if pending._error is not None and pending.world > 1 and not pending._observed:
                 log.warning("previous checkpoint %s failed: %s", pending.path, pending._error)
 
     def close(self) -> None:

@@ -5,14 +5,13 @@ there (temp file, fsync, rename) and then renaming the directory to ``ROOT/NAME`
 ROOT). So ``ROOT/NAME`` either does not exist or holds a complete checkpoint; ``kill -9`` at any
 moment leaves at most a hidden staging directory, which the next save in ROOT removes.
 
-Writers hold a shared ``flock`` on the staging directory's ``.lock`` file, released by the kernel
+Writers hold a shared ``flock`` on the staging directory itself, released by the kernel
 when they die, so clean-up never removes a save in progress (DESIGN: no lock files whose
 existence is the lock).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import shutil
@@ -28,8 +27,6 @@ from lcache.io import fsync_dir
 
 PARTIAL = ".lcache-partial-"
 TRASH = ".lcache-trash-"
-LOCK = ".lock"
-_ORPHAN_AGE_S = 60.0  # a staging dir without its lock file is left alone this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,30 +75,34 @@ def is_complete(path: str) -> bool:
 
 
 def open_staging(root: str, name: str) -> tuple[str, int]:
-    """Create (or reuse) the staging directory and take a shared lock in it.
+    """Create (or reuse) the staging directory and hold a shared ``flock`` on it.
 
-    Returns (staging path, lock fd); close the fd when the save is over.
+    Returns (staging path, locked directory fd); close the fd when the save is over.
     """
     if is_complete(os.path.join(root, name)):
         raise CheckpointExistsError(f"a checkpoint named {name!r} already exists in {root}; "
                                     "checkpoints are never overwritten: pick a new name "
                                     "(e.g. with the step number) or delete it first")
     stage = staging_dir(root, name)
-    os.makedirs(stage, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(stage, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return stage, fd
+    for _ in range(10):
+        os.makedirs(stage, mode=0o700, exist_ok=True)
+        fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(stage)):
+                return stage, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # a clean-up removed it between mkdir and flock: make it again
+    raise ConfigError(f"cannot hold staging directory {stage}: something keeps removing it")
 
 
 def _unlocked(path: str) -> bool:
     """Whether no live process holds the lock of staging dir ``path``."""
     try:
-        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        try:
-            return time.time() - os.stat(path).st_mtime > _ORPHAN_AGE_S
-        except FileNotFoundError:
-            return False
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -140,11 +141,9 @@ def clean_leftovers(root: str, keep: str | None = None) -> list[str]:
 def publish(stage: str, root: str, name: str, manifest: bytes, expected: set[str]) -> str:
     """Make the staged checkpoint visible as ``root/name``; returns that path."""
     for entry in os.listdir(stage):  # stale files of an earlier, interrupted save
-        if entry not in expected and entry != LOCK:
+        if entry not in expected:
             os.unlink(os.path.join(stage, entry))
     write_file_atomic(os.path.join(stage, MANIFEST), manifest)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(stage, LOCK))
     fsync_dir(stage)
     final = os.path.join(root, name)
     if is_complete(final):

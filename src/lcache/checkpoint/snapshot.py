@@ -8,6 +8,7 @@ touch, more than the copy itself.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from dataclasses import dataclass, field
@@ -60,7 +61,8 @@ class HostBuffer:
         self.view.release()
         self.view = memoryview(bytearray(0))
         if isinstance(self._owner, mmap.mmap):
-            self._owner.close()
+            with contextlib.suppress(BufferError):  # a view still refers to it: GC frees it
+                self._owner.close()
         self._owner = None
 
 
