@@ -1,0 +1,239 @@
+"""Benchmark lcache checkpoints against torch.save and torch.distributed.checkpoint.
+
+For each state size, in one run on one directory:
+  fio's sequential write and read limits (O_DIRECT, 1 MiB blocks, queue depth 16), then
+  lcache ``async_save`` / ``load``, ``torch.save`` / ``torch.load`` (synchronous), and
+  ``torch.distributed.checkpoint.async_save`` / ``load`` (single process, no process group).
+
+    python benchmarks/ckpt_bench.py --json
+    python benchmarks/ckpt_bench.py --sizes 256MiB,1GiB,4GiB --dir /mnt/nvme/bench --json
+
+Figures per system:
+  stall_s       what the training loop waits for: the call's return (lcache and DCP copy the
+                state to host memory and return; torch.save returns after writing it to the
+                page cache). Measured on the second save, after a warm-up save.
+  persist_GBps  state bytes / seconds from the call's return until the data is durable
+                (fsynced); for torch.save, state bytes / (save + fsync).
+  load_GBps     state bytes / seconds to load, page cache dropped first (root: drop_caches).
+Run as root so the page cache can be dropped. fio must be installed (``apt-get install -y
+fio``); without it the fio columns are null and the ratios to fio are not computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _sysbench as sb
+from rich.console import Console
+from rich.table import Table
+
+from lcache import checkpoint as ck
+from lcache.store import parse_size
+
+log = Console(stderr=True)
+TENSORS = 32  # a state of several tensors, as a model's is
+FIO_MIN_BYTES = 1 << 30
+FIO_READ_S = 4
+
+
+def make_state(nbytes: int) -> dict[str, Any]:
+    import torch
+
+    per = nbytes // TENSORS // 4
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i:02d}.weight": torch.rand(per, generator=g) for i in range(TENSORS)}
+
+
+def state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("nan")
+
+
+def fio_seq(directory: Path, nbytes: int) -> tuple[float | None, float | None]:
+    """(sequential write GB/s, sequential read GB/s) on a file of ``nbytes``."""
+    if not sb.fio_available():
+        log.print("[yellow]fio not found: install it (apt-get install -y fio) for the "
+                  "device limits[/]")
+        return None, None
+    path = directory / "fio-seq.dat"
+    size = max(nbytes, FIO_MIN_BYTES)  # a short run mostly measures fio's ramp-up
+    common = [f"--filename={path}", f"--size={size}", "--ioengine=libaio", "--direct=1",
+              "--bs=1M", "--iodepth=16"]
+    try:
+        write = sb._run_fio([*common, "--name=seqwrite", "--rw=write", "--end_fsync=1"], 300)
+        sb.drop_page_cache()
+        read = sb._run_fio([*common, "--name=seqread", "--rw=read", "--time_based",
+                            f"--runtime={FIO_READ_S}"], 300)
+    finally:
+        path.unlink(missing_ok=True)
+    return round(sb._job_bw(write, "write") / 1e3, 3), round(sb._job_bw(read, "read") / 1e3, 3)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def bench_lcache(state: dict[str, Any], nbytes: int, where: Path) -> dict[str, Any]:
+    saver = ck.Checkpointer()
+    first = saver.async_save(state, where / "warmup")
+    first_stall = first.stall_s
+    first.wait()
+    t0 = time.perf_counter()
+    handle = saver.async_save(state, where / "step")
+    stall = time.perf_counter() - t0
+    handle.wait()
+    durable = time.perf_counter() - t0
+    saver.close()
+    sb.drop_page_cache()
+    back, load_s = timed(lambda: ck.load(where / "step"))
+    if not state_equal(state, back):
+        raise RuntimeError("lcache loaded different bytes")
+    return {"system": "lcache async_save", "stall_s": round(stall, 4),
+            "first_stall_s": round(first_stall, 4),
+            "persist_GBps": gbps(nbytes, durable - stall),
+            "load_GBps": gbps(nbytes, load_s), "o_direct": handle.direct}
+
+
+def bench_torch_save(state: dict[str, Any], nbytes: int, where: Path) -> dict[str, Any]:
+    import torch
+
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / "state.pt"
+    torch.save(state, where / "warmup.pt")
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    stall = time.perf_counter() - t0
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    durable = time.perf_counter() - t0
+    sb.drop_page_cache()
+    back, load_s = timed(lambda: torch.load(path, weights_only=True))
+    if not state_equal(state, back):
+        raise RuntimeError("torch.load returned different bytes")
+    return {"system": "torch.save (sync)", "stall_s": round(stall, 4),
+            "durable_s": round(durable, 4),
+            "persist_GBps": gbps(nbytes, durable), "load_GBps": gbps(nbytes, load_s)}
+
+
+def bench_dcp(state: dict[str, Any], nbytes: int, where: Path) -> dict[str, Any]:
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    dcp.async_save(state, checkpoint_id=str(where / "warmup")).result()
+    t0 = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=str(where / "step"))
+    stall = time.perf_counter() - t0
+    future.result()
+    durable = time.perf_counter() - t0
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    sb.drop_page_cache()
+    _, load_s = timed(lambda: dcp.load(target, checkpoint_id=str(where / "step")))
+    if not state_equal(state, target):
+        raise RuntimeError("DCP loaded different bytes")
+    return {"system": "torch.distributed.checkpoint async_save", "stall_s": round(stall, 4),
+            "persist_GBps": gbps(nbytes, durable - stall), "load_GBps": gbps(nbytes, load_s),
+            "note": "loads in place into preallocated tensors"}
+
+
+def targets(rows: list[dict[str, Any]], fio_w: float | None, fio_r: float | None
+            ) -> dict[str, Any]:
+    """The issue's target ratios, computed from this run's rows."""
+    by = {r["system"].split()[0]: r for r in rows}
+    lc, ts, dc = by["lcache"], by["torch.save"], by["torch.distributed.checkpoint"]
+    out: dict[str, Any] = {
+        "stall_vs_torch_save": round(lc["stall_s"] / ts["stall_s"], 3),
+        "stall_vs_torch_save_target": "<= 0.1",
+        "stall_vs_dcp": round(lc["stall_s"] / dc["stall_s"], 3),
+        "stall_vs_dcp_target": "<= 1",
+    }
+    out["stall_met"] = out["stall_vs_torch_save"] <= 0.1 and out["stall_vs_dcp"] <= 1
+    # not a target: the stall against a torch.save that is also crash-safe (save + fsync)
+    out["stall_vs_torch_save_fsynced"] = round(lc["stall_s"] / ts["durable_s"], 3)
+    if fio_w and fio_r:
+        out["persist_vs_fio_write"] = round(lc["persist_GBps"] / fio_w, 3)
+        out["load_vs_fio_read"] = round(lc["load_GBps"] / fio_r, 3)
+        out["persist_met"] = out["persist_vs_fio_write"] >= 0.8
+        out["load_met"] = out["load_vs_fio_read"] >= 0.8
+    return out
+
+
+def run_size(nbytes: int, base: Path) -> dict[str, Any]:
+    where = base / sb.format_size(nbytes)
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    log.print(f"[bold]{sb.format_size(nbytes)}[/]: fio ...")
+    fio_w, fio_r = fio_seq(where, nbytes)
+    state = make_state(nbytes)
+    real = sum(t.numel() * t.element_size() for t in state.values())
+    rows = []
+    for name, fn in (("lcache", bench_lcache), ("torch.save", bench_torch_save),
+                     ("dcp", bench_dcp)):
+        log.print(f"[bold]{sb.format_size(nbytes)}[/]: {name} ...")
+        row = fn(state, real, where / name)
+        rows.append({**row, "state_bytes": real, "fio_seqwrite_GBps": fio_w,
+                     "fio_seqread_GBps": fio_r})
+        shutil.rmtree(where / name, ignore_errors=True)
+        gc.collect()
+    shutil.rmtree(where, ignore_errors=True)
+    return {"state_bytes": real, "fio_seqwrite_GBps": fio_w, "fio_seqread_GBps": fio_r,
+            "rows": rows, "targets": targets(rows, fio_w, fio_r)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="256MiB,1GiB", help="comma-separated state sizes")
+    p.add_argument("--dir", default="/var/tmp/lcache-ckpt-bench",
+                   help="where to write (on the SSD under test)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args()
+    try:
+        import torch
+    except ImportError:
+        sys.exit("ckpt_bench needs torch: pip install 'lcache[torch]'")
+    base = Path(args.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    how = sb.drop_page_cache()
+    if how != "drop_caches":
+        log.print("[yellow]not root: loads may be served from the page cache[/]")
+    results = [run_size(parse_size(s), base) for s in args.sizes.split(",")]
+    doc = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                       "page_cache_drop": how, "dir": str(base)},
+           "rows": [r for res in results for r in res["rows"]],
+           "sizes": [{k: v for k, v in res.items() if k != "rows"} for res in results]}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    table = Table(title="checkpoint save and load (stall = what the training loop waits for)")
+    for col in ("system", "state", "stall s", "persist GB/s", "load GB/s", "fio write GB/s",
+                "fio read GB/s"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in doc["rows"]:
+        table.add_row(r["system"], sb.format_size(r["state_bytes"]), f"{r['stall_s']:.3f}",
+                      f"{r['persist_GBps']:.2f}", f"{r['load_GBps']:.2f}",
+                      str(r["fio_seqwrite_GBps"]), str(r["fio_seqread_GBps"]))
+    Console().print(table)
+    Console().print_json(json.dumps(doc["sizes"]))
+
+
+if __name__ == "__main__":
+    main()
