@@ -287,6 +287,14 @@ def test_upload_to_fsspec_url(tmp_path: Path) -> None:
     assert handle.uploaded_to == str(remote / "s")
     assert sorted(os.listdir(remote / "s")) == ["manifest.json", "rank00000.data"]
     assert torch.equal(ck.load(remote / "s")["w"], torch.arange(1000))
+    # a failing upload is reported by wait(); the local checkpoint stays published
+    (tmp_path / "a-file").write_text("")
+    handle = ck.async_save({"w": torch.ones(3)}, tmp_path / "c" / "t",
+                           upload_to=f"file://{tmp_path}/a-file/sub")
+    with pytest.raises(OSError):
+        handle.wait()
+    assert handle.state is ck.CkptState.PUBLISHED and handle.uploaded_to is None
+    assert ck.verify(tmp_path / "c" / "t").ok
 
 
 def test_io_goes_through_lcache_io_as_checkpoint_class(tmp_path: Path) -> None:

@@ -88,6 +88,9 @@ class CheckpointHandle:
         In multi-rank runs every rank must call it (or save again): it holds the all-gather
         that lets rank 0 publish.
 
+        An upload error is raised here too; the local checkpoint is then still published
+        (``state`` is ``PUBLISHED``).
+
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
             DiskFullError, OSError, LCacheError: what failed this checkpoint (on this rank,
@@ -111,7 +114,8 @@ class CheckpointHandle:
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
-        self.state = CkptState.FAILED
+        if self.state is not CkptState.PUBLISHED:  # a failed upload leaves it published
+            self.state = CkptState.FAILED
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -129,10 +133,9 @@ class CheckpointHandle:
         try:
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
-            assert self._stage is not None  # set before the thread starts
             fname = data_file_name(self.rank)
             self.direct = write_data_file(
-                os.path.join(self._stage, fname), snap.data, snap.arrays,
+                os.path.join(dirs.staging_dir(self.root, self.name), fname), snap.data, snap.arrays,
                 direct=self._options["direct"], queue_depth=self._options["queue_depth"])
             self._shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
                            "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
@@ -149,10 +152,10 @@ class CheckpointHandle:
                 log.warning("checkpoint %s failed: %s", self.path, exc)
 
     def _publish(self, shards: list[dict[str, Any]]) -> None:
-        assert self._stage is not None
         body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
                 "meta": self._meta, "shards": shards}
-        self.path = dirs.publish(self._stage, self.root, self.name, dump_manifest(body),
+        stage = dirs.staging_dir(self.root, self.name)
+        self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                  {s["file"] for s in shards})
         self._stage = None
         self._release_lock()
@@ -187,6 +190,8 @@ class CheckpointHandle:
         outcome: dict[str, Any] = {"ok": not failed, "error": "; ".join(failed)}
         if self.rank == 0:
             if failed:
+                # every rank is done with it (they all reached the all-gather)
+                self._stage = dirs.staging_dir(self.root, self.name)
                 self._discard_stage()
             else:
                 try:
