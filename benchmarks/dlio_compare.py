@@ -1,0 +1,272 @@
+"""lcache bench side by side with DLIO itself, on the same YAML and the same data directory.
+
+    python benchmarks/dlio_compare.py --json
+
+1. Installs dlio-benchmark 2.0.0 into its own virtual environment (default
+   /var/tmp/dlio-venv) the way that works (../shared/DESIGN.md): Debian's openmpi-bin and
+   libopenmpi-dev, ``pip install --no-deps dlio-benchmark==2.0.0`` (a plain install fails on
+   its ``nvidia-dali-cuda110`` stub dependency), then its real dependencies by hand.
+2. For each workload writes one YAML file that both tools accept (DLIO 2.0.0 ignores keys it
+   does not know; lcache refuses them, so only keys both read are used), runs DLIO under
+   ``mpirun`` (it generates the data), then ``lcache bench run`` on the same file and data.
+   The page cache is dropped before each run.
+3. Prints both tools' figures and the ratios lcache / DLIO as JSON.
+
+Workloads: ``unet3d_small`` (npz, compute-bound: storage is not the bottleneck, AU and samples/s
+should agree within 10%), ``unet3d_readbound`` (large samples, 1 ms of compute: the read path is
+the bottleneck, both should fail AU), ``checkpoint_small`` (training with a 512 MiB checkpoint
+every 5 steps; DLIO 2.0.0 records checkpoint durations only in per_epoch_stats.json, at 10 ms
+resolution, and has no checkpoint read phase).
+
+Both run ``framework: pytorch`` (MLPerf's unet3d setting), so DLIO needs torch in its
+environment too (PyPI's build, several GB). With ``framework: tensorflow`` DLIO 2.0.0 writes
+empty checkpoints: its TF checkpointing hands ``tf.train.Checkpoint`` a plain tensor, which is
+not trackable, so 4 "512 MiB" checkpoints put 2.7 KB on disk (measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DLIO_DEPS = ["Pillow", "PyYAML", "h5py", "mpi4py", "numpy", "omegaconf", "pandas", "psutil",
+             "pydftracer==1.0.2", "hydra-core", "tensorflow-cpu", "torch"]
+
+
+def workloads(work: Path) -> dict[str, dict[str, Any]]:
+    base: dict[str, Any] = {"framework": "pytorch",
+            "reader": {"data_loader": "pytorch", "file_shuffle": "seed",
+                       "sample_shuffle": "seed"},
+            "metric": {"au": 0.90}}
+    return {
+        "unet3d_small": {**base, "model": {"name": "unet3d_small"},
+                         "workflow": {"generate_data": True, "train": True},
+                         "dataset": {"data_folder": str(work / "data" / "unet3d_small"),
+                                     "format": "npz", "num_files_train": 160,
+                                     "num_samples_per_file": 1, "record_length": 1048576},
+                         "reader": {**base["reader"], "batch_size": 4, "read_threads": 2},
+                         "train": {"epochs": 2, "computation_time": 0.1}},
+        "unet3d_readbound": {**base, "model": {"name": "unet3d_readbound"},
+                             "workflow": {"generate_data": True, "train": True},
+                             "dataset": {"data_folder": str(work / "data" / "readbound"),
+                                         "format": "npz", "num_files_train": 64,
+                                         "num_samples_per_file": 1,
+                                         "record_length": 16777216},
+                             "reader": {**base["reader"], "batch_size": 4, "read_threads": 2},
+                             "train": {"epochs": 2, "computation_time": 0.001}},
+        "checkpoint_small": {**base, "model": {"name": "checkpoint_small"},
+                             "workflow": {"generate_data": True, "train": True,
+                                          "checkpoint": True},
+                             "dataset": {"data_folder": str(work / "data" / "ckpt_small"),
+                                         "format": "npz", "num_files_train": 40,
+                                         "num_samples_per_file": 1, "record_length": 65536},
+                             "reader": {**base["reader"], "batch_size": 2, "read_threads": 1},
+                             "train": {"epochs": 1, "computation_time": 0.05},
+                             "checkpoint": {"checkpoint_folder": "PLACEHOLDER",
+                                            "steps_between_checkpoints": 5,
+                                            "model_size": 536870912,
+                                            # DLIO 2.0.0 never fsyncs (and ignores the key)
+                                            "fsync": False}},
+    }
+
+
+def sh(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+       cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd, check=False)
+
+
+def install(venv: Path) -> dict[str, Any]:
+    """Install DLIO 2.0.0 and OpenMPI; returns what was done and what failed, exactly."""
+    steps: list[dict[str, Any]] = []
+
+    def step(name: str, cmd: list[str], timeout: float = 1200) -> bool:
+        t0 = time.time()
+        res = sh(cmd, timeout)
+        steps.append({"step": name, "cmd": " ".join(cmd), "rc": res.returncode,
+                      "seconds": round(time.time() - t0, 1),
+                      "tail": (res.stdout + res.stderr)[-1500:] if res.returncode else ""})
+        return res.returncode == 0
+
+    ok = True
+    if shutil.which("mpirun") is None:
+        ok = step("apt-get update", ["apt-get", "update"]) and step(
+            "openmpi", ["apt-get", "install", "-y", "openmpi-bin", "libopenmpi-dev"])
+    if ok and not (venv / "bin" / "dlio_benchmark").exists():
+        ok = (step("venv", [sys.executable, "-m", "venv", str(venv)])
+              and step("dlio-benchmark (no deps)", [str(venv / "bin" / "pip"), "install",
+                                                    "--no-deps", "dlio-benchmark==2.0.0"])
+              and step("dlio dependencies", [str(venv / "bin" / "pip"), "install",
+                                             *DLIO_DEPS]))
+    return {"ok": ok and (venv / "bin" / "dlio_benchmark").exists(), "steps": steps}
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_dlio(venv: Path, conf: Path, name: str, out: Path, ranks: int,
+             timeout: float) -> dict[str, Any]:
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
+               TF_CPP_MIN_LOG_LEVEL="3", OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
+           str(ranks), str(venv / "bin" / "dlio_benchmark"), "--config-dir", str(conf),
+           f"workload={name}", f"++workload.output.folder={out}", f"hydra.run.dir={out}"]
+    t0 = time.time()
+    res = sh(cmd, timeout, env=env)
+    wall = time.time() - t0
+    doc: dict[str, Any] = {"cmd": " ".join(cmd), "rc": res.returncode,
+                           "wall_s": round(wall, 2)}
+    summary = out / "summary.json"
+    if res.returncode or not summary.exists():
+        doc["error"] = (res.stdout + res.stderr)[-3000:]
+        return doc
+    s = json.loads(summary.read_text())
+    doc["metric"] = s.get("metric", {})
+    stats = json.loads((out / "per_epoch_stats.json").read_text())
+    ckpt = [float(v["duration"]) for e in stats.values() if isinstance(e, dict)
+            for k, v in e.items() if k.startswith("ckpt") and "duration" in v]
+    if ckpt:
+        doc["save_checkpoint_durations_s"] = ckpt
+        doc["metric"]["save_checkpoint_duration_mean_seconds"] = sum(ckpt) / len(ckpt)
+    return doc
+
+
+def run_lcache(cfg: Path, out: Path, ranks: int, timeout: float) -> dict[str, Any]:
+    base = [sys.executable, "-m", "lcache"]
+    if ranks > 1:
+        base = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+                "--nproc_per_node", str(ranks), "-m", "lcache"]
+    cmd = [*base, "bench", "run", str(cfg), "--no-generate", "--output", str(out), "--json"]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
+    t0 = time.time()
+    res = sh(cmd, timeout, env=env)
+    doc: dict[str, Any] = {"cmd": " ".join(cmd), "rc": res.returncode,
+                           "wall_s": round(time.time() - t0, 2)}
+    if res.returncode:
+        doc["error"] = res.stderr[-3000:]
+        return doc
+    s = json.loads(res.stdout)
+    doc["metric"] = s["metric"]
+    doc["verdict"] = s["verdict"]
+    return doc
+
+
+KEYS = ("train_au_mean_percentage", "train_throughput_mean_samples_per_second",
+        "train_io_mean_MB_per_second", "save_checkpoint_duration_mean_seconds")
+
+
+def compare(dlio: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dm, om = dlio.get("metric", {}), ours.get("metric", {})
+    for key in KEYS:
+        if isinstance(dm.get(key), (int, float)) and isinstance(om.get(key), (int, float)) \
+                and dm[key]:
+            out[key] = {"dlio": dm[key], "lcache": om[key], "ratio": om[key] / dm[key]}
+    if "train_au_meet_expectation" in dm and "train_au_meet_expectation" in om:
+        out["same_verdict"] = dm["train_au_meet_expectation"] == om["train_au_meet_expectation"]
+        out["verdicts"] = {"dlio": dm["train_au_meet_expectation"],
+                           "lcache": om["train_au_meet_expectation"]}
+    return out
+
+
+def one_run(args: argparse.Namespace, conf: Path, name: str, doc: dict[str, Any],
+            tool: str) -> dict[str, Any]:
+    import yaml
+
+    ck = args.work / "ckpt" / f"{name}-{tool}"
+    shutil.rmtree(ck, ignore_errors=True)
+    if "checkpoint" in doc:
+        doc["checkpoint"]["checkpoint_folder"] = str(ck)
+    cfg = conf / "workload" / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out = args.work / "out" / f"{name}-{tool}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    dropped = drop_caches()
+    if tool == "dlio":
+        row = run_dlio(args.venv, conf, name, out, args.ranks, args.timeout)
+    else:
+        row = run_lcache(cfg, out, args.ranks, args.timeout)
+    row["page_cache_dropped"] = dropped
+    if ck.exists():  # what the checkpoints really put on disk
+        row["checkpoint_bytes_on_disk"] = sum(
+            p.stat().st_size for p in ck.rglob("*") if p.is_file())
+    shutil.rmtree(ck, ignore_errors=True)
+    return row
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of KEYS as medians over the runs that worked (and their verdicts)."""
+    ok = [r for r in runs if "metric" in r]
+    if not ok:
+        return runs[-1]
+    metric: dict[str, Any] = {}
+    for key in KEYS:
+        values = sorted(r["metric"][key] for r in ok if key in r["metric"])
+        if values:
+            metric[key] = values[len(values) // 2]
+    verdicts = [r["metric"].get("train_au_meet_expectation") for r in ok]
+    if any(verdicts):
+        metric["train_au_meet_expectation"] = max(set(verdicts), key=verdicts.count)
+    return {"metric": metric, "runs_ok": len(ok), "verdicts": verdicts,
+            "checkpoint_bytes_on_disk": ok[-1].get("checkpoint_bytes_on_disk")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--venv", type=Path, default=Path("/var/tmp/dlio-venv"))
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/dlio-compare"))
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--only", action="append", help="run only this workload (repeatable)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per tool; medians reported")
+    ap.add_argument("--json", action="store_true", help="print JSON (the only output form)")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"dlio_version": "2.0.0", "ranks": args.ranks,
+                              "note": "one shared 2-core VM; both tools run one after the "
+                                      "other on the same files; page cache dropped before "
+                                      "each run"}
+    report["install"] = install(args.venv)
+    if not report["install"]["ok"]:
+        report["error"] = "DLIO could not be installed; see install.steps for the failing step"
+        print(json.dumps(report, indent=2))
+        sys.exit(1)
+    conf = args.work / "conf"
+    (conf / "workload").mkdir(parents=True, exist_ok=True)
+    pkg = args.venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages" / "dlio_benchmark" / "configs"
+    shutil.copy(pkg / "config.yaml", conf / "config.yaml")
+    shutil.copytree(pkg / "hydra", conf / "hydra", dirs_exist_ok=True)
+
+    report["workloads"] = {}
+    for name, doc in workloads(args.work).items():
+        if args.only and name not in args.only:
+            continue
+        runs: dict[str, list[dict[str, Any]]] = {"dlio": [], "lcache": []}
+        for _ in range(args.repeat):  # interleaved, so drift on a shared host hits both
+            for tool in ("dlio", "lcache"):
+                runs[tool].append(one_run(args, conf, name, doc, tool))
+        row: dict[str, Any] = {"runs": runs}
+        row["dlio"], row["lcache"] = median_run(runs["dlio"]), median_run(runs["lcache"])
+        row["compare"] = compare(row["dlio"], row["lcache"])
+        report["workloads"][name] = row
+    print(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
