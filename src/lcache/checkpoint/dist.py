@@ -6,11 +6,14 @@ one rank issue collectives, so the background persist never touches the process 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) without one."""
+    if "torch.distributed" not in sys.modules:  # no process group can exist; importing
+        return 0, 1  # torch here would cost seconds for a numpy-only state
     try:
         import torch.distributed as dist
     except ImportError:
