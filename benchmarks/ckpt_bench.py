@@ -1,7 +1,8 @@
 """Benchmark lcache checkpoints against torch.save and torch.distributed.checkpoint.
 
 For each state size, in one run on one directory:
-  fio's sequential write and read limits (O_DIRECT, 1 MiB blocks, queue depth 16), then
+  fio's sequential write and read limits (O_DIRECT; the better of 1 MiB x QD16 and
+  8 MiB x QD8, before and after the systems), then
   lcache ``async_save`` / ``load``, ``torch.save`` / ``torch.load`` (synchronous), and
   ``torch.distributed.checkpoint.async_save`` / ``load`` (single process, no process group).
 
@@ -45,7 +46,8 @@ from lcache.store import parse_size
 log = Console(stderr=True)
 TENSORS = 32  # a state of several tensors, as a model's is
 FIO_MIN_BYTES = 1 << 30
-FIO_READ_S = 4
+FIO_READ_S = 3
+FIO_SHAPES = (("1M", 16), ("8M", 8))
 
 
 def make_state(nbytes: int) -> dict[str, Any]:
@@ -67,23 +69,30 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def fio_seq(directory: Path, nbytes: int) -> tuple[float | None, float | None]:
-    """(sequential write GB/s, sequential read GB/s) on a file of ``nbytes``."""
+    """(sequential write GB/s, sequential read GB/s) on a file of ``nbytes``: the better of
+    1 MiB x queue depth 16 and 8 MiB x queue depth 8 (what lcache issues), so the limit is
+    not understated for a device that prefers large requests."""
     if not sb.fio_available():
         log.print("[yellow]fio not found: install it (apt-get install -y fio) for the "
                   "device limits[/]")
         return None, None
     path = directory / "fio-seq.dat"
     size = max(nbytes, FIO_MIN_BYTES)  # a short run mostly measures fio's ramp-up
-    common = [f"--filename={path}", f"--size={size}", "--ioengine=libaio", "--direct=1",
-              "--bs=1M", "--iodepth=16"]
+    best_w = best_r = 0.0
     try:
-        write = sb._run_fio([*common, "--name=seqwrite", "--rw=write", "--end_fsync=1"], 300)
-        sb.drop_page_cache()
-        read = sb._run_fio([*common, "--name=seqread", "--rw=read", "--time_based",
-                            f"--runtime={FIO_READ_S}"], 300)
+        for bs, depth in FIO_SHAPES:
+            common = [f"--filename={path}", f"--size={size}", "--ioengine=libaio",
+                      "--direct=1", f"--bs={bs}", f"--iodepth={depth}"]
+            write = sb._run_fio([*common, "--name=seqwrite", "--rw=write", "--end_fsync=1"],
+                                300)
+            sb.drop_page_cache()
+            read = sb._run_fio([*common, "--name=seqread", "--rw=read", "--time_based",
+                                f"--runtime={FIO_READ_S}"], 300)
+            best_w = max(best_w, sb._job_bw(write, "write") / 1e3)
+            best_r = max(best_r, sb._job_bw(read, "read") / 1e3)
     finally:
         path.unlink(missing_ok=True)
-    return round(sb._job_bw(write, "write") / 1e3, 3), round(sb._job_bw(read, "read") / 1e3, 3)
+    return round(best_w, 3), round(best_r, 3)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

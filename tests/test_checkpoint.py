@@ -7,6 +7,7 @@ import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -367,3 +368,14 @@ def test_errors_are_lcache_errors() -> None:
     for cls in (ck.UnsupportedValueError, ck.StateMismatchError, ck.CheckpointNotFoundError,
                 ck.CheckpointExistsError, ck.CheckpointFailedError):
         assert issubclass(cls, LCacheError)
+
+
+# --------------------------------------------------------------------------- docs
+DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
+DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("code", DOC_BLOCKS, ids=[f"block{i}" for i in range(len(DOC_BLOCKS))])
+def test_docs_examples_run(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(DOC), "exec"), {"__name__": "__doc_example__"})
