@@ -131,3 +131,65 @@ def test_dataloader_workers_events_arrive_complete(tmp_path: Path) -> None:
                 and e["args"].get("ppid") == os.getpid()}
     worker_pids = {e["pid"] for e in reads}
     assert len(worker_pids) == 2 and not worker_pids & main_pid
+
+
+def test_source_fetches_are_data_source_events(tmp_path: Path) -> None:
+    from lcache.data import FileSource
+
+    root = tmp_path / "remote"
+    root.mkdir()
+    for i in range(3):
+        (root / f"{i}.bin").write_bytes(bytes([i]) * (100 + i))
+    source = FileSource(str(root))
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        assert [len(source.fetch(i)) for i in range(3)] == [100, 101, 102]
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    names = _files(events)
+    got = [(e["cat"], names[(e["pid"], e["args"]["fid"])].rsplit("/", 1)[-1], e["args"]["size"])
+           for e in _io(events)]
+    assert got == [("data-source", "0.bin", 100), ("data-source", "1.bin", 101),
+                   ("data-source", "2.bin", 102)]
+
+
+def test_reads_on_a_reused_fd_get_the_new_path(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"a" * 4096)
+    b.write_bytes(b"b" * 4096)
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        buf = memoryview(bytearray(10))
+        fd = open_file(str(a), os.O_RDONLY)
+        pread_full(fd, 0, buf, "cache-read")
+        os.close(fd)
+        import time
+
+        time.sleep(0.002)  # reads re-check the fd's inode once it is 1 ms old (docs/trace.md)
+        fd2 = open_file(str(b), os.O_RDONLY)
+        pread_full(fd2, 0, buf, "cache-read")
+        os.close(fd2)
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    names = _files(events)
+    assert [names[(e["pid"], e["args"]["fid"])] for e in _io(events)] == [str(a), str(b)]
+
+
+def test_demo_ends_with_its_report(tmp_path: Path) -> None:
+    from lcache.demo import run_training_demo
+
+    figures = run_training_demo(str(tmp_path), samples=800, epochs=1, workers=2)
+    report = figures["report"]
+    assert Path(report["html"]).stat().st_size > 10_000
+    summary = json.loads(Path(report["summary"]).read_text())
+    classes = summary["classes"]
+    # Both runs fetched all 800 samples from the remote; the cached run kept what fits in
+    # its cache (half the dataset) and read samples back.
+    assert classes["data-source"]["ops"] >= 1600
+    assert classes["cache-write"]["write_bytes"] >= 0.4 * 800 * 16384
+    assert classes["cache-read"]["ops"] > 0
+    assert not lcache.trace.enabled()

@@ -122,12 +122,54 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
                       sample_bytes: int = 16 << 10, cache_fraction: float = 0.5,
                       epochs: int = 3, latency: float = 0.005, bandwidth: float = 25e6,
                       workers: int = 2, batch_size: int = 64, seed: int = 0,
-                      progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                      progress: Callable[[str], None] = lambda s: None,
+                      report_dir: str | None = None) -> dict[str, Any]:
+    """Run the demo; it ends by writing the I/O report of its own run (docs/trace.md) to
+    ``report_dir`` (default: ``directory``, else the system's temporary directory)."""
+    import lcache.trace
+    from lcache.trace import recorder
+
     try:
-        import torch
-        from torch.utils.data import DataLoader
+        import torch  # noqa: F401 (fail early with the install hint)
     except ImportError:
         raise SystemExit("lcache demo needs PyTorch: pip install 'lcache[torch]'") from None
+    report_dir = report_dir or directory or tempfile.gettempdir()
+    active = recorder._active
+    own_trace = active is None
+    if active is None:
+        trace_path = os.path.join(report_dir, "lcache-demo.trace.gz")
+        if os.path.exists(trace_path):
+            os.unlink(trace_path)
+        lcache.trace.enable(trace_path)
+    else:  # already traced (LCACHE_TRACE or `lcache trace -- lcache demo`): report that trace
+        trace_path = active.path
+    try:
+        figures = _run(directory, samples, sample_bytes, cache_fraction, epochs, latency,
+                       bandwidth, workers, batch_size, seed, progress)
+    finally:
+        if own_trace:
+            lcache.trace.disable()
+        else:
+            lcache.trace.flush()
+    from lcache.report import write_report
+
+    html_path = os.path.join(report_dir, "lcache-demo-report.html")
+    json_path = os.path.join(report_dir, "lcache-demo-summary.json")
+    progress("writing the I/O report of this run")
+    summary = write_report([trace_path], html_path, json_path)
+    figures["report"] = {"trace": trace_path, "html": html_path, "summary": json_path,
+                         "classes": {k: {f: v[f] for f in ("ops", "bytes", "seq_fraction")}
+                                     for k, v in summary["classes"].items()}}
+    progress(f"I/O report of this run: {html_path} (summary: {json_path})")
+    return figures
+
+
+def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction: float,
+         epochs: int, latency: float, bandwidth: float, workers: int, batch_size: int,
+         seed: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         remote_root = os.path.join(tmp, "remote")
@@ -162,6 +204,7 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
                 if row["system"] == "lcache":
                     e = row["epoch"] - 1
                     row["opt_hit_ratio"] = round(float(opt[e * n : (e + 1) * n].mean()), 4)
+            del loader  # its persistent workers exit now and flush their trace events
     return {
         "samples": samples, "sample_bytes": sample_bytes, "dataset_bytes": dataset_bytes,
         "cache_fraction": cache_fraction, "cache_capacity": capacity,

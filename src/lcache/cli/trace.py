@@ -25,7 +25,7 @@ def _fail(message: str, code: int) -> None:
 
 
 def run_traced(output: str, command: list[str], interval: float = 0.2,
-               syscalls: bool = False) -> dict[str, Any]:
+               syscalls: bool = False, lib_events: bool = True) -> dict[str, Any]:
     """Run ``command`` with /proc sampling (and strace), writing the trace to ``output``.
 
     Returns a dict with ``exit_code`` (the command's, 128+N when killed by signal N, 127 when
@@ -56,7 +56,10 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
     writer = TraceWriter(output)
     writer.write_lines(process_metadata(os.getpid(), "lcache trace " + " ".join(command)))
     env = dict(os.environ)
-    env[ENV] = writer.path  # Python commands that import lcache record their own events
+    if lib_events:
+        env[ENV] = writer.path  # Python commands that import lcache record their own events
+    else:
+        env.pop(ENV, None)
     start = time.perf_counter()
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child itself
     try:
@@ -98,10 +101,12 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
               help="Seconds between samples of /proc/<pid>/io and /proc/diskstats.")
 @click.option("--syscalls", is_flag=True,
               help="Also trace every file I/O system call with strace (slows the command).")
+@click.option("--no-lib-events", "no_lib", is_flag=True,
+              help="Do not set LCACHE_TRACE for the command (no in-library events).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print what was recorded as JSON on stderr when the command ends.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_cmd(output: str, interval: float, syscalls: bool, as_json: bool,
+def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool, as_json: bool,
               command: tuple[str, ...]) -> None:
     """Run COMMAND and record its I/O to a trace; exits with COMMAND's exit code.
 
@@ -111,7 +116,7 @@ def trace_cmd(output: str, interval: float, syscalls: bool, as_json: bool,
 
         lcache trace -o run.trace -- python train.py --epochs 1
     """
-    result = run_traced(output, list(command), interval, syscalls)
+    result = run_traced(output, list(command), interval, syscalls, not no_lib)
     if "error" in result:
         _fail(result["error"], result["exit_code"])
     if as_json:

@@ -7,7 +7,9 @@ pickles cheaply into DataLoader workers and never shares a connection across ``f
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -16,6 +18,7 @@ import numpy.typing as npt
 
 from lcache.data import codec
 from lcache.errors import ConfigError, LCacheError
+from lcache.trace import recorder as _trace
 
 
 class SourceError(LCacheError, OSError):
@@ -75,12 +78,21 @@ class _Fsspec:
             end: int | None = None) -> bytes:
         """Bytes of ``path`` (or its range); errors name the sample and the URL."""
         fs, _ = self.fs()
+        t0 = time.perf_counter_ns() if _trace._active is not None else 0
         try:
-            return bytes(fs.cat_file(path, start=start, end=end))
+            data = bytes(fs.cat_file(path, start=start, end=end))
         except Exception as exc:
+            if t0:  # traced as a data-source read (fsspec does not go through lcache.io)
+                _trace.record("read", self.full_url(path), start or 0,
+                              0 if end is None else end - (start or 0), "data-source", t0,
+                              time.perf_counter_ns() - t0, -errno.EIO)
             where = "" if start is None else f"bytes {start}-{end} of "
             raise SourceError(f"cannot read sample {index} ({where}{self.full_url(path)}): "
                               f"{type(exc).__name__}: {exc}") from exc
+        if t0:
+            _trace.record("read", self.full_url(path), start or 0, len(data), "data-source", t0,
+                          time.perf_counter_ns() - t0, len(data))
+        return data
 
 
 class FileSource:
@@ -211,11 +223,16 @@ class DatasetSource:
         return np.full(self._n, self._mean, dtype=np.int64)  # an estimate from a few items
 
     def fetch(self, index: int) -> bytes:
+        t0 = time.perf_counter_ns() if _trace._active is not None else 0
         try:
             item = self.dataset[index]
         except Exception as exc:
             raise SourceError(f"cannot read sample {index} from {self.url}: {exc}") from exc
-        return codec.encode(item)
+        data = codec.encode(item)
+        if t0:  # offset -1: a dataset item has no byte offset (left out of seq_fraction)
+            _trace.record("read", self.url, -1, len(data), "data-source", t0,
+                          time.perf_counter_ns() - t0, len(data))
+        return data
 
     def decode(self, data: bytes | memoryview) -> Any:
         return codec.decode(data)

@@ -27,6 +27,7 @@ from lcache.trace.schema import CLASSES
 from lcache.trace.writer import TraceWriter, file_metadata, io_event, process_metadata
 
 FLUSH_INTERVAL_S = 0.5
+VALIDATE_NS = 1_000_000  # reads re-check their fd's inode at most this often (see __call__)
 ENV = "LCACHE_TRACE"
 ENV_FLUSH = "LCACHE_TRACE_FLUSH_S"  # seconds between background flushes (tests set it high)
 
@@ -53,7 +54,7 @@ class Recorder:
         self._local = threading.local()
         self._buffers: list[_Buffer] = []
         self._buffers_lock = threading.Lock()
-        self._paths: dict[int, tuple[int, int, str]] = {}  # fd -> (st_dev, st_ino, path)
+        self._paths: dict[int, list[Any]] = {}  # fd -> [st_dev, st_ino, path, checked_ns]
         self._fids: dict[str, int] = {}
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,39 +63,49 @@ class Recorder:
         self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
 
     # -- hot path ------------------------------------------------------------------------
-    def _buffer(self) -> list[tuple[Any, ...]]:
-        try:
-            return self._local.buf.events  # type: ignore[no-any-return]
-        except AttributeError:
-            buf = _Buffer()
-            self._local.buf = buf
-            with self._buffers_lock:
-                self._buffers.append(buf)
-            return buf.events
+    def _new_buffer(self) -> list[tuple[Any, ...]]:
+        buf = _Buffer()
+        self._local.events = buf.events
+        with self._buffers_lock:
+            self._buffers.append(buf)
+        return buf.events
 
     def __call__(self, event: IOEvent) -> None:
         fd = event.fd
-        path = ""
-        if fd >= 0:
-            try:
-                st = os.fstat(fd)
-            except OSError:  # closed already (or never valid): keep the fd as the name
-                path = f"fd:{fd}"
-            else:
-                known = self._paths.get(fd)
-                # Why the inode check: fds are reused after close, and a checkpoint or a new
-                # segment often gets the number the previous file had.
-                if known is None or known[1] != st.st_ino or known[0] != st.st_dev:
-                    known = (st.st_dev, st.st_ino, _fd_path(fd))
-                    self._paths[fd] = known
-                path = known[2]
-        self._buffer().append((event.op, path, event.offset, event.size, event.io_class,
-                               event.start_ns, event.duration_ns, event.result))
+        known = self._paths.get(fd)
+        # Why not fstat every event: it costs ~1 us, as much as a 4 KiB page-cache read's
+        # share of the whole hook budget. A read within VALIDATE_NS of the last check of the
+        # same fd is taken to be on the same file; other ops and older entries are checked
+        # against the inode, because fds are reused after close (a new checkpoint file or
+        # segment often gets the number the previous one had).
+        if known is None or event.op != "read" or event.start_ns - known[3] > VALIDATE_NS:
+            known = self._check_fd(fd, known, event.start_ns)
+        try:
+            events = self._local.events
+        except AttributeError:
+            events = self._new_buffer()
+        events.append((known[2], event))
+
+    def _check_fd(self, fd: int, known: list[Any] | None, now_ns: int) -> list[Any]:
+        try:
+            st = os.fstat(fd)
+        except OSError:  # closed already (or never valid): name it by number
+            return [0, 0, f"fd:{fd}", 0]
+        if known is None or known[1] != st.st_ino or known[0] != st.st_dev:
+            known = [st.st_dev, st.st_ino, _fd_path(fd), now_ns]
+            self._paths[fd] = known
+        else:
+            known[3] = now_ns
+        return known
 
     def record(self, op: str, file: str, offset: int, size: int, io_class: str,
                start_ns: int, duration_ns: int, result: int) -> None:
-        self._buffer().append((op, file, offset, size, io_class, start_ns, duration_ns,
-                               result))
+        try:
+            events = self._local.events
+        except AttributeError:
+            events = self._new_buffer()
+        events.append((file, IOEvent(op, -1, offset, size, result, start_ns, duration_ns,
+                                     io_class)))
 
     # -- flushing ------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,13 +143,13 @@ class Recorder:
                 chunk = events[:n]
                 del events[:n]  # appends made meanwhile sit after n and stay
                 tid = buf.tid
-                for op, path, offset, size, io_class, start_ns, dur_ns, result in chunk:
+                for path, ev in chunk:
                     fid = fids.get(path)
                     if fid is None:
                         fid = fids[path] = len(fids) + 1
                         lines.append(file_metadata(pid, fid, path))
-                    lines.append(io_event(pid, tid, op, io_class, start_ns, dur_ns, fid,
-                                          offset, size, result))
+                    lines.append(io_event(pid, tid, ev.op, ev.io_class, ev.start_ns,
+                                          ev.duration_ns, fid, ev.offset, ev.size, ev.result))
             self.writer.write_lines(lines)
 
     def close(self) -> None:
