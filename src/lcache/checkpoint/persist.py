@@ -12,6 +12,7 @@ import contextlib
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -125,12 +126,15 @@ def _read_engine(queue_depth: int) -> IOEngine:
     return _engine
 
 
-def read_data_file(path: str, nbytes: int, *, direct: bool = True,
-                   queue_depth: int = 8) -> tuple[np.ndarray[Any, Any], int]:
+def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: int = 8,
+                   on_chunk: Callable[[np.ndarray[Any, Any], int], None] | None = None
+                   ) -> tuple[np.ndarray[Any, Any], int]:
     """Read the first ``nbytes`` of ``path`` into a new page-aligned array.
 
     Returns (array of ``align_up(nbytes)`` bytes, bytes actually read: short when truncated).
     Each load gets its own buffer: the loaded arrays are views of it, with no further copy.
+    ``on_chunk(array, k)`` runs in an I/O thread once chunk ``k`` (``CHUNK`` bytes at
+    ``k * CHUNK``) is in, so checksums overlap the reads still in flight.
     """
     padded = -(-nbytes // ALIGN) * ALIGN
     fd, used_direct = _open(path, os.O_RDONLY, direct)
@@ -142,14 +146,17 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True,
         view = memoryview(buf)[:padded]
         requests = [ReadRequest(fd, off, view[off : off + CHUNK])
                     for off in range(0, padded, CHUNK)]
+        done = None if on_chunk is None else (lambda k, _n: on_chunk(array, k))
         try:
-            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS)
+            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS, done)
         except OSError as exc:
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
             os.close(fd)
             fd, used_direct = _open(path, os.O_RDONLY, False)
-            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS)
+            for req in requests:
+                req.fd = fd
+            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS, done)
     finally:
         os.close(fd)
     total = 0

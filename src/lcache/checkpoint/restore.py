@@ -8,6 +8,7 @@ further copy; the buffer is freed when the last of them is).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from lcache.checkpoint.format import (
     parse_manifest,
     torch_dtype,
 )
-from lcache.checkpoint.persist import read_data_file, read_small_file
+from lcache.checkpoint.persist import CHUNK, read_data_file, read_small_file
 
 _MAX_LISTED = 20
 
@@ -129,11 +130,11 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
     path = os.fspath(path)
     body = read_manifest(path)
     data_path, nbytes, refs, tree = _shard_refs(path, _pick_shard(body, path, rank))
-    buf = _read_checked(data_path, nbytes)
+    hasher = _ChunkHasher(refs) if verify else None
+    buf = _read_checked(data_path, nbytes, hasher)
     arrays = []
-    for ref in refs:
-        raw = buf[ref.offset : ref.offset + ref.nbytes]
-        if verify and checksum(raw) != ref.xxh3:
+    for i, ref in enumerate(refs):
+        if hasher is not None and hasher.sum_of(buf, i) != ref.xxh3:
             raise CorruptionError(f"checksum mismatch in {data_path} for array {ref.key!r} "
                                   f"({ref.nbytes} bytes at offset {ref.offset}): the "
                                   "checkpoint is damaged; load an earlier one")
@@ -144,14 +145,57 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
     return state
 
 
-def _read_checked(data_path: str, nbytes: int) -> np.ndarray[Any, Any]:
+class _ChunkHasher:
+    """Checksums each array as soon as every read chunk it spans is in (in the I/O threads),
+    so verifying costs little beyond the reads."""
+
+    def __init__(self, refs: list[ArrayRef]) -> None:
+        self.refs = refs
+        self.sums: list[str | None] = [None] * len(refs)
+        self.waiting: dict[int, list[int]] = {}  # chunk -> arrays that still need it
+        self.missing = [0] * len(refs)
+        self.seen: set[int] = set()
+        self.lock = threading.Lock()
+        for i, ref in enumerate(refs):
+            if ref.nbytes == 0:
+                continue
+            chunks = range(ref.offset // CHUNK, (ref.offset + ref.nbytes - 1) // CHUNK + 1)
+            self.missing[i] = len(chunks)
+            for k in chunks:
+                self.waiting.setdefault(k, []).append(i)
+
+    def chunk_done(self, buf: np.ndarray[Any, Any], k: int) -> None:
+        ready = []
+        with self.lock:
+            if k in self.seen:  # read again after a fallback from O_DIRECT
+                return
+            self.seen.add(k)
+            for i in self.waiting.get(k, ()):
+                self.missing[i] -= 1
+                if self.missing[i] == 0:
+                    ready.append(i)
+        for i in ready:
+            ref = self.refs[i]
+            self.sums[i] = checksum(buf[ref.offset : ref.offset + ref.nbytes])
+
+    def sum_of(self, buf: np.ndarray[Any, Any], i: int) -> str:
+        done = self.sums[i]
+        if done is not None:
+            return done
+        ref = self.refs[i]
+        return checksum(buf[ref.offset : ref.offset + ref.nbytes])
+
+
+def _read_checked(data_path: str, nbytes: int, hasher: _ChunkHasher | None = None
+                  ) -> np.ndarray[Any, Any]:
     if not os.path.isfile(data_path):
         raise CorruptionError(f"data file {data_path} is missing; the checkpoint is damaged")
     size = os.path.getsize(data_path)
     if size < nbytes:
         raise CorruptionError(f"data file {data_path} is {size} bytes, the manifest says "
                               f"{nbytes}: it was truncated")
-    buf, got = read_data_file(data_path, nbytes)
+    buf, got = read_data_file(data_path, nbytes,
+                              on_chunk=None if hasher is None else hasher.chunk_done)
     if got < nbytes:
         raise CorruptionError(f"data file {data_path} ended after {got} of {nbytes} bytes")
     return buf
