@@ -100,6 +100,7 @@ def test_every_dtype_and_layout_round_trips_bit_exact(tmp_path: Path) -> None:
                   .view(c).reshape(2, -1) for c in "bBhHiIlLqQefdgFD?"},
         "numpy_fortran": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
         "numpy_empty": np.empty((0, 2), dtype=np.int16),
+        "numpy_reversed": np.arange(10, dtype=np.int32)[::-2],
         "numpy_scalar": np.float32(1.5),
         "plain": [1, -2**70, 2.5, float("nan"), float("-inf"), -0.0, True, None, "ü", ()],
         "tuple": (1, (2, [3, {"a": 4}])),
@@ -222,6 +223,11 @@ def test_damaged_manifest_and_truncated_data(tmp_path: Path) -> None:
     manifest.write_bytes(good[:100])
     with pytest.raises(CorruptionError, match="not valid JSON"):
         ck.load(path)
+    manifest.write_bytes(good[:100])
+    listed, damaged = ck.list_checkpoints(tmp_path / "c")
+    assert listed == [] and damaged == ["s"]  # listed as damaged, never as a checkpoint
+    out = CliRunner().invoke(cli, ["ckpt", "ls", str(tmp_path / "c")])
+    assert out.exit_code == 0 and "damaged manifests (not listed): s" in out.output
     manifest.write_bytes(good)
     os.truncate(path / "rank00000.data", 4096)
     with pytest.raises(CorruptionError, match=r"rank00000\.data is 4096 bytes.*truncated"):
