@@ -31,3 +31,16 @@ if __name__ == "__main__":
         f.write(os.urandom(n * 4096))
     loader = DataLoader(Records(path, n), batch_size=8, num_workers=2)
     print(sum(len(batch) for batch in loader))
+
+
+def spawned_child(path: str) -> None:
+    """Target of a spawn-context process: inherits LCACHE_TRACE and records on its own."""
+    import lcache.trace
+
+    if not lcache.trace.enabled():
+        raise SystemExit("LCACHE_TRACE was not honoured in the spawned child")
+    fd = open_file(path, os.O_RDWR | os.O_CREAT)
+    from lcache.io import pwrite_full
+
+    pwrite_full(fd, 0, [b"s" * 512], "offload")
+    os.close(fd)

@@ -193,3 +193,27 @@ def test_demo_ends_with_its_report(tmp_path: Path) -> None:
     assert classes["cache-write"]["write_bytes"] >= 0.4 * 800 * 16384
     assert classes["cache-read"]["ops"] > 0
     assert not lcache.trace.enabled()
+
+
+def test_spawned_children_trace_to_the_same_file(tmp_path: Path) -> None:
+    import multiprocessing
+
+    trace = tmp_path / "t.trace"
+    data = tmp_path / "spawned.bin"
+    sys.path.insert(0, str(HERE))  # the spawned child imports the helper module by name
+    lcache.trace.enable(str(trace))
+    try:
+        import _trace_dataloader
+
+        ctx = multiprocessing.get_context("spawn")
+        p = ctx.Process(target=_trace_dataloader.spawned_child, args=(str(data),))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        lcache.trace.disable()
+        sys.path.remove(str(HERE))
+    events = _events(trace)
+    names = _files(events)
+    got = [(e["pid"], e["cat"], names[(e["pid"], e["args"]["fid"])]) for e in _io(events)]
+    assert got == [(p.pid, "offload", str(data))]
