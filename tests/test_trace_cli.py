@@ -102,3 +102,22 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
     assert rows == [("write", 0, 1000, 1000), ("write", 1000, 24, 24),
                     ("write", 5000, 10, 10), ("read", 100, 50, 50), ("read", 3, 7, 7)]
     assert summarize(t)["classes"]["syscall"]["ops"] >= 5
+
+
+def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    t = tmp_path / "sig.trace"
+    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([*LCACHE, "trace", "-o", str(t), "--interval", "0.05", "--",
+                             sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # lcache trace passes it on and keeps the exit code
+    assert proc.wait(timeout=60) == 42
+    assert summarize(t)["processes"]

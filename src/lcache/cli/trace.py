@@ -61,10 +61,20 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
     else:
         env.pop(ENV, None)
     start = time.perf_counter()
-    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child itself
+    child: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        # Ctrl-C reaches the command through the terminal's process group; SIGTERM sent to
+        # lcache trace is passed on. Either way we stay to write the trace.
+        if signum != signal.SIGINT and child:
+            child[0].send_signal(signum)
+
+    # A handler, not SIG_IGN: handlers are reset by exec, SIG_IGN would be inherited.
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
             proc = subprocess.Popen(argv, env=env)
+            child.append(proc)
         except OSError as exc:
             return {"exit_code": 127 if isinstance(exc, FileNotFoundError) else 126,
                     "error": f"{command[0]}: {exc.strerror}"}
@@ -77,7 +87,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         sampler.stop()
         code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, old_int)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     seconds = time.perf_counter() - start
     syscall_events = 0
     if log_path:
