@@ -9,6 +9,7 @@ touch, more than the copy itself.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from lcache.checkpoint.format import ArrayRef, encode_tree, layout, torch_dtype
 from lcache.io import align_up
 
 _HUGE = 2 << 20
+_memmove = ctypes.memmove  # releases the GIL; runs at memory bandwidth
 
 
 class HostBuffer:
@@ -86,6 +88,18 @@ class Snapshot:
     array_bytes: int = field(default=0)
 
 
+def _plain_address(src: Any, kind: str) -> int:
+    """The address of ``src``'s bytes when they are one contiguous host block, else 0."""
+    if kind == "torch":
+        if (src.device.type != "cpu" or not src.is_contiguous() or src.is_conj()
+                or src.is_neg() or type(src).__name__ not in ("Tensor", "Parameter")):
+            return 0
+        return int(src.data_ptr())
+    if src.flags.c_contiguous:
+        return int(src.ctypes.data)
+    return 0
+
+
 def take_snapshot(state: Any, buffer: HostBuffer) -> Snapshot:
     """Copy ``state``'s arrays into ``buffer`` and return the snapshot (caller holds the lock).
 
@@ -98,10 +112,18 @@ def take_snapshot(state: Any, buffer: HostBuffer) -> Snapshot:
     on_cuda = any(ref.kind == "torch" and ref.source.device.type == "cuda" for ref in arrays)
     data = buffer.ensure(nbytes, pinned=on_cuda)[:nbytes]
     event = None
+    base = np.frombuffer(data, dtype=np.uint8).ctypes.data if nbytes else 0
     for ref in arrays:
         src = ref.source
         ref.source = None  # the snapshot must not keep the live state alive
         if ref.nbytes == 0:
+            continue
+        address = _plain_address(src, ref.kind)
+        if address:
+            # One memmove per contiguous array: torch's copy_ opens a parallel region per
+            # tensor, which costs more than the copy for the many small tensors of an
+            # optimizer state (and far more when other processes hold the cores).
+            _memmove(base + ref.offset, address, ref.nbytes)
             continue
         raw = np.frombuffer(data, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
         if ref.kind == "torch":
