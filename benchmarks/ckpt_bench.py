@@ -44,18 +44,17 @@ from lcache import checkpoint as ck
 from lcache.store import parse_size
 
 log = Console(stderr=True)
-TENSORS = 32  # a state of several tensors, as a model's is
 FIO_MIN_BYTES = 1 << 30
 FIO_READ_S = 3
 FIO_SHAPES = (("1M", 16), ("8M", 8))
 
 
-def make_state(nbytes: int) -> dict[str, Any]:
+def make_state(nbytes: int, tensors: int) -> dict[str, Any]:
     import torch
 
-    per = nbytes // TENSORS // 4
+    per = nbytes // tensors // 4
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i:02d}.weight": torch.rand(per, generator=g) for i in range(TENSORS)}
+    return {f"layer{i:05d}.weight": torch.rand(per, generator=g) for i in range(tensors)}
 
 
 def state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -215,19 +214,20 @@ def targets(rows: list[dict[str, Any]], fio_w: float | None, fio_r: float | None
     return out
 
 
-def run_size(nbytes: int, base: Path, repeats: int) -> dict[str, Any]:
+def run_size(nbytes: int, base: Path, repeats: int, tensors: int) -> dict[str, Any]:
     where = base / sb.format_size(nbytes)
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     log.print(f"[bold]{sb.format_size(nbytes)}[/]: fio ...")
     fio_before = fio_seq(where, nbytes)
-    state = make_state(nbytes)
+    state = make_state(nbytes, tensors)
     real = sum(t.numel() * t.element_size() for t in state.values())
     rows = []
     for name, fn in (("lcache", bench_lcache), ("torch.save", bench_torch_save),
                      ("dcp", bench_dcp)):
         log.print(f"[bold]{sb.format_size(nbytes)}[/]: {name} ...")
-        rows.append({**fn(state, real, where / name, repeats), "state_bytes": real})
+        rows.append({**fn(state, real, where / name, repeats), "state_bytes": real,
+                     "tensors": tensors})
         shutil.rmtree(where / name, ignore_errors=True)
         gc.collect()
     del state
@@ -253,6 +253,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2,
                    help="timed saves and loads per system (after one warm-up save); the "
                         "best is reported, for every system alike")
+    p.add_argument("--tensors", type=int, default=32,
+                   help="float32 tensors the state is split into (an AdamW state of a "
+                        "transformer has hundreds to thousands)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args()
     try:
@@ -264,7 +267,8 @@ def main() -> None:
     how = sb.drop_page_cache()
     if how != "drop_caches":
         log.print("[yellow]not root: loads may be served from the page cache[/]")
-    results = [run_size(parse_size(s), base, args.repeats) for s in args.sizes.split(",")]
+    results = [run_size(parse_size(s), base, args.repeats, args.tensors)
+               for s in args.sizes.split(",")]
     doc = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                        "page_cache_drop": how, "dir": str(base), "repeats": args.repeats},
            "rows": [r for res in results for r in res["rows"]],
