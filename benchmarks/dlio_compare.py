@@ -120,7 +120,7 @@ def drop_caches() -> bool:
 
 
 def run_dlio(venv: Path, conf: Path, name: str, out: Path, ranks: int,
-             timeout: float) -> dict[str, Any]:
+             timeout: float, batch_size: int) -> dict[str, Any]:
     env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
                TF_CPP_MIN_LOG_LEVEL="3", OMPI_MCA_btl_vader_single_copy_mechanism="none")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
@@ -136,14 +136,56 @@ def run_dlio(venv: Path, conf: Path, name: str, out: Path, ranks: int,
         doc["error"] = (res.stdout + res.stderr)[-3000:]
         return doc
     s = json.loads(summary.read_text())
+    s["batch_size"] = batch_size
     doc["metric"] = s.get("metric", {})
     stats = json.loads((out / "per_epoch_stats.json").read_text())
-    ckpt = [float(v["duration"]) for e in stats.values() if isinstance(e, dict)
-            for k, v in e.items() if k.startswith("ckpt") and "duration" in v]
+    # DLIO prints durations with 2 decimals; the ISO start/end stamps beside them are exact.
+    ckpt = [_span(v) for e in stats.values() if isinstance(e, dict)
+            for k, v in e.items() if k.startswith("ckpt") and "end" in v]
     if ckpt:
         doc["save_checkpoint_durations_s"] = ckpt
         doc["metric"]["save_checkpoint_duration_mean_seconds"] = sum(ckpt) / len(ckpt)
+    steady = _steady_throughput(out, stats, ranks, s)
+    if steady is not None:
+        doc["metric"]["train_throughput_steady_mean_samples_per_second"] = steady
     return doc
+
+
+def _span(entry: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    t0, t1 = (datetime.fromisoformat(entry[k]) for k in ("start", "end"))
+    return (t1 - t0).total_seconds()
+
+
+def _steady_throughput(out: Path, stats: dict[str, Any], ranks: int,
+                       summary: dict[str, Any]) -> float | None:
+    """DLIO's own step timings with the first step of each block left out.
+
+    DLIO 2.0.0 divides all steps by the whole block, so the first step, which waits for the
+    DataLoader workers to start (seconds with torch), weighs on samples/s; newer DLIO
+    excludes it (metric.exclude_start_steps = 1), as lcache does. Same timings, newer formula.
+    """
+    try:
+        outputs = [json.loads((out / f"{r}_output.json").read_text()) for r in range(ranks)]
+        batch = int(summary.get("batch_size") or 0) or None
+    except (OSError, ValueError):
+        return None
+    per_epoch = []
+    for epoch, entry in stats.items():
+        if not isinstance(entry, dict):
+            continue
+        total = 0.0
+        for o in outputs:
+            for block, times in o.get(epoch, {}).get("proc", {}).items():
+                if block not in entry or "end" not in entry[block] or len(times) < 2:
+                    continue
+                wall = _span(entry[block]) - times[0]
+                total += (len(times) - 1) / wall if wall > 0 else 0.0
+        per_epoch.append(total)
+    if not per_epoch or batch is None:
+        return None
+    return batch * sum(per_epoch) / len(per_epoch)
 
 
 def run_lcache(cfg: Path, out: Path, ranks: int, timeout: float) -> dict[str, Any]:
@@ -167,6 +209,7 @@ def run_lcache(cfg: Path, out: Path, ranks: int, timeout: float) -> dict[str, An
 
 
 KEYS = ("train_au_mean_percentage", "train_throughput_mean_samples_per_second",
+        "train_throughput_steady_mean_samples_per_second",
         "train_io_mean_MB_per_second", "save_checkpoint_duration_mean_seconds")
 
 
@@ -174,9 +217,11 @@ def compare(dlio: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     dm, om = dlio.get("metric", {}), ours.get("metric", {})
     for key in KEYS:
-        if isinstance(dm.get(key), (int, float)) and isinstance(om.get(key), (int, float)) \
-                and dm[key]:
-            out[key] = {"dlio": dm[key], "lcache": om[key], "ratio": om[key] / dm[key]}
+        # lcache's samples/s already leaves the first step out: compare it with both of DLIO's
+        ours = om.get("train_throughput_mean_samples_per_second"
+                      if key == "train_throughput_steady_mean_samples_per_second" else key)
+        if isinstance(dm.get(key), (int, float)) and isinstance(ours, (int, float)) and dm[key]:
+            out[key] = {"dlio": dm[key], "lcache": ours, "ratio": ours / dm[key]}
     if "train_au_meet_expectation" in dm and "train_au_meet_expectation" in om:
         out["same_verdict"] = dm["train_au_meet_expectation"] == om["train_au_meet_expectation"]
         out["verdicts"] = {"dlio": dm["train_au_meet_expectation"],
@@ -199,7 +244,8 @@ def one_run(args: argparse.Namespace, conf: Path, name: str, doc: dict[str, Any]
     out.mkdir(parents=True)
     dropped = drop_caches()
     if tool == "dlio":
-        row = run_dlio(args.venv, conf, name, out, args.ranks, args.timeout)
+        row = run_dlio(args.venv, conf, name, out, args.ranks, args.timeout,
+                       doc["reader"]["batch_size"])
     else:
         row = run_lcache(cfg, out, args.ranks, args.timeout)
     row["page_cache_dropped"] = dropped
