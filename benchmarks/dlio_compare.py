@@ -176,12 +176,14 @@ def _steady_throughput(out: Path, stats: dict[str, Any], ranks: int,
         if not isinstance(entry, dict):
             continue
         total = 0.0
-        for o in outputs:
+        for o in outputs:  # per rank: steps over time, blocks pooled; ranks add up
+            steps, wall = 0, 0.0
             for block, times in o.get(epoch, {}).get("proc", {}).items():
                 if block not in entry or "end" not in entry[block] or len(times) < 2:
                     continue
-                wall = _span(entry[block]) - times[0]
-                total += (len(times) - 1) / wall if wall > 0 else 0.0
+                steps += len(times) - 1
+                wall += _span(entry[block]) - times[0]
+            total += steps / wall if wall > 0 else 0.0
         per_epoch.append(total)
     if not per_epoch or batch is None:
         return None
