@@ -73,6 +73,9 @@ def workloads(work: Path) -> dict[str, dict[str, Any]]:
                              "checkpoint": {"checkpoint_folder": "PLACEHOLDER",
                                             "steps_between_checkpoints": 5,
                                             "model_size": 536870912,
+                                            # 2.0.0's default is rank_zero; newer DLIO and
+                                            # lcache write from every rank
+                                            "type": "all_ranks",
                                             # DLIO 2.0.0 never fsyncs (and ignores the key)
                                             "fsync": False}},
     }

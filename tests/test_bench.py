@@ -136,6 +136,14 @@ def test_llama3_checkpoints_match_mlperf_storage_sizes(name: str, ranks: int,
         assert len(sizes) == 2  # every rank: one optimizer and one model-state shard
 
 
+def test_rank_zero_checkpoints_come_from_rank_zero_alone() -> None:
+    w = parse_workload({"checkpoint": {"model_size": 100, "type": "rank_zero"},
+                        "workflow": {"checkpoint": True}})
+    assert [f.name for f in ckpt.rank_files(w, 0, 4)] == ["model_states-0"]
+    assert ckpt.rank_files(w, 3, 4) == [] and ckpt.total_bytes(w, 4) == 100
+    assert ckpt.total_bytes(parse_workload({"checkpoint": {"model_size": 100}}), 4) == 400
+
+
 def test_parallelism_needs_enough_ranks() -> None:
     w = load_workload(resolve_config("llama3_70b"))
     with pytest.raises(ConfigError, match="multiple of 8 ranks"):

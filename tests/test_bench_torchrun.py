@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lcache.bench import parse_workload
+from lcache.bench.reader import epoch_order
+
 from .conftest import subprocess_env
 
 TIMEOUT = 150
@@ -26,20 +29,16 @@ def torchrun() -> str:
     return str(path)
 
 
-def files_read(trace: Path) -> set[str]:
-    """Dataset files the trace shows a read of (data-source class)."""
-    names: dict[tuple[int, int], str] = {}
-    fids: set[tuple[int, int]] = set()
+def data_reads(trace: Path) -> int:
+    """Bytes of data-source reads in a trace."""
+    total = 0
     for line in trace.read_text().splitlines():
         line = line.strip().rstrip(",")
-        if not line.startswith("{"):
-            continue
-        ev = json.loads(line)
-        if ev.get("name") == "file_name" and ev.get("ph") == "M":
-            names[(ev["pid"], ev["args"]["fid"])] = ev["args"]["name"]
-        elif ev.get("ph") == "X" and ev["cat"] == "data-source" and ev["name"] == "read":
-            fids.add((ev["pid"], ev["args"]["fid"]))
-    return {os.path.basename(names[f]) for f in fids if f in names}
+        if line.startswith("{"):
+            ev = json.loads(line)
+            if ev.get("ph") == "X" and ev["cat"] == "data-source" and ev["name"] == "read":
+                total += ev["args"]["ret"]
+    return total
 
 
 @pytest.mark.slow
@@ -49,7 +48,9 @@ def test_two_ranks_split_data_and_checkpoint(tmp_path: Path) -> None:
         "workflow": {"generate_data": True, "train": True, "checkpoint": True},
         "dataset": {"data_folder": str(tmp_path / "data"), "format": "npz",
                     "num_files_train": 16, "num_samples_per_file": 1,
-                    "record_length_bytes": 32 * 1024},
+                    "record_length_bytes": 32 * 1024,
+                    # files of different sizes: a rank's bytes tell which files it read
+                    "record_length_bytes_stdev": 8 * 1024},
         "reader": {"batch_size": 2, "read_threads": 1, "file_shuffle": "seed",
                    "sample_shuffle": "seed"},
         "train": {"epochs": 1, "computation_time": 0.005},
@@ -87,11 +88,17 @@ def test_two_ranks_split_data_and_checkpoint(tmp_path: Path) -> None:
     for name in ("global_epoch1_step2", "global_epoch1_step4"):
         assert sorted(p.name for p in (tmp_path / "ckpt" / name).iterdir()) == [
             "model_states-0", "model_states-1"]
-    # the ranks read disjoint halves of the dataset, together all of it
-    out = tmp_path / "out"
-    r0, r1 = files_read(out / "trace-rank0.pfw"), files_read(out / "trace-rank1.pfw")
-    assert len(r0) == len(r1) == 8 and not (r0 & r1)
-    assert r0 | r1 == {p.name for p in (tmp_path / "data" / "train").iterdir()}
+    # the ranks read disjoint halves of the dataset (the sampler's), together all of it:
+    # each rank's bytes are exactly those of the files its half names
+    w = parse_workload(doc)
+    files = sorted((tmp_path / "data" / "train").iterdir())
+    halves = [epoch_order(w, 1, r, 2, 16) for r in range(2)]
+    assert not set(halves[0]) & set(halves[1]) and len(set(halves[0]) | set(halves[1])) == 16
+    for rank, half in enumerate(halves):
+        expect = sum(files[i].stat().st_size for i in half)
+        assert summary["per_rank"][rank]["epochs"]["1"]["bytes_read"] == expect
+        # and the rank's trace holds those reads (--trace)
+        assert data_reads(tmp_path / "out" / f"trace-rank{rank}.pfw") == expect
     # AU is the mean over ranks, samples/s the sum (DLIO's allreduce)
     ranks = [r["epochs"]["1"] for r in summary["per_rank"]]
     assert summary["per_epoch"][0]["au_percentage"] == pytest.approx(

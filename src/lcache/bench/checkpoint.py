@@ -15,6 +15,9 @@ Sizes follow DLIO's ``checkpointing/base_checkpointing.py`` (argonne-lcf/dlio_be
   elements per tensor: 12 B/param in all;
 * ``model.model_size`` bytes (CNN workloads such as unet3d) in one file per rank.
 
+``checkpoint.type: rank_zero`` (DLIO 2.0.0's default) has rank 0 alone write; ``all_ranks``
+(newer DLIO's behaviour, the default here) has every rank write its share.
+
 Files are raw bytes, never pickles: a checkpoint's I/O is what is measured, not its encoding.
 Each file is written to a temp name, fsynced (``checkpoint.fsync``) and renamed.
 """
@@ -92,6 +95,8 @@ def rank_files(w: Workload, rank: int, world: int) -> list[CheckpointFile]:
         ConfigError: fewer ranks than tensor x pipeline parallelism need.
     """
     files: list[CheckpointFile] = []
+    if w.checkpoint_type == "rank_zero" and rank != 0:
+        return files  # DLIO 2.0.0's default: only rank 0 writes (and reads) a checkpoint
     if w.model_size > 0:
         files.append(CheckpointFile(f"model_states-{rank}", w.model_size))
     if w.num_layers <= 0:

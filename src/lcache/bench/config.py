@@ -131,6 +131,7 @@ class Workload:
     num_checkpoints_write: int = -1
     num_checkpoints_read: int = -1
     checkpoint_fsync: bool = True
+    checkpoint_type: str = "all_ranks"
     model_size: int = 0
     model_datatype: str = "fp16"
     optimizer_datatype: str = "fp32"
@@ -357,9 +358,10 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         if getattr(w, attr) not in DTYPE_BYTES:
             raise _err(source, f"'{attr}' = {getattr(w, attr)!r}; use one of "
                        f"{', '.join(DTYPE_BYTES)}")
-    ck_type = get("checkpoint", "type")
-    if ck_type not in (None, "all_ranks"):
-        raise _err(source, f"'checkpoint.type' = {ck_type!r} is not supported; use all_ranks")
+    setv("checkpoint_type", "checkpoint", "type", conv=str)
+    if w.checkpoint_type not in ("all_ranks", "rank_zero"):
+        raise _err(source, f"'checkpoint.type' = {w.checkpoint_type!r}; use all_ranks or "
+                   "rank_zero")
 
     setv("output_folder", "output", "folder", conv=str)
     setv("au", "metric", "au", conv=float)

@@ -268,6 +268,9 @@ def verdict(summary: dict[str, Any], au_target: float) -> str:
     if "load_checkpoint_duration_mean_seconds" in m:
         parts.append(f"loaded in {m['load_checkpoint_duration_mean_seconds']:.2f} s "
                      f"({m['load_checkpoint_io_mean_GB_per_second']:.3f} GiB/s)")
+        if not summary.get("drop_cache"):
+            parts.append("the loads may have come from the page cache that the saves "
+                         "filled (use --drop-cache to measure the storage)")
     caching = summary.get("potential_caching")
     if caching:
         parts.append("WARNING: the dataset fits in this host's page cache and was not "
