@@ -137,11 +137,16 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     if "metric" in summary:
         verdict = summary.get("verdict", "")
         if capped:
-            verdict += (f"; {', '.join(capped)} capped at {max_step_bytes / 2**30:.2f} GiB per "
-                        "step: the model's demand exceeds what local storage can move, NOT MET")
+            verdict = (f"NOT MET: {', '.join(capped)} asks more than --max-step-bytes "
+                       f"({max_step_bytes / 2**30:.2f} GiB) per emulated step, so the run moved "
+                       "less than the model needs and its AU flatters the storage; " + verdict)
+        interval_s = pred.get("checkpoint_interval_s")
         if projected is not None:
             verdict += (f"; a full {ck_node / 2**30:.1f} GiB node checkpoint would take "
                         f"{projected:.1f} s at the measured rate")
+            if interval_s:
+                verdict += (f", {projected / interval_s:.1%} of the {interval_s:.0f} s "
+                            "checkpoint interval if training waits for it")
         summary["verdict"] = verdict
         summary["from_model"] = info
     return summary
