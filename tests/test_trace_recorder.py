@@ -168,7 +168,7 @@ def test_reads_on_a_reused_fd_get_the_new_path(tmp_path: Path) -> None:
         os.close(fd)
         import time
 
-        time.sleep(0.002)  # reads re-check the fd's inode once it is 1 ms old (docs/trace.md)
+        time.sleep(0.11)  # reads re-check the fd's inode once it is 100 ms old (docs/trace.md)
         fd2 = open_file(str(b), os.O_RDONLY)
         pread_full(fd2, 0, buf, "cache-read")
         os.close(fd2)

@@ -80,12 +80,24 @@ def file_metadata(pid: int, fid: int, path: str) -> str:
                   "args": {"fid": fid, "name": path}})
 
 
+def event_prefix(pid: int, tid: int, op: str, io_class: str) -> str:
+    """The constant start of an I/O event line, up to the value of ``ts``."""
+    return f'{{"name":"{op}","cat":"{io_class}","pid":{pid},"tid":{tid},"ts":'
+
+
+#: The rest of an I/O event line: prefix, ts and dur as microseconds with three decimals
+#: (integer part, then nanoseconds), fid, offset, size, result. Hand-formatted: json.dumps of
+#: the nested dict costs several times more, and this runs for every event.
+EVENT_REST = ('%s%d.%03d,"dur":%d.%03d,"ph":"X","args":{"fid":%d,"off":%d,"size":%d,'
+              '"ret":%d}}')
+
+
 def io_event(pid: int, tid: int, op: str, io_class: str, start_ns: int, duration_ns: int,
              fid: int, offset: int, size: int, result: int) -> str:
-    # Formatted by hand: json.dumps of a nested dict costs ~3x more and this runs per event.
-    return (f'{{"name":"{op}","cat":"{io_class}","pid":{pid},"tid":{tid},'
-            f'"ts":{start_ns / 1000:.3f},"dur":{duration_ns / 1000:.3f},"ph":"X",'
-            f'"args":{{"fid":{fid},"off":{offset},"size":{size},"ret":{result}}}}}')
+    """One I/O event line (``start_ns``/``duration_ns`` >= 0)."""
+    return EVENT_REST % (event_prefix(pid, tid, op, io_class), start_ns // 1000,
+                         start_ns % 1000, duration_ns // 1000, duration_ns % 1000, fid, offset,
+                         size, result)
 
 
 def read_cmdline(pid: int | str) -> str:
