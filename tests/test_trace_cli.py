@@ -91,7 +91,9 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
     code = (f"import os\nfd = os.open({str(data)!r}, os.O_RDWR | os.O_CREAT)\n"
             "os.write(fd, b'a' * 1000)\nos.write(fd, b'b' * 24)\n"
             "os.pwrite(fd, b'c' * 10, 5000)\nos.lseek(fd, 100, 0)\nos.read(fd, 50)\n"
-            "os.pread(fd, 7, 3)\nos.close(fd)\n")
+            "os.pread(fd, 7, 3)\nos.writev(fd, [b'x' * 4, b'y' * 6])\n"
+            "os.pwritev(fd, [b'z' * 3], 7000)\nos.preadv(fd, [bytearray(2)], 6000)\n"
+            "os.close(fd)\n")
     run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
     assert run.returncode == 0, run.stderr
     from lcache.report import load
@@ -100,8 +102,9 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
     rows = [(tr.ops[tr.op[i]], int(tr.offset[i]), int(tr.size[i]), int(tr.result[i]))
             for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)]
     assert rows == [("write", 0, 1000, 1000), ("write", 1000, 24, 24),
-                    ("write", 5000, 10, 10), ("read", 100, 50, 50), ("read", 3, 7, 7)]
-    assert summarize(t)["classes"]["syscall"]["ops"] >= 5
+                    ("write", 5000, 10, 10), ("read", 100, 50, 50), ("read", 3, 7, 7),
+                    ("write", 150, 10, 10), ("write", 7000, 3, 3), ("read", 6000, 2, 2)]
+    assert summarize(t)["classes"]["syscall"]["ops"] >= 8
 
 
 def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> None:

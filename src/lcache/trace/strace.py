@@ -107,9 +107,16 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
         if name in _READS or name in _WRITES:
             op = "read" if name in _READS else "write"
             if name in _POSITIONAL:
-                ints = _last_ints(args, 2)
+                # preadv2/pwritev2 end with a flags argument after the offset
+                ints = _last_ints(args, 3 if name.endswith("2") else 2)
+                if name.endswith("2"):
+                    ints = ints[:-1]
                 offset = ints[-1] if ints else -1
                 size = ints[0] if name in ("pread64", "pwrite64") and len(ints) == 2 else moved
+                if offset == -1 and name.endswith("2"):  # -1: at (and moving) the position
+                    offset = position.get(key, -1)
+                    if offset >= 0:
+                        position[key] = offset + moved
             else:
                 offset = position.get(key, -1)
                 ints = _last_ints(args, 1)

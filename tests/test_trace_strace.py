@@ -1,0 +1,38 @@
+"""The strace log parser on lines in strace's own format (threads, errors, positions)."""
+
+from __future__ import annotations
+
+from lcache.trace.strace import parse
+
+LOG = """\
+100 1700000000.000100 openat(AT_FDCWD</w>, "/data/a.bin", O_RDONLY|O_CLOEXEC) = 3</data/a.bin> <0.000010>
+100 1700000000.000200 read(3</data/a.bin>, ""..., 4096) = 4096 <0.000020>
+101 1700000000.000250 pread64(3</data/a.bin>, <unfinished ...>
+100 1700000000.000300 read(3</data/a.bin>, ""..., 4096) = 100 <0.000005>
+101 1700000000.000400 <... pread64 resumed>""..., 512, 8192) = 512 <0.000150>
+100 1700000000.000500 lseek(3</data/a.bin>, 0, SEEK_SET) = 0 <0.000002>
+100 1700000000.000600 read(3</data/a.bin>, ""..., 10) = 10 <0.000003>
+100 1700000000.000700 write(1</dev/pts/0>, ""..., 5) = 5 <0.000003>
+100 1700000000.000800 read(4<pipe:[1234]>, ""..., 5) = 5 <0.000003>
+100 1700000000.000900 pwrite64(5</data/b.bin>, ""..., 64, 128) = -1 ENOSPC (No space left on device) <0.000004>
+100 1700000000.001000 fdatasync(5</data/b.bin>) = 0 <0.001000>
+100 1700000000.001100 read(6</data/c.bin>, ""..., 8) = 8 <0.000001>
+100 1700000000.001200 +++ exited with 0 +++
+"""
+
+
+def test_parse_strace_lines() -> None:
+    events = list(parse(LOG.splitlines(keepends=True), wall_minus_mono_us=1_700_000_000e6))
+    got = [(e["pid"], e["name"], e["args"]["file"], e["args"]["off"], e["args"]["size"],
+            e["args"]["ret"], e["args"]["sys"]) for e in events]
+    assert got == [
+        (100, "read", "/data/a.bin", 0, 4096, 4096, "read"),
+        (100, "read", "/data/a.bin", 4096, 4096, 100, "read"),
+        (101, "read", "/data/a.bin", 8192, 512, 512, "pread64"),  # stitched, start time kept
+        (100, "read", "/data/a.bin", 0, 10, 10, "read"),  # after lseek to 0
+        (100, "write", "/data/b.bin", 128, 64, -28, "pwrite64"),  # -ENOSPC
+        (100, "fdatasync", "/data/b.bin", 0, 0, 0, "fdatasync"),
+        (100, "read", "/data/c.bin", -1, 8, 8, "read"),  # opened before tracing: unknown
+    ]
+    assert events[0]["ts"] == 200.0 and events[0]["dur"] == 20.0  # monotonic microseconds
+    assert events[2]["ts"] == 250.0 and events[2]["dur"] == 150.0
