@@ -5,7 +5,7 @@ from __future__ import annotations
 from lcache.trace.strace import parse
 
 LOG = """\
-100 1700000000.000100 openat(AT_FDCWD</w>, "/data/a.bin", O_RDONLY|O_CLOEXEC) = 3</data/a.bin> <0.000010>
+100 1700000000.000100 openat(AT_FDCWD</w>, "/data/a.bin", O_RDONLY) = 3</data/a.bin> <0.000010>
 100 1700000000.000200 read(3</data/a.bin>, ""..., 4096) = 4096 <0.000020>
 101 1700000000.000250 pread64(3</data/a.bin>, <unfinished ...>
 100 1700000000.000300 read(3</data/a.bin>, ""..., 4096) = 100 <0.000005>
@@ -14,7 +14,7 @@ LOG = """\
 100 1700000000.000600 read(3</data/a.bin>, ""..., 10) = 10 <0.000003>
 100 1700000000.000700 write(1</dev/pts/0>, ""..., 5) = 5 <0.000003>
 100 1700000000.000800 read(4<pipe:[1234]>, ""..., 5) = 5 <0.000003>
-100 1700000000.000900 pwrite64(5</data/b.bin>, ""..., 64, 128) = -1 ENOSPC (No space left on device) <0.000004>
+100 1700000000.000900 pwrite64(5</data/b.bin>, ""..., 64, 128) = -1 ENOSPC (No space) <0.000004>
 100 1700000000.001000 fdatasync(5</data/b.bin>) = 0 <0.001000>
 100 1700000000.001100 read(6</data/c.bin>, ""..., 8) = 8 <0.000001>
 100 1700000000.001200 +++ exited with 0 +++
