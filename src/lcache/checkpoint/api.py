@@ -228,7 +228,7 @@ class Checkpointer:
 
     def __init__(self, *, keep_last: int | None = None, upload_to: str | None = None,
                  storage_options: dict[str, Any] | None = None, direct: bool = True,
-                 queue_depth: int = 4) -> None:
+                 queue_depth: int = 8) -> None:
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last={keep_last} would delete the newest checkpoint; "
                               "use keep_last >= 1 or None")

@@ -54,7 +54,7 @@ def _write_all(fd: int, data: memoryview, queue_depth: int) -> None:
 
 
 def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
-                    direct: bool = True, queue_depth: int = 4) -> bool:
+                    direct: bool = True, queue_depth: int = 8) -> bool:
     """Write ``data`` (length a multiple of ``ALIGN``) to a new file at ``path``, fill in the
     arrays' checksums, and fsync. Returns whether O_DIRECT was used.
 
