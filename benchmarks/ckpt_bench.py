@@ -1,10 +1,9 @@
 """Benchmark lcache checkpoints against torch.save and torch.distributed.checkpoint.
 
-For each state size, in one run on one directory:
-  fio's sequential write and read limits (O_DIRECT; the better of 1 MiB x QD16 and
-  8 MiB x QD8, before and after the systems), then
-  lcache ``async_save`` / ``load``, ``torch.save`` / ``torch.load`` (synchronous), and
-  ``torch.distributed.checkpoint.async_save`` / ``load`` (single process, no process group).
+For each state size, in one run on one directory: lcache ``async_save`` / ``load``,
+``torch.save`` / ``torch.load`` (synchronous), and ``torch.distributed.checkpoint``
+``async_save`` / ``load`` (single process, no process group), and fio's sequential write and
+read limits (O_DIRECT; the better of 1 MiB x QD16 and 8 MiB x QD8).
 
     python benchmarks/ckpt_bench.py --json
     python benchmarks/ckpt_bench.py --sizes 256MiB,1GiB,4GiB --dir /mnt/nvme/bench --json
@@ -12,13 +11,14 @@ For each state size, in one run on one directory:
 Figures per system:
   stall_s       what the training loop waits for: the call's return (lcache and DCP copy the
                 state to host memory and return; torch.save returns after writing it to the
-                page cache). Measured on the second save, after a warm-up save.
+                page cache).
   persist_GBps  state bytes / seconds from the call's return until the data is durable
                 (fsynced); for torch.save, state bytes / (save + fsync).
   load_GBps     state bytes / seconds to load, page cache dropped first (root: drop_caches).
-Each system saves once to warm up, then ``--repeats`` timed saves and loads; the best run of
-each is reported (noise from other tenants only slows a run), and fio runs before and after
-the systems, its better figure taken as the device limit.
+Each system saves once to warm up (lcache's ``first_stall_s`` includes faulting in its host
+buffer), then ``--repeats`` timed saves and loads; medians are reported. On a shared machine
+the device's speed swings from one second to the next, so each lcache save and load runs right
+after a fio pass of the same kind and the ratios to fio are medians of these pairs.
 Run as root so the page cache can be dropped. fio must be installed (``apt-get install -y
 fio``); without it the fio columns are null and the ratios to fio are not computed.
 """
@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,8 +45,6 @@ from lcache import checkpoint as ck
 from lcache.store import parse_size
 
 log = Console(stderr=True)
-FIO_MIN_BYTES = 1 << 30
-FIO_READ_S = 3
 FIO_SHAPES = (("1M", 16), ("8M", 8))
 
 
@@ -67,31 +66,24 @@ def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("nan")
 
 
-def fio_seq(directory: Path, nbytes: int) -> tuple[float | None, float | None]:
-    """(sequential write GB/s, sequential read GB/s) on a file of ``nbytes``: the better of
-    1 MiB x queue depth 16 and 8 MiB x queue depth 8 (what lcache issues), so the limit is
-    not understated for a device that prefers large requests."""
-    if not sb.fio_available():
-        log.print("[yellow]fio not found: install it (apt-get install -y fio) for the "
-                  "device limits[/]")
-        return None, None
-    path = directory / "fio-seq.dat"
-    size = max(nbytes, FIO_MIN_BYTES)  # a short run mostly measures fio's ramp-up
-    best_w = best_r = 0.0
-    try:
-        for bs, depth in FIO_SHAPES:
-            common = [f"--filename={path}", f"--size={size}", "--ioengine=libaio",
-                      "--direct=1", f"--bs={bs}", f"--iodepth={depth}"]
-            write = sb._run_fio([*common, "--name=seqwrite", "--rw=write", "--end_fsync=1"],
-                                300)
+def _fio(path: Path, size: int, rw: str) -> float:
+    """GB/s of one O_DIRECT sequential ``rw`` pass over ``path``: the better of 1 MiB x QD16
+    and 8 MiB x QD8 (what lcache issues), so a device that prefers large requests is not
+    understated."""
+    best_gbps = 0.0
+    for bs, depth in FIO_SHAPES:
+        args = [f"--filename={path}", f"--size={size}", "--ioengine=libaio", "--direct=1",
+                f"--bs={bs}", f"--iodepth={depth}", f"--name=seq{rw}", f"--rw={rw}"]
+        if rw == "write":
+            args.append("--end_fsync=1")
+            # a new file each pass, as a checkpoint writes one: overwriting allocated blocks
+            # runs twice as fast on ext4 and is not what a checkpoint does
+            path.unlink(missing_ok=True)
+        else:
             sb.drop_page_cache()
-            read = sb._run_fio([*common, "--name=seqread", "--rw=read", "--time_based",
-                                f"--runtime={FIO_READ_S}"], 300)
-            best_w = max(best_w, sb._job_bw(write, "write") / 1e3)
-            best_r = max(best_r, sb._job_bw(read, "read") / 1e3)
-    finally:
-        path.unlink(missing_ok=True)
-    return round(best_w, 3), round(best_r, 3)
+        result = sb._run_fio(args, 300)
+        best_gbps = max(best_gbps, sb._job_bw(result, rw) / 1e3)
+    return round(best_gbps, 3)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -100,36 +92,58 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def best(times: list[tuple[float, float]]) -> tuple[float, float]:
-    """The (stall, durable) pair of the fastest run to durable: noise only ever slows a run."""
-    return min(times, key=lambda t: t[1])
+def median(values: list[float]) -> float:
+    return round(float(statistics.median(values)), 4)
 
 
 def bench_lcache(state: dict[str, Any], nbytes: int, where: Path, repeats: int
                  ) -> dict[str, Any]:
+    """lcache, each timed save and load right after a fio pass of the same kind (pairs: the
+    noise of a shared machine hits both sides of a ratio alike)."""
+    where.mkdir(parents=True, exist_ok=True)
+    fio_path, fio_size = where / "fio-seq.dat", nbytes  # the same bytes as the checkpoint
+    use_fio = sb.fio_available()
+    if not use_fio:
+        log.print("[yellow]fio not found: install it (apt-get install -y fio) for the "
+                  "device limits[/]")
     saver = ck.Checkpointer()
     first = saver.async_save(state, where / "warmup")
     first.wait()
-    runs, loads = [], []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        handle = saver.async_save(state, where / f"step-{i}")
-        stall = time.perf_counter() - t0
-        handle.wait()
-        runs.append((stall, time.perf_counter() - t0))
-    saver.close()
-    for i in range(repeats):
-        sb.drop_page_cache()
-        back, load_s = timed(lambda i=i: ck.load(where / f"step-{i}"))
-        if not state_equal(state, back):
-            raise RuntimeError("lcache loaded different bytes")
-        del back
-        loads.append(load_s)
-    stall, durable = best(runs)
-    return {"system": "lcache async_save", "stall_s": round(min(r[0] for r in runs), 4),
-            "first_stall_s": round(first.stall_s, 4),
-            "persist_GBps": gbps(nbytes, durable - stall),
-            "load_GBps": gbps(nbytes, min(loads)), "o_direct": handle.direct}
+    stalls, persists, loads, fio_w, fio_r = [], [], [], [], []
+    try:
+        for i in range(repeats):
+            if use_fio:
+                fio_w.append(_fio(fio_path, fio_size, "write"))
+            t0 = time.perf_counter()
+            handle = saver.async_save(state, where / f"step-{i}")
+            stall = time.perf_counter() - t0
+            handle.wait()
+            stalls.append(stall)
+            persists.append(gbps(nbytes, time.perf_counter() - t0 - stall))
+            if use_fio:
+                fio_r.append(_fio(fio_path, fio_size, "read"))
+            sb.drop_page_cache()
+            back, load_s = timed(lambda i=i: ck.load(where / f"step-{i}"))
+            if not state_equal(state, back):
+                raise RuntimeError("lcache loaded different bytes")
+            del back
+            loads.append(gbps(nbytes, load_s))
+    finally:
+        fio_path.unlink(missing_ok=True)
+        saver.close()
+    row: dict[str, Any] = {
+        "system": "lcache async_save", "stall_s": round(median(stalls), 4),
+        "first_stall_s": round(first.stall_s, 4), "persist_GBps": median(persists),
+        "load_GBps": median(loads), "o_direct": handle.direct,
+        "runs": {"stall_s": [round(x, 4) for x in stalls], "persist_GBps": persists,
+                 "load_GBps": loads, "fio_seqwrite_GBps": fio_w, "fio_seqread_GBps": fio_r}}
+    if use_fio:
+        row["fio_seqwrite_GBps"], row["fio_seqread_GBps"] = median(fio_w), median(fio_r)
+        row["persist_vs_fio_write"] = round(median(
+            [p / f for p, f in zip(persists, fio_w, strict=True)]), 3)
+        row["load_vs_fio_read"] = round(median(
+            [x / f for x, f in zip(loads, fio_r, strict=True)]), 3)
+    return row
 
 
 def bench_torch_save(state: dict[str, Any], nbytes: int, where: Path, repeats: int
@@ -155,10 +169,10 @@ def bench_torch_save(state: dict[str, Any], nbytes: int, where: Path, repeats: i
             raise RuntimeError("torch.load returned different bytes")
         del back
         loads.append(load_s)
-    _, durable = best(runs)
-    return {"system": "torch.save (sync)", "stall_s": round(min(r[0] for r in runs), 4),
-            "durable_s": round(durable, 4),
-            "persist_GBps": gbps(nbytes, durable), "load_GBps": gbps(nbytes, min(loads))}
+    return {"system": "torch.save (sync)", "stall_s": round(median([r[0] for r in runs]), 4),
+            "durable_s": round(median([r[1] for r in runs]), 4),
+            "persist_GBps": median([gbps(nbytes, r[1]) for r in runs]),
+            "load_GBps": median([gbps(nbytes, x) for x in loads])}
 
 
 def bench_dcp(state: dict[str, Any], nbytes: int, where: Path, repeats: int
@@ -184,16 +198,14 @@ def bench_dcp(state: dict[str, Any], nbytes: int, where: Path, repeats: int
         if not state_equal(state, target):
             raise RuntimeError("DCP loaded different bytes")
         loads.append(load_s)
-    stall, durable = best(runs)
     return {"system": "torch.distributed.checkpoint async_save",
-            "stall_s": round(min(r[0] for r in runs), 4),
-            "persist_GBps": gbps(nbytes, durable - stall),
-            "load_GBps": gbps(nbytes, min(loads)),
+            "stall_s": round(median([r[0] for r in runs]), 4),
+            "persist_GBps": median([gbps(nbytes, r[1] - r[0]) for r in runs]),
+            "load_GBps": median([gbps(nbytes, x) for x in loads]),
             "note": "loads in place into preallocated tensors"}
 
 
-def targets(rows: list[dict[str, Any]], fio_w: float | None, fio_r: float | None
-            ) -> dict[str, Any]:
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's target ratios, computed from this run's rows."""
     by = {r["system"].split()[0]: r for r in rows}
     lc, ts, dc = by["lcache"], by["torch.save"], by["torch.distributed.checkpoint"]
@@ -206,9 +218,9 @@ def targets(rows: list[dict[str, Any]], fio_w: float | None, fio_r: float | None
     out["stall_met"] = out["stall_vs_torch_save"] <= 0.1 and out["stall_vs_dcp"] <= 1
     # not a target: the stall against a torch.save that is also crash-safe (save + fsync)
     out["stall_vs_torch_save_fsynced"] = round(lc["stall_s"] / ts["durable_s"], 3)
-    if fio_w and fio_r:
-        out["persist_vs_fio_write"] = round(lc["persist_GBps"] / fio_w, 3)
-        out["load_vs_fio_read"] = round(lc["load_GBps"] / fio_r, 3)
+    if "persist_vs_fio_write" in lc:  # medians of the paired ratios
+        out["persist_vs_fio_write"] = lc["persist_vs_fio_write"]
+        out["load_vs_fio_read"] = lc["load_vs_fio_read"]
         out["persist_met"] = out["persist_vs_fio_write"] >= 0.8
         out["load_met"] = out["load_vs_fio_read"] >= 0.8
     return out
@@ -218,8 +230,6 @@ def run_size(nbytes: int, base: Path, repeats: int, tensors: int) -> dict[str, A
     where = base / sb.format_size(nbytes)
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
-    log.print(f"[bold]{sb.format_size(nbytes)}[/]: fio ...")
-    fio_before = fio_seq(where, nbytes)
     state = make_state(nbytes, tensors)
     real = sum(t.numel() * t.element_size() for t in state.values())
     rows = []
@@ -232,17 +242,12 @@ def run_size(nbytes: int, base: Path, repeats: int, tensors: int) -> dict[str, A
         gc.collect()
     del state
     gc.collect()
-    log.print(f"[bold]{sb.format_size(nbytes)}[/]: fio again ...")
-    fio_after = fio_seq(where, nbytes)
     shutil.rmtree(where, ignore_errors=True)
-    # the device limit is the better of the two fio runs (noise only lowers a run)
-    fio_w = max((x for x in (fio_before[0], fio_after[0]) if x is not None), default=None)
-    fio_r = max((x for x in (fio_before[1], fio_after[1]) if x is not None), default=None)
+    fio_w, fio_r = rows[0].get("fio_seqwrite_GBps"), rows[0].get("fio_seqread_GBps")
     for row in rows:
         row.update(fio_seqwrite_GBps=fio_w, fio_seqread_GBps=fio_r)
     return {"state_bytes": real, "fio_seqwrite_GBps": fio_w, "fio_seqread_GBps": fio_r,
-            "fio_runs_GBps": {"before": fio_before, "after": fio_after}, "rows": rows,
-            "targets": targets(rows, fio_w, fio_r)}
+            "rows": rows, "targets": targets(rows)}
 
 
 def main() -> None:
@@ -250,9 +255,9 @@ def main() -> None:
     p.add_argument("--sizes", default="256MiB,1GiB", help="comma-separated state sizes")
     p.add_argument("--dir", default="/var/tmp/lcache-ckpt-bench",
                    help="where to write (on the SSD under test)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed saves and loads per system (after one warm-up save); the "
-                        "best is reported, for every system alike")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed saves and loads per system (after one warm-up save); medians "
+                        "are reported, for every system alike")
     p.add_argument("--tensors", type=int, default=32,
                    help="float32 tensors the state is split into (an AdamW state of a "
                         "transformer has hundreds to thousands)")
