@@ -335,8 +335,10 @@ def test_trace_records_the_runs_io(tmp_path: Path) -> None:
             if ev.get("ph") == "X":
                 cats[ev["cat"]] = cats.get(ev["cat"], 0) + 1
     assert cats.get("data-source", 0) >= 12 and cats.get("checkpoint", 0) >= 1, cats
-    if s["trace"].get("report"):
+    if s["trace"].get("report"):  # lcache.report is there: the report shows the run's classes
         assert Path(s["trace"]["report"]).exists()
+        report = json.loads(Path(s["trace"]["report_json"]).read_text())
+        assert {"data-source", "checkpoint"} <= set(report["classes"])
 
 
 # --------------------------------------------------------------------------- from-model
