@@ -84,7 +84,7 @@ def test_unknown_key_is_refused_naming_key_and_file(tmp_path: Path) -> None:
     ("dataset", "format", "parquet", "does not implement"),
     ("reader", "data_loader", "dali", "not supported"),
     ("storage", "storage_type", "s3", "not supported"),
-    ("workflow", "evaluation", True, "not supported"),
+    ("workflow", "evaluation", True, "num_files_eval"),
     ("metric", "au", 90, "fraction"),
     ("reader", "batch_size", 0, "at least 1"),
 ])
@@ -260,6 +260,29 @@ def test_slow_storage_fails_au_with_a_reason(tmp_path: Path) -> None:
     assert s["metric"]["train_au_meet_expectation"] == "fail"
     assert "NOT MET" in s["verdict"] and "waited" in s["verdict"]
     assert not s["potential_caching"]
+
+
+def test_evaluation_reads_the_valid_files(tmp_path: Path) -> None:
+    doc = small(tmp_path, workflow={"evaluation": True},
+                dataset={"num_files_eval": 5, "record_length_bytes_stdev": 4096},
+                reader={"batch_size_eval": 2}, train={"epochs": 2},
+                evaluation={"eval_time": 0.002, "eval_after_epoch": 2})
+    s = run(tmp_path, doc)
+    valid = sorted((tmp_path / "data" / "valid").iterdir())
+    assert [p.name for p in valid] == [f"img_{i}_of_5.npz" for i in range(5)]
+    assert [e["epoch"] for e in s["per_eval"]] == [2]  # eval_after_epoch
+    assert s["per_eval"][0]["steps"] == 2  # floor(5 / 2)
+    w = parse_workload(doc)
+    read = epoch_order(w, 2, 0, 1, 5, evaluation=True)
+    assert s["per_eval"][0]["bytes_read"] == sum(valid[i].stat().st_size for i in read)
+    assert "eval_au_mean_percentage" in s["metric"] and "evaluation AU" in s["verdict"]
+    # the training files are not the evaluation files
+    def head(path: Path) -> bytes:
+        with np.load(path, allow_pickle=False) as z:
+            return bytes(z["x"][0, :64])
+
+    assert not {head(p) for p in (tmp_path / "data" / "train").iterdir()} & {
+        head(p) for p in valid}
 
 
 @pytest.mark.parametrize("fmt", ["indexed_binary", "mmap_indexed_binary", "tfrecord", "npy"])

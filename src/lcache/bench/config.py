@@ -120,6 +120,7 @@ class Workload:
     seed_change_epoch: bool = True
     # evaluation
     eval_time: float = 0.0
+    eval_time_stdev: float = 0.0
     eval_after_epoch: int = 1
     epochs_between_evals: int = 1
     # checkpoint
@@ -334,11 +335,12 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     setv("seed", "train", "seed", conv=_as_int)
     setv("seed_change_epoch", "train", "seed_change_epoch", conv=_as_bool)
     setv("eval_time", "evaluation", "eval_time", conv=float)
+    setv("eval_time_stdev", "evaluation", "eval_time_stdev", conv=float)
     setv("eval_after_epoch", "evaluation", "eval_after_epoch", conv=_as_int)
     setv("epochs_between_evals", "evaluation", "epochs_between_evals", conv=_as_int)
-    if w.do_eval:
-        raise _err(source, "'workflow.evaluation: True' is not supported yet; set it False "
-                   "(evaluation reads a second dataset with its own eval_time)")
+    if w.do_eval and (w.num_files_eval < 1 or w.batch_size_eval < 1):
+        raise _err(source, "workflow.evaluation is on: set dataset.num_files_eval and "
+                   "reader.batch_size_eval to 1 or more")
 
     setv("checkpoint_folder", "checkpoint", "checkpoint_folder", conv=str)
     setv("checkpoint_after_epoch", "checkpoint", "checkpoint_after_epoch", conv=_as_int)

@@ -34,9 +34,9 @@ IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 
 
-def file_names(w: Workload) -> list[str]:
-    """The training file names DLIO gives this workload (relative to ``DATA/train``)."""
-    n = w.num_files_train
+def file_names(w: Workload, split: str = "train") -> list[str]:
+    """The file names DLIO gives this workload (relative to ``DATA/train`` or ``DATA/valid``)."""
+    n = w.num_files_train if split == "train" else w.num_files_eval
     width = len(str(n))
     return [f"{w.file_prefix}_{i:0{width}d}_of_{n}.{w.format}" for i in range(n)]
 
@@ -79,7 +79,7 @@ def _encode(w: Workload, index: int) -> list[bytes | memoryview]:
 def _publish(path: str, data: bytes | memoryview) -> None:
     """Write ``path`` atomically: temp file, fsync, rename (nothing half-written is visible)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=0o644)
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         view = memoryview(data)
         for off in range(0, len(view), _CHUNK):
@@ -95,20 +95,31 @@ def _publish(path: str, data: bytes | memoryview) -> None:
 
 def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
              progress: Callable[[int], None] | None = None) -> int:
-    """Write this rank's share of the training files (file ``i`` goes to rank ``i % world``).
+    """Write this rank's share of the training (and evaluation) files.
 
-    Files that already exist with the expected name are kept (DLIO regenerates them; keeping
-    them makes a rerun cheap). Returns the bytes written by this rank.
+    File ``i`` goes to rank ``i % world``. Files that already exist with the expected name are
+    kept (DLIO regenerates them; keeping them makes a rerun cheap). Returns the bytes written
+    by this rank.
     """
-    train = os.path.join(data_dir, "train")
-    os.makedirs(train, mode=0o755, exist_ok=True)
     written = 0
-    for i, name in enumerate(file_names(w)):
+    splits = ["train"] + (["valid"] if w.do_eval and w.num_files_eval > 0 else [])
+    for split in splits:
+        written += _generate_split(w, data_dir, split, rank, world, progress)
+    return written
+
+
+def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: int,
+                    progress: Callable[[int], None] | None) -> int:
+    train = os.path.join(data_dir, split)
+    os.makedirs(train, mode=0o700, exist_ok=True)
+    written = 0
+    first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
+    for i, name in enumerate(file_names(w, split)):
         if i % world != rank:
             continue
         path = os.path.join(train, name)
         if not os.path.exists(path):
-            parts = _encode(w, i)
+            parts = _encode(w, first + i)
             _publish(path, parts[0])
             if len(parts) == 3:
                 _publish(path + ".off.idx", parts[1])
@@ -120,22 +131,26 @@ def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
     return written
 
 
-def list_train_files(w: Workload, data_dir: str) -> list[str]:
-    """Sorted training files of the workload's format (as DLIO lists them), first n used.
+def list_train_files(w: Workload, data_dir: str, split: str = "train") -> list[str]:
+    """Sorted files of the workload's format (as DLIO lists them), the first n used.
+
+    Args:
+        split: ``train`` (``num_files_train``) or ``valid`` (``num_files_eval``).
 
     Raises:
-        ConfigError: fewer files than ``num_files_train``; the message says how to generate.
+        ConfigError: fewer files than the workload needs; the message says how to generate.
     """
-    train = os.path.join(data_dir, "train")
+    train = os.path.join(data_dir, split)
+    want = w.num_files_train if split == "train" else w.num_files_eval
     suffix = f".{w.format}"
     names = sorted(e for e in os.listdir(train) if e.endswith(suffix)) \
         if os.path.isdir(train) else []
-    if len(names) < w.num_files_train:
+    if len(names) < want:
         raise ConfigError(
             f"{train} holds {len(names)} {w.format} files but the workload needs "
-            f"{w.num_files_train}; generate them with workflow.generate_data: True "
+            f"{want}; generate them with workflow.generate_data: True "
             "(or `lcache bench run --generate`)")
-    return [os.path.join(train, n) for n in names[:w.num_files_train]]
+    return [os.path.join(train, n) for n in names[:want]]
 
 
 @dataclass(frozen=True, slots=True)

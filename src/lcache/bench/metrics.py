@@ -62,8 +62,8 @@ def block_metrics(b: _Block, batch_size: int, skip_start: int, skip_end: int
 class RankRecorder:
     """One rank's timings, in DLIO's shape; ``to_dict`` is this rank's ``{rank}_output.json``."""
 
-    def __init__(self, rank: int, batch_size: int, skip_start: int = 1, skip_end: int = 0
-                 ) -> None:
+    def __init__(self, rank: int, batch_size: int, skip_start: int = 1, skip_end: int = 0,
+                 batch_size_eval: int | None = None) -> None:
         self.rank = rank
         self.batch_size = batch_size
         self.skip_start = skip_start
@@ -71,8 +71,8 @@ class RankRecorder:
         self.epochs: dict[int, list[_Block]] = {}
         self.epoch_wall: dict[int, tuple[float, float]] = {}
         self.checkpoints: list[dict[str, Any]] = []
-        self._t_load = 0.0
-        self._t_compute = 0.0
+        self.evals: dict[int, _Block] = {}
+        self.batch_size_eval = batch_size_eval or batch_size
 
     def start_epoch(self, epoch: int) -> None:
         self.epochs[epoch] = []
@@ -101,6 +101,29 @@ class RankRecorder:
         b.proc.append(proc_s)
         b.nbytes += nbytes
 
+    def start_eval(self, epoch: int) -> None:
+        self.evals[epoch] = _Block(start=time.time())
+
+    def eval_step(self, epoch: int, load_s: float, compute_s: float, proc_s: float,
+                  nbytes: int) -> None:
+        b = self.evals[epoch]
+        b.load.append(load_s)
+        b.compute.append(compute_s)
+        b.proc.append(proc_s)
+        b.nbytes += nbytes
+
+    def end_eval(self, epoch: int) -> None:
+        self.evals[epoch].end = time.time()
+
+    def eval_metrics(self, epoch: int) -> dict[str, Any]:
+        b = self.evals[epoch]
+        au, thr, steps = block_metrics(b, self.batch_size_eval, self.skip_start, self.skip_end)
+        return {"au_percentage": au, "throughput_samples_per_second": thr,
+                "steps": len(b.compute), "metric_steps": steps, "duration_s": b.end - b.start,
+                "bytes_read": b.nbytes,
+                "load_mean_s": float(np.mean(b.load)) if b.load else 0.0,
+                "compute_total_s": sum(b.compute)}
+
     def checkpoint(self, kind: str, name: str, duration_s: float, own_s: float,
                    nbytes: int) -> None:
         """Record a ``save`` or ``load``: barrier-to-barrier duration and this rank's own."""
@@ -128,6 +151,7 @@ class RankRecorder:
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank,
                 "epochs": {str(e): self.epoch_metrics(e) for e in self.epochs},
+                "evals": {str(e): self.eval_metrics(e) for e in self.evals},
                 "checkpoints": self.checkpoints}
 
 
@@ -164,41 +188,8 @@ def aggregate(ranks: list[dict[str, Any]], record_length: int, au_target: float,
         checkpoint_bytes: one whole checkpoint, all ranks.
     """
     metric: dict[str, Any] = {}
-    epochs = sorted({int(e) for r in ranks for e in r["epochs"]})
-    per_epoch = []
-    au_list, thr_list = [], []
-    for e in epochs:
-        rows = [r["epochs"][str(e)] for r in ranks if str(e) in r["epochs"]]
-        au = float(np.mean([x["au_percentage"] for x in rows]))
-        thr = float(sum(x["throughput_samples_per_second"] for x in rows))
-        au_list.append(au)
-        thr_list.append(thr)
-        duration = max(x["duration_s"] for x in rows)
-        nbytes = sum(x["bytes_read"] for x in rows)
-        per_epoch.append({
-            "epoch": e, "au_percentage": au, "throughput_samples_per_second": thr,
-            "duration_s": duration, "bytes_read": nbytes,
-            "measured_io_MB_per_second": nbytes / MIB / duration if duration > 0 else 0.0,
-            "min_rank_throughput_samples_per_second":
-                min(x["throughput_samples_per_second"] for x in rows),
-            "steps": rows[0]["steps"],
-        })
-    if epochs:
-        au_mean, au_std = _mean_std(au_list)
-        thr_mean, thr_std = _mean_std(thr_list)
-        metric.update({
-            "train_au_percentage": au_list,
-            "train_au_mean_percentage": au_mean,
-            "train_au_meet_expectation": "success" if au_mean >= au_target * 100 else "fail",
-            "train_au_stdev_percentage": au_std,
-            "train_throughput_samples_per_second": thr_list,
-            "train_throughput_mean_samples_per_second": thr_mean,
-            "train_throughput_stdev_samples_per_second": thr_std,
-            "train_io_mean_MB_per_second": thr_mean * record_length / MIB,
-            "train_io_stdev_MB_per_second": thr_std * record_length / MIB,
-            "train_io_measured_mean_MB_per_second":
-                float(np.mean([p["measured_io_MB_per_second"] for p in per_epoch])),
-        })
+    per_epoch = _phase(ranks, "epochs", "train", record_length, au_target, metric)
+    per_eval = _phase(ranks, "evals", "eval", record_length, au_target, metric)
     size_gib = checkpoint_bytes / GIB
     by_name: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in ranks:
@@ -227,10 +218,52 @@ def aggregate(ranks: list[dict[str, Any]], record_length: int, au_target: float,
             metric[f"{kind}_checkpoint_io_stdev_GB_per_second"] = r_std
     if ckpt_rows:
         metric["checkpoint_size_GB"] = size_gib
-    per_rank = [{"rank": r["rank"], "epochs": r["epochs"],
+    per_rank = [{"rank": r["rank"], "epochs": r["epochs"], "evals": r.get("evals", {}),
                  "checkpoints": r["checkpoints"]} for r in ranks]
-    return {"metric": metric, "per_epoch": per_epoch, "checkpoints": ckpt_rows,
-            "per_rank": per_rank, "epochs": len(epochs)}
+    return {"metric": metric, "per_epoch": per_epoch, "per_eval": per_eval,
+            "checkpoints": ckpt_rows, "per_rank": per_rank, "epochs": len(per_epoch)}
+
+
+def _phase(ranks: list[dict[str, Any]], field_name: str, prefix: str, record_length: int,
+           au_target: float, metric: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-epoch rows of one phase (train or eval) and its DLIO metric keys."""
+    epochs = sorted({int(e) for r in ranks for e in r.get(field_name, {})})
+    rows_out = []
+    au_list, thr_list = [], []
+    for e in epochs:
+        rows = [r[field_name][str(e)] for r in ranks if str(e) in r.get(field_name, {})]
+        au = float(np.mean([x["au_percentage"] for x in rows]))
+        thr = float(sum(x["throughput_samples_per_second"] for x in rows))
+        au_list.append(au)
+        thr_list.append(thr)
+        duration = max(x["duration_s"] for x in rows)
+        nbytes = sum(x["bytes_read"] for x in rows)
+        rows_out.append({
+            "epoch": e, "au_percentage": au, "throughput_samples_per_second": thr,
+            "duration_s": duration, "bytes_read": nbytes,
+            "measured_io_MB_per_second": nbytes / MIB / duration if duration > 0 else 0.0,
+            "min_rank_throughput_samples_per_second":
+                min(x["throughput_samples_per_second"] for x in rows),
+            "steps": rows[0]["steps"],
+        })
+    if epochs:
+        au_mean, au_std = _mean_std(au_list)
+        thr_mean, thr_std = _mean_std(thr_list)
+        metric.update({
+            f"{prefix}_au_percentage": au_list,
+            f"{prefix}_au_mean_percentage": au_mean,
+            f"{prefix}_au_meet_expectation":
+                "success" if au_mean >= au_target * 100 else "fail",
+            f"{prefix}_au_stdev_percentage": au_std,
+            f"{prefix}_throughput_samples_per_second": thr_list,
+            f"{prefix}_throughput_mean_samples_per_second": thr_mean,
+            f"{prefix}_throughput_stdev_samples_per_second": thr_std,
+            f"{prefix}_io_mean_MB_per_second": thr_mean * record_length / MIB,
+            f"{prefix}_io_stdev_MB_per_second": thr_std * record_length / MIB,
+            f"{prefix}_io_measured_mean_MB_per_second":
+                float(np.mean([p["measured_io_MB_per_second"] for p in rows_out])),
+        })
+    return rows_out
 
 
 def verdict(summary: dict[str, Any], au_target: float) -> str:
@@ -261,6 +294,10 @@ def verdict(summary: dict[str, Any], au_target: float) -> str:
                          "step went beyond compute (barriers between ranks, step overhead, "
                          "checkpoints); computation_time is too short for this host to "
                          "emulate faithfully")
+    if "eval_au_mean_percentage" in m:
+        ok = m["eval_au_mean_percentage"] >= au_target * 100
+        parts.append(f"evaluation AU {m['eval_au_mean_percentage']:.1f}%: "
+                     f"{'met' if ok else 'NOT MET'}")
     if "save_checkpoint_duration_mean_seconds" in m:
         parts.append(f"checkpoint {m['checkpoint_size_GB']:.3f} GiB saved in "
                      f"{m['save_checkpoint_duration_mean_seconds']:.2f} s "

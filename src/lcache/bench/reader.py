@@ -33,8 +33,12 @@ IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 
 
-def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int) -> np.ndarray:
-    """Global sample indices this rank reads in ``epoch``, ``steps * batch_size`` of them."""
+def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int,
+                evaluation: bool = False) -> np.ndarray:
+    """Global sample indices this rank reads in ``epoch``, ``steps * batch_size`` of them.
+
+    With ``evaluation`` the order is over the evaluation files, in ``batch_size_eval`` steps.
+    """
     spf = w.num_samples_per_file
     seed = w.seed + (epoch if w.seed_change_epoch else 0)
     files = np.arange(num_files)
@@ -45,8 +49,15 @@ def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int) 
     if w.sample_shuffle != "off":
         rng = np.random.default_rng(seed + 1 if w.sample_shuffle == "seed" else None)
         order = rng.permutation(order)
+    if evaluation:
+        return order[rank::world][: eval_steps(w, world) * w.batch_size_eval]
     steps = steps_per_epoch(w, world, num_files)
     return order[rank::world][: steps * w.batch_size]
+
+
+def eval_steps(w: Workload, world: int) -> int:
+    """DLIO's ``floor(eval files * samples_per_file / batch_size_eval / ranks)``."""
+    return w.num_files_eval * w.num_samples_per_file // w.batch_size_eval // world
 
 
 def steps_per_epoch(w: Workload, world: int, num_files: int | None = None) -> int:

@@ -24,7 +24,13 @@ from lcache.bench import checkpoint as ckpt
 from lcache.bench import datagen
 from lcache.bench.config import Workload
 from lcache.bench.metrics import RankRecorder, aggregate, verdict, write_json_atomic
-from lcache.bench.reader import SampleReader, epoch_order, iterate_batches, steps_per_epoch
+from lcache.bench.reader import (
+    SampleReader,
+    epoch_order,
+    eval_steps,
+    iterate_batches,
+    steps_per_epoch,
+)
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.io import drop_page_cache, open_file, pread_full, pwrite_full, sync_fd
 
@@ -207,7 +213,8 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
     progress = _Progress(opts.show_progress and rank == 0, opts.progress_label)
     start = _now()
     trace_mod, trace_path = _enable_trace(output, rank) if opts.trace else (None, "")
-    rec = RankRecorder(rank, w.batch_size, w.exclude_start_steps, w.exclude_end_steps)
+    rec = RankRecorder(rank, w.batch_size, w.exclude_start_steps, w.exclude_end_steps,
+                       w.batch_size_eval)
     ck_io = None
     if w.do_checkpoint or opts.step_io:
         _owned_dir(ck_dir)
@@ -243,6 +250,15 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
                               f"samples make no full batch of {w.batch_size} per rank for "
                               f"{world} rank(s); add files or lower reader.batch_size")
         reader = SampleReader(w, files, direct=direct)
+        eval_reader = None
+        if w.do_eval:
+            eval_files = datagen.list_train_files(w, data_dir, "valid")
+            dataset_bytes += sum(os.path.getsize(f) for f in eval_files)
+            if eval_steps(w, world) < 1:
+                raise ConfigError(f"{w.source}: {len(eval_files)} evaluation files make no "
+                                  f"full batch of {w.batch_size_eval} per rank for {world} "
+                                  "rank(s); add files or lower reader.batch_size_eval")
+            eval_reader = SampleReader(w, eval_files, direct=direct)
         traffic = _StepTraffic(ck_dir, rank, opts.step_io) if opts.step_io else None
         rng = np.random.default_rng([w.seed, rank])
         try:
@@ -257,8 +273,14 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
                         name = f"global_epoch{epoch}_step{steps}"
                         do_checkpoint("save", name)
                         saved.append(name)
+                    if (eval_reader is not None and epoch >= w.eval_after_epoch
+                            and (epoch - w.eval_after_epoch)
+                            % max(1, w.epochs_between_evals) == 0):
+                        _evaluate(w, epoch, eval_reader, rec, comm, rng, opts.drop_cache)
         finally:
             reader.close()
+            if eval_reader is not None:
+                eval_reader.close()
             if traffic is not None:
                 traffic.close()
     elif w.do_checkpoint:
@@ -300,7 +322,7 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
         "potential_caching": bool(w.do_train and dataset_bytes <= mem
                                   and not (opts.drop_cache or direct)),
         "drop_cache": opts.drop_cache, "odirect": bool(direct),
-        "metric": agg["metric"], "per_epoch": agg["per_epoch"],
+        "metric": agg["metric"], "per_epoch": agg["per_epoch"], "per_eval": agg["per_eval"],
         "checkpoints": agg["checkpoints"], "per_rank": agg["per_rank"],
         "data_folder": data_dir, "checkpoint_folder": ck_dir if w.do_checkpoint else None,
         "output_folder": output, "notes": w.notes,
@@ -326,6 +348,31 @@ def _report(output: str, world: int, trace_path: str) -> dict[str, Any]:
                 "note": "lcache.report is not installed; the traces are written"}
     write_report(paths, html, js)
     return {"traces": paths, "report": html, "report_json": js}
+
+
+def _evaluate(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorder, comm: Comm,
+              rng: np.random.Generator, drop_cache: bool) -> None:
+    """DLIO's evaluation: read the valid/ files, sleep ``eval_time`` per batch."""
+    if drop_cache:
+        reader.drop_cache()
+    order = epoch_order(w, epoch, comm.rank, comm.world, len(reader.files), evaluation=True)
+    comm.barrier()
+    rec.start_eval(epoch)
+    t0 = time.time()
+    batches = iterate_batches(reader, order, w.batch_size_eval, w.read_threads,
+                              w.prefetch_size)
+    for nbytes in batches:
+        loaded = time.time()
+        et = w.eval_time
+        if w.eval_time_stdev > 0:
+            et = max(0.0, float(rng.normal(w.eval_time, w.eval_time_stdev)))
+        if et > 0:
+            time.sleep(et)
+        done = time.time()
+        rec.eval_step(epoch, loaded - t0, done - loaded, done - t0, nbytes)
+        t0 = time.time()
+    rec.end_eval(epoch)
+    comm.barrier()
 
 
 def _train_epoch(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorder, comm: Comm,
