@@ -308,6 +308,12 @@ def verdict(summary: dict[str, Any], au_target: float) -> str:
         if not summary.get("drop_cache"):
             parts.append("the loads may have come from the page cache that the saves "
                          "filled (use --drop-cache to measure the storage)")
+    ahead = summary.get("prefetch_batches", 0)
+    short = [r for r in summary.get("per_epoch", []) if r["steps"] - 1 <= ahead]
+    if short:
+        parts.append(f"WARNING: {short[0]['steps']} steps per epoch against {ahead} batches "
+                     "the readers fetch ahead: the measured steps are mostly served by "
+                     "reads made during the excluded first step; use more files or epochs")
     caching = summary.get("potential_caching")
     if caching:
         parts.append("WARNING: the dataset fits in this host's page cache and was not "

@@ -322,6 +322,7 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
         "potential_caching": bool(w.do_train and dataset_bytes <= mem
                                   and not (opts.drop_cache or direct)),
         "drop_cache": opts.drop_cache, "odirect": bool(direct),
+        "prefetch_batches": max(1, w.read_threads) * max(1, w.prefetch_size),
         "metric": agg["metric"], "per_epoch": agg["per_epoch"], "per_eval": agg["per_eval"],
         "checkpoints": agg["checkpoints"], "per_rank": agg["per_rank"],
         "data_folder": data_dir, "checkpoint_folder": ck_dir if w.do_checkpoint else None,
