@@ -24,7 +24,7 @@ from .conftest import MIB, mounted_tmpfs, subprocess_env
 
 CHILD = str(Path(__file__).with_name("_ckpt_child.py"))
 ELEMENTS = 2 << 20  # 8 MiB of uint32 per checkpoint: the persist takes a while
-ROUNDS = 20
+ROUNDS = 40
 
 
 def assert_state_equal(got: Any, want: Any) -> None:
