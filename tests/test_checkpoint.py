@@ -385,3 +385,43 @@ DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL
 def test_docs_examples_run(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(DOC), "exec"), {"__name__": "__doc_example__"})
+
+
+# --------------------------------------------------------------------------- load(into=True)
+def test_load_into_fills_the_callers_tensors(tmp_path: Path) -> None:
+    state = small_model_state()
+    state["extra"] = {"arr": np.arange(7.0), "scalar": np.int64(9), "strided":
+                      torch.arange(24.0).reshape(4, 6).t(), "big": torch.randn(3 << 20)}
+    ck.save(state, tmp_path / "c" / "s")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    sd = model.state_dict()
+    like = {"model": sd, "optimizer": state["optimizer"],
+            "extra": {"arr": np.zeros(7), "scalar": np.int64(0),
+                      "strided": torch.zeros(4, 6).t(), "big": torch.zeros(3 << 20)}}
+    weight = model[0].weight
+    out = ck.load(tmp_path / "c" / "s", like=like, into=True)
+    assert out["model"]["0.weight"] is sd["0.weight"]
+    assert torch.equal(weight, state["model"]["0.weight"])  # the model's own parameter
+    assert out["extra"]["arr"] is like["extra"]["arr"]
+    assert_same_state(state["extra"], out["extra"])
+    assert like["extra"]["strided"].equal(state["extra"]["strided"])
+
+
+def test_load_into_checks_before_writing(tmp_path: Path) -> None:
+    ck.save({"a": torch.ones(4), "b": torch.ones(5)}, tmp_path / "c" / "s")
+    like = {"a": torch.zeros(4), "b": torch.zeros(6)}
+    with pytest.raises(ck.StateMismatchError, match=r"/b: checkpoint has tensor float32\[5\]"):
+        ck.load(tmp_path / "c" / "s", like=like, into=True)
+    assert not like["a"].any()  # nothing was written
+    with pytest.raises(ConfigError, match="into=True"):
+        ck.load(tmp_path / "c" / "s", into=True)
+
+
+def test_load_into_detects_a_flipped_byte(tmp_path: Path) -> None:
+    path = Path(ck.save({"w": torch.arange(100_000.0)}, tmp_path / "c" / "s"))
+    with open(path / "rank00000.data", "r+b") as f:
+        f.seek(200_000)
+        f.write(b"\x01")
+    with pytest.raises(CorruptionError, match=r"rank00000\.data for array 'w'.*holds part"):
+        ck.load(path, like={"w": torch.zeros(100_000)}, into=True)

@@ -111,7 +111,7 @@ def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> Any:
 
 
 def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = None,
-         verify: bool = True, direct: bool = True) -> Any:
+         verify: bool = True, direct: bool = True, into: bool = False) -> Any:
     """Load the checkpoint at ``path`` (this rank's shard in a multi-rank run).
 
     Args:
@@ -121,6 +121,11 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
         rank: which shard to read (default: this process's rank).
         verify: check every array's checksum (xxh3, several GB/s).
         direct: read with O_DIRECT where the filesystem allows it.
+        into: copy the arrays into ``like``'s own tensors and arrays (e.g. a model's
+            ``state_dict()``, whose tensors are its parameters) instead of new ones: no
+            memory of the checkpoint's size is allocated. Shapes and dtypes are checked
+            before anything is written; a checksum mismatch found on the way leaves ``like``
+            partly overwritten (the error says so).
 
     Raises:
         CheckpointNotFoundError: no complete checkpoint at ``path``.
@@ -128,8 +133,19 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
         StateMismatchError: the state differs from ``like``; lists the keys.
     """
     path = os.fspath(path)
+    if into and like is None:
+        raise ConfigError("load(into=True) copies into like=: pass the state to fill")
     body = read_manifest(path)
     data_path, nbytes, refs, tree = _shard_refs(path, _pick_shard(body, path, rank))
+    if into:
+        from lcache.checkpoint.inplace import load_into
+
+        for ref in refs:
+            if expected_nbytes(ref, data_path) != ref.nbytes:
+                raise CorruptionError(f"{data_path} array {ref.key!r}: {ref.nbytes} bytes do "
+                                      f"not fit dtype {ref.dtype} and shape {ref.shape}")
+        return load_into(path, (data_path, nbytes, refs, tree), like, verify=verify,
+                         direct=direct)
     hasher = _ChunkHasher(refs) if verify else None
     buf = _read_checked(data_path, nbytes, hasher)
     arrays = []
@@ -202,9 +218,14 @@ def _read_checked(data_path: str, nbytes: int, hasher: _ChunkHasher | None = Non
 
 
 # --- like= ---------------------------------------------------------------------------------
+def _kind(value: Any) -> str:
+    """"torch" or "numpy" (or another module) for an array-like value."""
+    return getattr(value, "_lcache_kind", None) or type(value).__module__.split(".")[0]
+
+
 def _describe(value: Any) -> str:
     if hasattr(value, "dtype") and hasattr(value, "shape"):
-        kind = "tensor" if type(value).__module__.startswith("torch") else "array"
+        kind = "tensor" if _kind(value) == "torch" else "array"
         return f"{kind} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
     return type(value).__name__
 
@@ -231,7 +252,7 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
         for i, (g, w) in enumerate(zip(got, want, strict=False)):
             _compare(g, w, f"{key}/{i}", diffs)
     elif hasattr(want, "dtype") and hasattr(want, "shape"):
-        same_kind = type(got).__module__.split(".")[0] == type(want).__module__.split(".")[0]
+        same_kind = _kind(got) == _kind(want)
         if not (hasattr(got, "dtype") and same_kind and got.dtype == want.dtype
                 and tuple(got.shape) == tuple(want.shape)):
             diffs.append(f"{key}: checkpoint has {_describe(got)}, like= {_describe(want)}")
