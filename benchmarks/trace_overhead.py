@@ -1,20 +1,21 @@
 """What tracing costs: in-library events, /proc sampling and strace, side by side in one run.
 
-Two workloads, each timed inside a fresh process (setup excluded) under four modes:
-  base      no tracing
-  inlib     LCACHE_TRACE=path (lcache's own events)
-  sampling  lcache trace --no-lib-events (only /proc sampling, every --interval seconds)
-  syscalls  lcache trace --syscalls --no-lib-events (strace -f on every file I/O call)
-Workloads: ``samples`` reads 4 KiB samples in random order through ``lcache.data``'s
-``CachedDataset`` (the sample-cache read loop of a training job, cache warm), ``store`` reads
-4 KiB records from an lcache ``Store`` one ``get`` at a time (the bare store read path: the
-CPU-bound worst case for per-event costs, records in the page cache), ``plain`` reads 4 KiB at
-random offsets of one file with ``os.pread`` (no lcache: in-library tracing has nothing to
-record there, and the loop is ~1 us per read, the worst case for strace). Modes are
-interleaved and repeated; overheads are median(mode) / median(base) - 1.
+Three read loops (workloads):
+  samples  4 KiB samples in random order through lcache.data's CachedDataset (the sample-cache
+           read loop of a training job, cache warm, records in the page cache)
+  store    4 KiB records from an lcache Store, one get at a time (the bare store read path)
+  plain    4 KiB os.pread at random offsets of one file (no lcache; ~1 us per read, the worst
+           case for strace)
+In-library events (LCACHE_TRACE / lcache.trace.enable) are measured inside one process that
+alternates untraced and traced blocks of the same loop in a shuffled order (enable ... loop ...
+disable, the final flush timed too): on a shared, noisy machine only that resolves a few
+percent. Sampling (lcache trace --no-lib-events) and strace (lcache trace --syscalls) wrap
+whole processes, so they are measured as process-level runs, interleaved with untraced runs
+and repeated. Overheads are median(traced) / median(untraced) - 1; sampling_cpu_fraction is
+the CPU the sampler itself used, as a fraction of the run's wall time.
 
     python benchmarks/trace_overhead.py --json
-    python benchmarks/trace_overhead.py --reps 7 --reads 50000 --dir /var/tmp/trace-bench
+    python benchmarks/trace_overhead.py --reps 7 --blocks 30 --dir /var/tmp/trace-bench
 """
 
 from __future__ import annotations
@@ -28,56 +29,85 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MODES = ("base", "inlib", "sampling", "syscalls")
 KINDS = ("samples", "store", "plain")
 RECORD = 4096
 
 
-def _workload(kind: str, directory: str, reads: int, seed: int) -> None:
-    """Runs in the child: the timed loop; prints {"seconds": wall, "cpu": CPU of all threads}."""
+def _loop(kind: str, directory: str, reads: int, seed: int) -> Callable[[], None]:
+    """Set up a workload in this process; returns its timed loop."""
     rng = random.Random(seed)
+    n = int(Path(directory, "records").read_text())
     if kind == "samples":
         from lcache.data import CachedDataset
 
-        n = int(Path(directory, "records").read_text())
         ds = CachedDataset(os.path.join(directory, "source"), os.path.join(directory, "cache"),
                            n * RECORD * 4)
-        keys = [rng.randrange(n) for _ in range(reads)]
         for k in range(n):  # warm (a no-op after the first run: the cache persists)
             ds[k]
-        t0, c0 = time.perf_counter(), time.process_time()
-        for k in keys:
-            ds[k]
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        stats = ds.stats()
-        if stats.get("fetches", 0) > n:
-            raise SystemExit(f"the sample cache missed during the timed loop: {stats}")
-    elif kind == "store":
+        keys = [rng.randrange(n) for _ in range(reads)]
+
+        def run_samples() -> None:
+            for k in keys:
+                ds[k]
+        return run_samples
+    if kind == "store":
         from lcache.store import Store
 
         store = Store.open(os.path.join(directory, "store"), create=False)
-        n = int(Path(directory, "records").read_text())
         keys = [rng.randrange(n) for _ in range(reads)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        for k in keys:
-            if store.get(k) is None:
-                raise SystemExit(f"record {k} missing from the benchmark store")
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        store.close()
-    else:
-        path = os.path.join(directory, "plain.bin")
-        blocks = os.path.getsize(path) // RECORD
-        offsets = [rng.randrange(blocks) * RECORD for _ in range(reads)]
-        fd = os.open(path, os.O_RDONLY)
-        t0, c0 = time.perf_counter(), time.process_time()
+
+        def run_store() -> None:
+            for k in keys:
+                if store.get(k) is None:
+                    raise SystemExit(f"record {k} missing from the benchmark store")
+        return run_store
+    path = os.path.join(directory, "plain.bin")
+    offsets = [rng.randrange(n) * RECORD for _ in range(reads)]
+    fd = os.open(path, os.O_RDONLY)
+
+    def run_plain() -> None:
         for off in offsets:
             os.pread(fd, RECORD, off)
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        os.close(fd)
-    print(json.dumps({"seconds": seconds, "cpu": cpu}))
+    return run_plain
+
+
+def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int) -> None:
+    """Runs in the child. Without ``blocks``: time the loop once and print {"seconds", "cpu"}.
+
+    With ``blocks``: alternate untraced and traced blocks of the loop in this one process
+    (``lcache.trace.enable`` ... loop ... ``disable``, the final flush timed too), in a
+    shuffled order, and print the block times per mode. Alternating within one process is
+    what makes a few percent measurable on a shared, noisy machine.
+    """
+    run = _loop(kind, directory, reads, seed)
+    if not blocks:
+        t0, c0 = time.perf_counter(), time.process_time()
+        run()
+        print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
+        return
+    import lcache.trace
+
+    trace = os.path.join(directory, f"alternate-{kind}.trace")
+    out: dict[str, list[float]] = {"base": [], "inlib": []}
+    order = random.Random(seed)
+    for _ in range(blocks):
+        modes = ["base", "inlib"]
+        order.shuffle(modes)
+        for mode in modes:
+            if os.path.exists(trace):
+                os.unlink(trace)
+            t0 = time.perf_counter()
+            if mode == "inlib":
+                lcache.trace.enable(trace)
+            run()
+            if mode == "inlib":
+                lcache.trace.disable()
+            out[mode].append(time.perf_counter() - t0)
+    print(json.dumps(out))
 
 
 def _prepare(directory: str, records: int) -> None:
@@ -101,97 +131,126 @@ def _prepare(directory: str, records: int) -> None:
         f.write(os.urandom(records * RECORD))
 
 
+def _child(kind: str, directory: str, reads: int, seed: int,
+           blocks: int = 0) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--workload", kind, "--dir", directory,
+            "--reads", str(reads), "--seed", str(seed), "--blocks", str(blocks)]
+
+
+def _check(out: subprocess.CompletedProcess[str], what: str) -> Any:
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
          interval: float) -> tuple[float, float]:
-    me = [sys.executable, os.path.abspath(__file__), "--workload", kind, "--dir", directory,
-          "--reads", str(reads), "--seed", str(seed)]
+    """One process-level run: (seconds of the loop, CPU seconds of the sampler or 0)."""
     env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
     trace = os.path.join(directory, f"{mode}-{kind}.trace")
     if os.path.exists(trace):
         os.unlink(trace)
-    lcache = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--interval", str(interval),
-              "--no-lib-events"]
-    if mode == "inlib":
-        env["LCACHE_TRACE"] = trace
-        cmd = me
-    elif mode == "sampling":
-        cmd = [*lcache, "--", *me]
-    elif mode == "syscalls":
-        cmd = [*lcache, "--syscalls", "--", *me]
-    else:
-        cmd = me
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"{mode}/{kind} failed ({out.returncode}): {out.stderr[-2000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(got["seconds"]), float(got["cpu"])
+    cmd = _child(kind, directory, reads, seed)
+    if mode != "base":
+        extra = ["--syscalls"] if mode == "syscalls" else []
+        cmd = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--interval", str(interval),
+               "--no-lib-events", "--json", *extra, "--", *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    got = _check(out, f"{mode}/{kind}")
+    sampler_cpu = 0.0
+    if mode != "base":  # lcache trace --json reports on stderr
+        sampler_cpu = float(json.loads(out.stderr.strip().splitlines()[-1])["sampler_cpu_s"])
+    return float(got["seconds"]), sampler_cpu
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="/var/tmp/lcache-trace-bench")
     p.add_argument("--records", type=int, default=20000, help="4 KiB records in the store")
-    p.add_argument("--reads", type=int, default=100000, help="reads per timed run")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reads", type=int, default=50000, help="reads per process-level run")
+    p.add_argument("--reps", type=int, default=5, help="process-level runs per mode")
+    p.add_argument("--blocks", type=int, default=20,
+                   help="in-process blocks per mode for the in-library figure")
+    p.add_argument("--block-reads", type=int, default=5000, help="reads per block")
     p.add_argument("--interval", type=float, default=0.2, help="lcache trace --interval")
     p.add_argument("--json", action="store_true")
     p.add_argument("--workload", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.workload:
-        _workload(args.workload, args.dir, args.reads, args.seed)
+        _workload(args.workload, args.dir, args.reads, args.seed, args.blocks)
         return
     if shutil.which("strace") is None:
         raise SystemExit("strace is needed for the syscall mode: apt-get install strace")
     if os.path.exists(args.dir):
         shutil.rmtree(args.dir)
     _prepare(args.dir, args.records)
-    times: dict[str, dict[str, list[float]]] = {k: {m: [] for m in MODES} for k in KINDS}
-    cpus: dict[str, dict[str, list[float]]] = {k: {m: [] for m in MODES} for k in KINDS}
+    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    result: dict[str, Any] = {"workloads": {}}
+    for kind in ("samples", "store"):  # in-library events: alternating blocks, one process
+        blocks = _check(subprocess.run(
+            _child(kind, args.dir, args.block_reads, 0, args.blocks), env=env,
+            capture_output=True, text=True, timeout=900), f"inlib/{kind}")
+        base, inlib = _med(blocks["base"]), _med(blocks["inlib"])
+        result["workloads"][kind] = {
+            "inlib": {"block_median_s": {"base": round(base, 5), "inlib": round(inlib, 5)},
+                      "raw_s": {m: [round(x, 5) for x in v] for m, v in blocks.items()},
+                      "overhead": round(inlib / base - 1, 4),
+                      "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3)}}
+    proc_modes = ("base", "sampling", "syscalls")
+    times = {k: {m: [] for m in proc_modes} for k in KINDS}
+    sampler_cpu: list[float] = []
     for rep in range(args.reps):
         for kind in KINDS:
-            modes = list(MODES)
+            modes = list(proc_modes)
             random.Random(rep).shuffle(modes)  # interleaved, in a different order each time
             for mode in modes:
                 wall, cpu = _run(mode, kind, args.dir, args.reads, rep, args.interval)
                 times[kind][mode].append(wall)
-                cpus[kind][mode].append(cpu)
-    result: dict[str, Any] = {"workloads": {}}
+                if mode == "sampling":
+                    sampler_cpu.append(cpu / wall)
     for kind, by_mode in times.items():
-        med = {m: statistics.median(v) for m, v in by_mode.items()}
-        cpu_med = {m: statistics.median(v) for m, v in cpus[kind].items()}
-        result["workloads"][kind] = {
-            # CPU time of the traced process (all its threads, flush included) is far less
-            # sensitive to other jobs on a shared machine; it leaves out strace and the sampler.
-            "cpu_median_s": {m: round(v, 4) for m, v in cpu_med.items()},
-            "cpu_overhead": {m: round(cpu_med[m] / cpu_med["base"] - 1, 4) for m in MODES[1:]},
+        med = {m: _med(v) for m, v in by_mode.items()}
+        result["workloads"].setdefault(kind, {})["process"] = {
             "median_s": {m: round(v, 4) for m, v in med.items()},
             "raw_s": {m: [round(x, 4) for x in v] for m, v in by_mode.items()},
-            "overhead": {m: round(med[m] / med["base"] - 1, 4) for m in MODES[1:]},
+            "overhead": {m: round(med[m] / med["base"] - 1, 4) for m in proc_modes[1:]},
             "us_per_read_base": round(med["base"] / args.reads * 1e6, 2),
         }
     w = result["workloads"]
-    # Headline figures: the sample-cache read loop for in-library events (the store loop's is
-    # in "workloads"), the worst of the workloads for sampling and strace.
+    # Headline figures: in-library events on the sample-cache read loop (the bare store loop
+    # is in "workloads"); sampling and strace on the worst of the three loops.
     result.update({
-        "inlib_overhead": w["samples"]["overhead"]["inlib"],
-        "inlib_overhead_cpu": w["samples"]["cpu_overhead"]["inlib"],
-        "inlib_overhead_store": w["store"]["overhead"]["inlib"],
-        "sampling_overhead": max(w[k]["overhead"]["sampling"] for k in KINDS),
-        "syscall_overhead": max(w[k]["overhead"]["syscalls"] for k in KINDS),
+        "inlib_overhead": w["samples"]["inlib"]["overhead"],
+        "inlib_overhead_store": w["store"]["inlib"]["overhead"],
+        "sampling_overhead": max(w[k]["process"]["overhead"]["sampling"] for k in KINDS),
+        "sampling_cpu_fraction": round(_med(sampler_cpu), 5),
+        "syscall_overhead": max(w[k]["process"]["overhead"]["syscalls"] for k in KINDS),
+        "syscall_overhead_by_workload": {k: w[k]["process"]["overhead"]["syscalls"]
+                                         for k in KINDS},
         "config": {"records": args.records, "reads": args.reads, "reps": args.reps,
-                   "record_bytes": RECORD, "interval_s": args.interval,
-                   "cpus": os.cpu_count(), "note": "medians; modes interleaved; shared machine"},
+                   "blocks": args.blocks, "block_reads": args.block_reads,
+                   "record_bytes": RECORD, "interval_s": args.interval, "cpus": os.cpu_count(),
+                   "note": "medians; modes interleaved; machine shared with other jobs"},
     })
     shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     for kind, r in w.items():
-        print(f"{kind:6s} base {r['median_s']['base']:.3f} s ({r['us_per_read_base']} us/read); "
-              + ", ".join(f"{m} {o:+.1%}" for m, o in r["overhead"].items()))
+        proc = r["process"]
+        line = f"{kind:8s} base {proc['us_per_read_base']} us/read; " + ", ".join(
+            f"{m} {o:+.1%}" for m, o in proc["overhead"].items())
+        if "inlib" in r:
+            line += f", inlib {r['inlib']['overhead']:+.1%} ({r['inlib']['us_per_event']} us/event)"
+        print(line)
     print(f"inlib_overhead {result['inlib_overhead']:+.1%}, sampling_overhead "
-          f"{result['sampling_overhead']:+.1%}, syscall_overhead {result['syscall_overhead']:+.1%}")
+          f"{result['sampling_overhead']:+.1%} (sampler CPU {result['sampling_cpu_fraction']:.3%}"
+          f" of a core), syscall_overhead {result['syscall_overhead']:+.1%}")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
             os.unlink(log_path)
     writer.close()
     return {"exit_code": code if code >= 0 else 128 - code, "seconds": round(seconds, 3),
-            "samples": sampler.samples, "syscall_events": syscall_events,
+            "samples": sampler.samples, "sampler_cpu_s": round(sampler.cpu_s, 6),
+            "syscall_events": syscall_events,
             "trace": writer.path}
 
 

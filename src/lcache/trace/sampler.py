@@ -113,6 +113,7 @@ class ProcSampler:
         self.interval = interval
         self.exclude = exclude or set()
         self.samples = 0
+        self.cpu_s = 0.0
         self._seen: set[int] = set()
         self._use_children = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
         self._stop = threading.Event()
@@ -120,6 +121,7 @@ class ProcSampler:
                                         daemon=True)
 
     def sample(self) -> None:
+        cpu0 = time.thread_time()
         ts = f"{time.perf_counter_ns() / 1000:.3f}"
         lines: list[str] = []
         for pid in descendants(self.root_pid, self._use_children):
@@ -139,6 +141,7 @@ class ProcSampler:
                          f'"tid":{me},"ts":{ts},"args":{dumps(counters)}}}')
         self.writer.write_lines(lines)
         self.samples += 1
+        self.cpu_s += time.thread_time() - cpu0  # what sampling costs the machine
 
     def _run(self) -> None:
         while True:
