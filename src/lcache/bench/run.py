@@ -43,7 +43,11 @@ class Comm:
         self.rank = int(os.environ.get("RANK", "0"))
         self._dist: Any = None
         if self.world > 1:
-            import torch.distributed as dist  # only multi-rank runs need torch
+            try:
+                import torch.distributed as dist  # only multi-rank runs need torch
+            except ImportError as exc:
+                raise ConfigError("WORLD_SIZE > 1 (torchrun) needs torch for its gloo "
+                                  "barrier: pip install 'lcache[torch]'") from exc
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
