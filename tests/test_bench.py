@@ -63,6 +63,8 @@ def test_shipped_configs_load_and_cite_their_source() -> None:
     assert (unet.batch_size, unet.read_threads, unet.computation_time) == (7, 4, 0.323)
     assert unet.record_length == 146600628 and unet.au == 0.9
     assert load_workload(shipped["cosmoflow_h100"]).au == 0.7
+    resnet = load_workload(shipped["resnet50_h100"])
+    assert "reader.computation_threads has no effect on the emulated I/O" in resnet.notes
 
 
 def test_unknown_key_is_refused_naming_key_and_file(tmp_path: Path) -> None:

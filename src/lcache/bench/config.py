@@ -70,6 +70,20 @@ _NESTED = {
 }
 _TOP = set(_SCHEMA) | {"framework"}
 
+# Accepted (DLIO files carry them) but without effect on an emulation of the I/O: they tune a
+# real framework's compute or DLIO's own bookkeeping. Listed in the run's notes.
+_NO_EFFECT = {
+    ("model", "type"), ("reader", "computation_threads"), ("reader", "shuffle_size"),
+    ("reader", "pin_memory"), ("reader", "multiprocessing_context"),
+    ("reader", "data_loader_sampler"), ("reader", "dont_use_mmap"),
+    ("dataset", "record_length_resize"), ("dataset", "record_length_bytes_resize"),
+    ("dataset", "enable_chunking"), ("dataset", "chunk_size"), ("dataset", "keep_files"),
+    ("checkpoint", "checkpoint_mechanism_classname"), ("output", "log_file"),
+    ("output", "keep_files"), ("workflow", "debug"), ("storage", "storage_root"),
+    ("profiling", "profiler"), ("profiling", "iostat_devices"),
+    ("model", "parallelism.data"),
+}
+
 # Bytes per element of the DLIO datatypes (checkpoint.model_datatype/optimizer_datatype).
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8, "int8": 1, "uint8": 1, "fp8": 1}
 
@@ -227,6 +241,12 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         _apply_override(doc, item, source)
     _check_keys(doc, source)
     w = Workload(source=source)
+    for (sec_name, key) in sorted(_NO_EFFECT):
+        body = doc.get(sec_name)
+        head, _, sub = key.partition(".")
+        if isinstance(body, dict) and head in body and (
+                not sub or (isinstance(body[head], dict) and sub in body[head])):
+            w.notes.append(f"{sec_name}.{key} has no effect on the emulated I/O")
     sec = {k: (v or {}) for k, v in doc.items() if k != "framework"}
     model = sec.get("model", {})
     if isinstance(model, str):

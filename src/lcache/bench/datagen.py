@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -152,10 +151,3 @@ def list_train_files(w: Workload, data_dir: str, split: str = "train") -> list[s
             "(or `lcache bench run --generate`)")
     return [os.path.join(train, n) for n in names[:want]]
 
-
-@dataclass(frozen=True, slots=True)
-class SampleIndex:
-    """Where each sample of one file lies: ``offsets[i]``, ``sizes[i]`` bytes."""
-
-    offsets: np.ndarray
-    sizes: np.ndarray

@@ -58,6 +58,8 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     console.print(_figures_table(summary))
     if summary.get("per_epoch"):
         console.print(_epoch_table(summary))
+    for note in summary.get("notes", []):
+        console.print(f"[dim]note: {note}[/]", highlight=False)
     console.print(f"summary: {os.path.join(summary['output_folder'], 'summary.json')}",
                   highlight=False)
     met = "NOT MET" not in summary["verdict"]
