@@ -180,6 +180,23 @@ def test_generated_files_follow_dlio_layout(tmp_path: Path, fmt: str) -> None:
         assert got == 30 * 1000  # exactly the samples' bytes, found through the index
 
 
+def test_many_indexed_files_keep_few_open(tmp_path: Path) -> None:
+    """An indexed dataset of many files read by threads holds at most 64 fds per thread."""
+    from lcache.bench import reader as reader_mod
+
+    doc = small(tmp_path, dataset={"format": "indexed_binary", "num_files_train": 100,
+                                   "record_length_bytes": 512})
+    w = parse_workload(doc)
+    generate(w, str(tmp_path / "data"))
+    r = SampleReader(w, list_train_files(w, str(tmp_path / "data")))
+    try:
+        assert r.read_batch(np.arange(100)) == 100 * 512
+        assert len(r._all_fds) <= reader_mod._MAX_OPEN
+    finally:
+        r.close()
+    assert r._all_fds == []
+
+
 def test_missing_dataset_says_how_to_generate(tmp_path: Path) -> None:
     w = parse_workload(small(tmp_path))
     with pytest.raises(ConfigError, match="generate_data"):

@@ -31,6 +31,7 @@ from lcache.io.files import logical_block_size
 
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
+_MAX_OPEN = 64  # open files kept per reader thread
 
 
 def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int,
@@ -101,6 +102,8 @@ class SampleReader:
         st = self._local
         fd = st.fds.get(path)
         if fd is None:
+            if len(st.fds) >= _MAX_OPEN:  # many indexed files: close the oldest, not EMFILE
+                self._release(next(iter(st.fds)))
             fd = open_file(path, os.O_RDONLY, direct=self.direct)
             st.fds[path] = fd
             with self._lock:

@@ -377,6 +377,7 @@ def _evaluate(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorder, 
         rec.eval_step(epoch, loaded - t0, done - loaded, done - t0, nbytes)
         t0 = time.time()
     rec.end_eval(epoch)
+    reader.close()  # this epoch's reader threads are gone: their files go too
     comm.barrier()
 
 
@@ -421,3 +422,4 @@ def _train_epoch(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorde
             break
         t0 = time.time()
     rec.end_epoch(epoch)
+    reader.close()  # this epoch's reader threads are gone: their files go too
