@@ -197,6 +197,47 @@ def test_many_indexed_files_keep_few_open(tmp_path: Path) -> None:
     assert r._all_fds == []
 
 
+def test_kill_9_during_generation_leaves_whole_files_only(tmp_path: Path) -> None:
+    """kill -9 of a generating process: every file under its final name loads whole, and the
+    next run removes the dead writer's temp files and completes the dataset."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import subprocess_env
+
+    doc = small(tmp_path, dataset={"num_files_train": 400, "record_length_bytes": 256 * 1024})
+    cfg = write_yaml(tmp_path / "w.yaml", doc)
+    train = tmp_path / "data" / "train"
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_bench_gen_child.py")), str(cfg),
+         str(tmp_path / "data")], env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if train.is_dir() and len([p for p in train.iterdir() if ".tmp" not in p.name]) >= 5:
+                break
+            time.sleep(0.005)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    done = [p for p in train.iterdir() if p.name.endswith(".npz")]
+    assert 5 <= len(done) < 400
+    for p in done:  # atomic publish: no torn file under a final name
+        with np.load(p, allow_pickle=False) as z:
+            assert z["x"].shape == (1, 256 * 1024)
+    # and a temp file of a writer that is surely dead
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (train / f"img_000_of_400.npz.tmp{gone.stdout.strip()}").write_bytes(b"torn")
+    w = parse_workload(doc)
+    generate(w, str(tmp_path / "data"))
+    names = sorted(p.name for p in train.iterdir())
+    assert names == file_names(w)  # complete, and no temp file left
+
+
 def test_missing_dataset_says_how_to_generate(tmp_path: Path) -> None:
     w = parse_workload(small(tmp_path))
     with pytest.raises(ConfigError, match="generate_data"):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lcache.bench.config import DTYPE_BYTES, Workload
+from lcache.bench.datagen import sweep_stale_temps
 from lcache.errors import ConfigError
 from lcache.io import drop_page_cache, fsync_dir, open_file, pread_full, pwrite_full, sync_fd
 
@@ -174,6 +175,7 @@ class CheckpointIO:
         """Write this rank's files of checkpoint ``name``; returns the bytes written."""
         target = os.path.join(self.folder, name)
         os.makedirs(target, mode=0o700, exist_ok=True)
+        sweep_stale_temps(target)  # a rank killed mid-save left its temp files here
         buf = self._buffer()
         for f in self.files:
             path = os.path.join(target, f.name)

@@ -19,6 +19,7 @@ so its samples hold ``int(d)**2`` bytes, a little under ``record_length``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Callable
@@ -107,10 +108,34 @@ def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
     return written
 
 
+def sweep_stale_temps(folder: str) -> int:
+    """Remove ``NAME.tmpPID`` files whose writer process is gone (killed mid-write).
+
+    A live writer's temp file is left alone. Returns how many were removed.
+    """
+    removed = 0
+    for entry in os.scandir(folder):
+        head, sep, pid = entry.name.rpartition(".tmp")
+        if not sep or not head or not pid.isdigit() or not entry.is_file():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its writer still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed += 1
+    return removed
+
+
 def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: int,
                     progress: Callable[[int], None] | None) -> int:
     train = os.path.join(data_dir, split)
     os.makedirs(train, mode=0o700, exist_ok=True)
+    sweep_stale_temps(train)
     written = 0
     first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
     for i, name in enumerate(file_names(w, split)):
