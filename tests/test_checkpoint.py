@@ -232,6 +232,8 @@ def test_damaged_manifest_and_truncated_data(tmp_path: Path) -> None:
     os.truncate(path / "rank00000.data", 4096)
     with pytest.raises(CorruptionError, match=r"rank00000\.data is 4096 bytes.*truncated"):
         ck.load(path)
+    (problem,) = ck.verify(path).problems
+    assert "rank00000.data is 4096 bytes" in problem and "truncated" in problem
     listed, damaged = ck.list_checkpoints(tmp_path / "c")
     assert [c.name for c in listed] == ["s"] and damaged == []
 

@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -100,6 +101,30 @@ class _Target:
             np.copyto(self.dest, self.stage)
 
 
+class _HashOnly:
+    """A checksum of one array, for ``verify``: nothing is copied anywhere."""
+
+    address = 0
+
+    def __init__(self, ref: ArrayRef) -> None:
+        self.ref = ref
+        self.hash = xxhash.xxh3_64()
+        self.digest = self.hash.hexdigest()  # what an empty array's checksum is
+
+    def finish(self, data_path: str, verify: bool) -> None:
+        self.digest = self.hash.hexdigest()
+
+
+def stream_checksums(data_path: str, nbytes: int, refs: list[ArrayRef], *, direct: bool = True,
+                     queue_depth: int = 8, progress: Callable[[int], None] | None = None
+                     ) -> list[str]:
+    """The xxh3-64 of every array of a data file, read once through the ring (memory use
+    does not grow with the checkpoint). ``progress(nbytes)`` is called per chunk read."""
+    hashers = [_HashOnly(r) for r in refs]
+    _stream(data_path, nbytes, hashers, True, direct, queue_depth, progress)
+    return [h.digest for h in hashers]
+
+
 def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like: Any, *,
               verify: bool = True, direct: bool = True, queue_depth: int = 8) -> Any:
     """Copy the shard's arrays into the matching objects of ``like``; returns the state (the
@@ -126,27 +151,28 @@ def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like:
     return decode_tree(tree, [t.result for t in targets], where)
 
 
-def _stream(data_path: str, nbytes: int, targets: list[_Target], verify: bool, direct: bool,
-            queue_depth: int) -> None:
+def _stream(data_path: str, nbytes: int, targets: list[Any], verify: bool, direct: bool,
+            queue_depth: int, progress: Callable[[int], None] | None = None) -> None:
     order = sorted((t for t in targets if t.ref.nbytes), key=lambda t: t.ref.offset)
     slots = queue_depth + 2  # reads in flight, plus the chunk being copied, plus one spare
     shared = _RING_LOCK.acquire(blocking=False)
     try:
         if not shared:  # another thread is loading: a ring of its own for this one
             _stream_with(mmap.mmap(-1, slots * CHUNK), data_path, nbytes, order, verify,
-                         direct, queue_depth)
+                         direct, queue_depth, progress)
             return
         if len(_RING) < slots * CHUNK:
             _RING.clear()
             _RING.append(mmap.mmap(-1, slots * CHUNK))
-        _stream_with(_RING[0], data_path, nbytes, order, verify, direct, queue_depth)
+        _stream_with(_RING[0], data_path, nbytes, order, verify, direct, queue_depth, progress)
     finally:
         if shared:
             _RING_LOCK.release()
 
 
-def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[_Target],
-                 verify: bool, direct: bool, queue_depth: int) -> None:
+def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[Any],
+                 verify: bool, direct: bool, queue_depth: int,
+                 progress: Callable[[int], None] | None = None) -> None:
     """Read the file in order, ``queue_depth`` chunks in flight, into a ring of chunk
     buffers; copy each chunk out as soon as it and every chunk before it are in."""
     slots = len(ring) // CHUNK
@@ -187,9 +213,12 @@ def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[_Targ
                     src = slot * CHUNK + lo - start
                     if verify:
                         t.hash.update(view[src : src + hi - lo])
-                    ctypes.memmove(t.address + lo - ref.offset, base + src, hi - lo)
+                    if t.address:
+                        ctypes.memmove(t.address + lo - ref.offset, base + src, hi - lo)
                     if hi == ref.offset + ref.nbytes:
                         t.finish(data_path, verify)
+                if progress is not None:
+                    progress(end - start)
                 if next_off < nbytes:  # this chunk's slot is free again
                     submit()
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,11 +309,19 @@ class VerifyReport:
                 "data_bytes": self.data_bytes, "problems": self.problems}
 
 
-def verify(path: str | os.PathLike[str]) -> VerifyReport:
+def verify(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None
+           ) -> VerifyReport:
     """Read every shard of the checkpoint at ``path`` and check every checksum.
 
+    Reads stream through a fixed set of buffers, so a checkpoint of any size can be checked.
     Never raises for damage: every problem found is listed in the report.
+
+    Args:
+        path: the checkpoint directory.
+        progress: called with the bytes of each chunk read (e.g. a progress bar's advance).
     """
+    from lcache.checkpoint.inplace import stream_checksums
+
     path = os.fspath(path)
     report = VerifyReport(path)
     try:
@@ -325,9 +334,13 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
             data_path, nbytes, refs, tree = _shard_refs(path, shard)
             report.arrays += len(refs)
             report.data_bytes += nbytes
-            buf = _read_checked(data_path, nbytes)
-            for ref in refs:
-                if checksum(buf[ref.offset : ref.offset + ref.nbytes]) != ref.xxh3:
+            size = os.path.getsize(data_path) if os.path.isfile(data_path) else -1
+            if size < nbytes:
+                raise CorruptionError(f"data file {data_path} is {max(size, 0)} bytes, the "
+                                      f"manifest says {nbytes}: it is missing or truncated")
+            sums = stream_checksums(data_path, nbytes, refs, progress=progress)
+            for ref, got in zip(refs, sums, strict=True):
+                if got != ref.xxh3:
                     report.problems.append(f"checksum mismatch in {data_path} for array "
                                            f"{ref.key!r} ({ref.nbytes} bytes at {ref.offset})")
                     continue

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
 console = Console()
@@ -76,9 +77,12 @@ def verify_cmd(directory: str, as_json: bool) -> None:
         if not paths:
             paths = [directory]  # reports "no complete checkpoint"
     reports: list[dict[str, Any]] = []
-    with console.status("verifying...", spinner="dots") if not as_json else _Null():
+    total = sum(_data_bytes(p) for p in paths)
+    with Progress(*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(),
+                  console=console, disable=as_json, transient=True) as bar:
+        task = bar.add_task("verifying", total=total)
         for path in paths:
-            reports.append(verify(path).to_dict())
+            reports.append(verify(path, progress=lambda n: bar.advance(task, n)).to_dict())
     ok = all(r["ok"] for r in reports)
     if as_json:
         click.echo(json.dumps({"ok": ok, "checkpoints": reports}, indent=2, sort_keys=True))
@@ -92,9 +96,12 @@ def verify_cmd(directory: str, as_json: bool) -> None:
     sys.exit(0 if ok else 2)
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
+def _data_bytes(path: str) -> int:
+    """Bytes the checkpoint's data files hold, per its manifest (0 when unreadable)."""
+    from lcache.checkpoint import read_manifest
+    from lcache.errors import LCacheError
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    try:
+        return sum(int(s["data_bytes"]) for s in read_manifest(path)["shards"])
+    except (LCacheError, OSError, KeyError, TypeError, ValueError):
+        return 0
