@@ -86,18 +86,24 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     table = Table(title=f"I/O by class ({summary['trace']['io_events']:,} events, "
                         f"{summary['trace']['span_s']:.2f} s)")
-    cols = ("ops", "read MiB", "write MiB", "size p50", "size p99", "seq", "MB/s mean",
-            "MB/s peak", "lat p50 us", "lat p99 us")
-    table.add_column("class")
-    for c in cols:
+    table.add_column("class", no_wrap=True)
+    for c in ("ops", "read MiB", "write MiB", "size p50/p99", "seq", "MB/s mean/peak",
+              "lat p50/p99 us"):
         table.add_column(c, justify="right")
-    rows = [*summary["classes"].items(), ("total", summary["total"])]
-    for name, c in rows:
+
+    def size(n: int) -> str:
+        for unit in ("B", "K", "M", "G"):
+            if n < 1024:
+                return f"{n:g}{unit}"
+            n //= 1024
+        return f"{n}T"
+
+    for name, c in [*summary["classes"].items(), ("total", summary["total"])]:
         table.add_row(name, f"{c['ops']:,}", f"{c['read_bytes'] / 2**20:,.1f}",
-                      f"{c['write_bytes'] / 2**20:,.1f}", f"{c['size_p50']:,}",
-                      f"{c['size_p99']:,}", f"{c['seq_fraction']:.3f}",
-                      f"{c['MBps_mean']:,.1f}", f"{c['MBps_peak']:,.1f}",
-                      f"{c['lat_p50_us']:,.1f}", f"{c['lat_p99_us']:,.1f}")
+                      f"{c['write_bytes'] / 2**20:,.1f}",
+                      f"{size(c['size_p50'])}/{size(c['size_p99'])}", f"{c['seq_fraction']:.2f}",
+                      f"{c['MBps_mean']:,.0f}/{c['MBps_peak']:,.0f}",
+                      f"{c['lat_p50_us']:,.0f}/{c['lat_p99_us']:,.0f}")
     Console().print(table)
     for dev, d in summary["devices"].items():
         if d["read_bytes"] or d["write_bytes"]:
