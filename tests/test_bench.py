@@ -441,6 +441,21 @@ def test_from_model_plan_keeps_each_class_bandwidth() -> None:
     assert capped.classes["optimizer-offload"]["capped"]
 
 
+def test_run_adds_the_models_offload_traffic(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "w.yaml", small(tmp_path, train={"epochs": 1}))
+    res = CliRunner().invoke(cli, ["bench", "run", str(path), "--json",
+                                   "--offload-from", "bert-large", "--model-set", "gpus=8",
+                                   "--model-set", "optimizer_offload=true",
+                                   "--max-step-bytes", "1MiB"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    opt = doc["offload"]["classes"]["optimizer-offload"]
+    assert opt["capped"] and opt["emulated_bytes_per_step_per_node"] == 2**20
+    assert doc["verdict"].startswith("NOT MET: optimizer-offload capped")
+    files = list((tmp_path / "ckpt").glob("offload-offload-0-rank0.bin"))
+    assert files and files[0].stat().st_size == 2**19  # the read half laid out, then rewritten
+
+
 def test_from_model_runs_on_real_storage(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, [
         "bench", "from-model", "bert-large", "--duration", "0.3", "--steps", "3",

@@ -100,6 +100,35 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
     return Plan(w, io, prediction, scale, steps, classes)
 
 
+def offload_step_io(prediction: dict[str, Any], step_s: float, world: int = 1,
+                    max_step_bytes: int = 1 << 30) -> tuple[list[StepIO], dict[str, Any]]:
+    """The optimizer/activation offload of ``prediction`` for steps of ``step_s`` seconds.
+
+    For ``lcache bench run --offload-from``: each class moves its per-node bytes per model step
+    scaled by ``step_s / step_time_s`` (so its bandwidth is the model's), split over ``world``
+    ranks, capped at ``max_step_bytes`` per step and node.
+    """
+    if step_s <= 0:
+        raise ConfigError("offload traffic needs train.computation_time > 0 to scale against")
+    scale = step_s / float(prediction["step_time_s"])
+    io: list[StepIO] = []
+    info: dict[str, Any] = {"scale": scale, "classes": {}}
+    for cls in ("optimizer-offload", "activation-offload"):
+        c = prediction["classes"].get(cls)
+        if not c or not c.get("enabled", True) or not c.get("bytes_per_step"):
+            continue
+        want = float(c["per_node"]["bytes_per_step"]) * scale
+        moved = min(want, float(max_step_bytes))
+        read_frac = float(c.get("read_bytes_per_step", 0.0)) / float(c["bytes_per_step"])
+        io.append(StepIO("offload", int(moved * (1 - read_frac) / world),
+                         int(moved * read_frac / world)))
+        info["classes"][cls] = {
+            "required_MBps_per_node": float(c["per_node"]["bytes_per_step"])
+            / float(prediction["step_time_s"]) / 1e6,
+            "emulated_bytes_per_step_per_node": moved, "capped": want > max_step_bytes}
+    return io, info
+
+
 def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: str,
                    output: str, max_step_bytes: int = 1 << 30, restart: bool = False,
                    show_progress: bool = True, trace: bool = False,

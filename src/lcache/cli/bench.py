@@ -92,11 +92,19 @@ def bench() -> None:
 @click.option("--trace", is_flag=True,
               help="Record the run's I/O with lcache's tracer and write report.html beside "
                    "summary.json.")
+@click.option("--offload-from", "offload_preset", default=None, metavar="PRESET",
+              help="Add the optimizer/activation offload traffic `lcache model PRESET` "
+                   "predicts, scaled to this workload's computation_time.")
+@click.option("--model-set", "model_settings", multiple=True, metavar="KEY=VALUE",
+              help="lcache model setting for --offload-from, e.g. optimizer_offload=true.")
+@click.option("--max-step-bytes", default="1GiB", show_default=True,
+              help="Cap on one offload class's bytes per step per node.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_cmd(config: str, data_dir: str | None, output: str | None,
             checkpoint_dir: str | None, generate: bool | None, drop_cache: bool,
             odirect: bool | None, overrides: tuple[str, ...], trace: bool,
-            as_json: bool) -> None:
+            offload_preset: str | None, model_settings: tuple[str, ...],
+            max_step_bytes: str, as_json: bool) -> None:
     """Run CONFIG (a DLIO workload YAML file, or a shipped name such as unet3d_h100).
 
     Under torchrun (`torchrun --nproc_per_node N -m lcache bench run ...`) each process is
@@ -108,7 +116,27 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
     opts = BenchOptions(data_dir=data_dir, output=output, checkpoint_dir=checkpoint_dir,
                         generate=generate, drop_cache=drop_cache, direct=odirect, trace=trace,
                         show_progress=not as_json)
-    _print(run_workload(w, opts), as_json)
+    offload: dict[str, Any] | None = None
+    if offload_preset:
+        from lcache.bench.from_model import offload_step_io
+        from lcache.model import config_from_preset, predict
+        from lcache.store import parse_size
+
+        pred = predict(config_from_preset(offload_preset,
+                                          **_parse_settings(model_settings))).to_dict()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        opts.step_io, offload = offload_step_io(pred, w.computation_time, world,
+                                                parse_size(max_step_bytes))
+        offload["preset"] = offload_preset
+    summary = run_workload(w, opts)
+    if offload is not None and "metric" in summary:
+        summary["offload"] = offload
+        capped = [c for c, v in offload["classes"].items() if v["capped"]]
+        if capped:
+            summary["verdict"] = (f"NOT MET: {', '.join(capped)} capped at "
+                                  f"{max_step_bytes} per step, below what the model asks; "
+                                  + summary["verdict"])
+    _print(summary, as_json)
 
 
 def _parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
