@@ -34,6 +34,8 @@ def test_exit_codes_like_a_shell(tmp_path: Path) -> None:
     script = tmp_path / "not-executable.sh"
     script.write_text("echo hi\n")
     assert _trace(t, str(script)).returncode == 126
+    bad = _trace(Path("/proc/no-such-dir/t.trace"), "true")
+    assert bad.returncode == 2 and "cannot write the trace" in bad.stderr
 
 
 def test_known_answer(tmp_path: Path) -> None:

@@ -51,10 +51,16 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         fd, log_path = tempfile.mkstemp(prefix="lcache-strace-", suffix=".log")
         os.close(fd)
         argv = strace_mod.strace_command(log_path, argv, strace)
-    if os.path.exists(output):
-        os.unlink(output)  # a trace of this run only, not appended to an older one
-    writer = TraceWriter(output)
-    writer.write_lines(process_metadata(os.getpid(), "lcache trace " + " ".join(command)))
+    try:
+        if os.path.lexists(output):
+            os.unlink(output)  # a trace of this run only, not appended to an older one
+        writer = TraceWriter(output)
+        writer.write_lines(process_metadata(os.getpid(), "lcache trace " + " ".join(command)))
+    except OSError as exc:  # before the command runs: nothing of it is lost
+        if log_path:
+            os.unlink(log_path)
+        return {"exit_code": 2, "error": f"cannot write the trace {output}: {exc.strerror}; "
+                "give -o a path in a writable directory"}
     env = dict(os.environ)
     if lib_events:
         env[ENV] = writer.path  # Python commands that import lcache record their own events
