@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -601,17 +600,18 @@ def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:
     problems = []
     for trial in range(30):
         claims = FetchClaims(str(tmp_path / f"claims{trial}"))
-        start = threading.Barrier(8)
+        start, tried = threading.Barrier(8), threading.Barrier(8)
         granted: list[bool] = []
         errors: list[str] = []
 
         def claim(claims: FetchClaims = claims, start: threading.Barrier = start,
-                  granted: list[bool] = granted, errors: list[str] = errors) -> None:
+                  tried: threading.Barrier = tried, granted: list[bool] = granted,
+                  errors: list[str] = errors) -> None:
             start.wait()
             try:
                 with claims.hold(7, blocking=False) as ok:
                     granted.append(ok)
-                    time.sleep(0.01)
+                    tried.wait(timeout=60)  # the holder keeps its claim until all have tried
             except Exception as exc:
                 errors.append(repr(exc))
 
