@@ -6,13 +6,12 @@ global load and one ``is None`` test. The tracing issue installs a recorder here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
-@dataclass(frozen=True, slots=True)
-class IOEvent:
-    """One completed I/O operation.
+class IOEvent(NamedTuple):
+    """One completed I/O operation (a named tuple: built for every traced operation, and a
+    frozen dataclass costs 1.3 us to build against 0.4 us).
 
     Attributes:
         op: ``"read"``, ``"write"``, ``"fsync"``, ``"fdatasync"``, ``"open"`` or ``"unlink"``.
