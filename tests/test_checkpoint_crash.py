@@ -131,3 +131,31 @@ def test_disk_full_fails_that_checkpoint_and_keeps_the_previous(tmp_path: Path) 
         saver.save({"w": np.zeros(3 * MIB // 8), "step": 3}, root / "step-3")
         assert [c.name for c in ck.list_checkpoints(root)[0]] == ["step-1", "step-3"]
         saver.close()
+
+
+HOLDER = """
+import sys, time
+from lcache.checkpoint import dirs
+stage, fd = dirs.open_staging(sys.argv[1], "live")
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_clean_up_never_removes_a_save_in_progress(tmp_path: Path) -> None:
+    """Another process's staging directory survives our saves while that process lives (it
+    holds a flock), and goes with the first save after it is killed."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=subprocess_env(),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc, time.monotonic() + 30) == "holding"
+        ck.save({"a": 1}, root / "one")
+        assert ck.leftovers(str(root)) == [str(root / ".lcache-partial-live")]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    ck.save({"a": 2}, root / "two")
+    assert ck.leftovers(str(root)) == []
+    assert [c.name for c in ck.list_checkpoints(root)[0]] == ["one", "two"]
