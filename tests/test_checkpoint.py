@@ -164,6 +164,17 @@ def test_unsupported_values_are_named(tmp_path: Path) -> None:
     assert ck.leftovers(tmp_path / "c") == []  # a refused save leaves nothing behind
 
 
+def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "theirs"
+    root.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    os.chown(root, 65534, 65534)
+    with pytest.raises(PermissionError, match=r"belongs to uid 65534, not to you"):
+        ck.save({"a": 1}, root / "s")
+    assert os.listdir(root) == []
+
+
 def test_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
     ck.save({"a": 1}, tmp_path / "c" / "s")
     with pytest.raises(ck.CheckpointExistsError, match="already exists"):

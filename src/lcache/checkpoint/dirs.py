@@ -65,9 +65,10 @@ def ensure_root(root: str) -> None:
     """Create ``root`` owner-only if needed; refuse one that belongs to another user."""
     os.makedirs(root, mode=0o700, exist_ok=True)
     st = os.stat(root)
-    if hasattr(os, "getuid") and st.st_uid != os.getuid() and os.getuid() != 0:
+    if st.st_uid != os.geteuid():
         raise StorePermissionError(f"checkpoint directory {root} belongs to uid {st.st_uid}, "
-                                   "not you; choose a directory of your own")
+                                   f"not to you (uid {os.geteuid()}); checkpoint directories "
+                                   "are never shared between users: choose another directory")
 
 
 def is_complete(path: str) -> bool:
