@@ -166,10 +166,7 @@ def test_reads_on_a_reused_fd_get_the_new_path(tmp_path: Path) -> None:
         fd = open_file(str(a), os.O_RDONLY)
         pread_full(fd, 0, buf, "cache-read")
         os.close(fd)
-        import time
-
-        time.sleep(0.11)  # reads re-check the fd's inode once it is 100 ms old (docs/trace.md)
-        fd2 = open_file(str(b), os.O_RDONLY)
+        fd2 = open_file(str(b), os.O_RDONLY)  # at once, most likely on the same fd number
         pread_full(fd2, 0, buf, "cache-read")
         os.close(fd2)
     finally:

@@ -33,7 +33,6 @@ from lcache.trace.writer import (
 )
 
 FLUSH_INTERVAL_S = 0.5
-VALIDATE_NS = 100_000_000  # reads re-check their fd's inode at most this often (__call__)
 ENV = "LCACHE_TRACE"
 ENV_FLUSH = "LCACHE_TRACE_FLUSH_S"  # seconds between background flushes (tests set it high)
 
@@ -77,15 +76,11 @@ class Recorder:
         return buf.events
 
     def __call__(self, event: IOEvent) -> None:
-        fd = event.fd
-        known = self._paths.get(fd)
-        # Why not fstat every event: it costs ~1 us, about 10% of a 4 KiB page-cache read
-        # through the store (which spreads reads over hundreds of segment fds). A read within
-        # VALIDATE_NS of the last check of the same fd is taken to be on the same file; other
-        # ops and older entries are checked against the inode, because fds are reused after
-        # close (a new checkpoint file or segment often gets the number the previous one had).
-        if known is None or event.op != "read" or event.start_ns - known[3] > VALIDATE_NS:
-            known = self._check_fd(fd, known, event.start_ns)
+        # Why fstat every event (~1 us): fd numbers are reused after close (a new checkpoint
+        # file or segment often gets the number the previous one had), so a remembered path
+        # may name another file; re-checking only now and then put dataset reads under a
+        # checkpoint's name.
+        known = self._check_fd(event.fd, self._paths.get(event.fd), event.start_ns)
         try:
             events = self._local.events
         except AttributeError:
