@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-cache clean
+.PHONY: demo test lint system-deps bench bench-cache bench-ckpt bench-trace bench-dlio clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint
+# The tests need strace (lcache trace --syscalls) and headless Chromium (the report opens in it).
+system-deps:
+	@command -v chromium >/dev/null && command -v strace >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium strace >/dev/null)
+
+test: lint system-deps
 	$(BIN)/python -m pytest -q --durations=10
 
 bench: $(STAMP)
@@ -31,6 +36,19 @@ bench: $(STAMP)
 # Sample cache vs mosaicml-streaming, litdata, fsspec filecache (peers in their own venv).
 bench-cache: $(STAMP)
 	$(BIN)/python benchmarks/cache_bench.py --json
+
+# Checkpoints: lcache async_save vs torch.save vs DCP async_save, with fio's limits (root).
+bench-ckpt: $(STAMP)
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio)
+	$(BIN)/python benchmarks/ckpt_bench.py --json
+
+# What tracing costs: in-library events, /proc sampling, strace.
+bench-trace: $(STAMP) system-deps
+	$(BIN)/python benchmarks/trace_overhead.py --json
+
+# lcache bench against DLIO 2.0.0 itself (DLIO and OpenMPI in their own venv).
+bench-dlio: $(STAMP)
+	$(BIN)/python benchmarks/dlio_compare.py --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
