@@ -13,6 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lcache import __version__
+from lcache.cli.bench import bench
+from lcache.cli.ckpt import ckpt
+from lcache.cli.model import model_cmd
+from lcache.cli.trace import report_cmd, trace_cmd
 from lcache.errors import LCacheError
 from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
@@ -228,19 +232,6 @@ def main() -> None:
     cli(prog_name="lcache")
 
 
-from lcache.cli.model import model_cmd  # noqa: E402 (subcommands register after the group)
-
-cli.add_command(model_cmd)
-
-from lcache.cli.ckpt import ckpt  # noqa: E402
-
-cli.add_command(ckpt)
-
-from lcache.cli.trace import report_cmd, trace_cmd  # noqa: E402
-
-cli.add_command(trace_cmd)
-cli.add_command(report_cmd)
-
-from lcache.cli.bench import bench  # noqa: E402
-
-cli.add_command(bench)
+# The subcommands that live in their own modules.
+for _command in (model_cmd, ckpt, trace_cmd, report_cmd, bench):
+    cli.add_command(_command)
