@@ -216,9 +216,9 @@ def configs_cmd(as_json: bool) -> None:
         _emit_json(rows)
         return
     table = Table(title="shipped DLIO workloads (lcache bench run NAME)")
-    for col in ("name", "model", "format", "train", "checkpoint", "computation_time",
-                "batch_size", "au"):
-        table.add_column(col)
+    # short headers, so the names are not cut on an 80-column terminal
+    for col in ("name", "model", "format", "train", "ckpt", "compute s", "batch", "AU"):
+        table.add_column(col, no_wrap=col == "name")
     for r in rows:
         table.add_row(*(str(r[c]) for c in ("name", "model", "format", "train", "checkpoint",
                                              "computation_time", "batch_size", "au")))
