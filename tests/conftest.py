@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,33 @@ def subprocess_env() -> dict[str, str]:
 def python() -> str:
     return sys.executable
 
+
+
+def run_torchrun(args: list[str], timeout: float, nproc: int = 2,
+                 hint: str = "") -> tuple[str, str]:
+    """``torchrun --standalone --nproc_per_node NPROC ARGS`` with gloo on loopback; returns
+    (stdout, stderr), and fails the test on a timeout or a non-zero exit.
+
+    A session of its own, so a timeout kills the ranks too, not only torchrun.
+    """
+    path = Path(sys.executable).parent / "torchrun"
+    if not path.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = subprocess_env()
+    env.update(OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc = subprocess.Popen([str(path), "--standalone", "--nproc_per_node", str(nproc), *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun ran over {timeout} s{hint}:\n{out[-3000:]}\n{err[-8000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-6000:]
+    return out, err
 
 @pytest.fixture
 def store_dir(tmp_path: Path) -> Path:

@@ -5,10 +5,6 @@ rank 0's summary aggregates both as DLIO does."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +13,9 @@ import yaml
 from lcache.bench import parse_workload
 from lcache.bench.reader import epoch_order
 
-from .conftest import subprocess_env
+from .conftest import run_torchrun
 
 TIMEOUT = 150
-
-
-def torchrun() -> str:
-    path = Path(sys.executable).parent / "torchrun"
-    if not path.exists():
-        pytest.skip("torchrun is not installed next to this interpreter")
-    return str(path)
 
 
 def data_reads(trace: Path) -> int:
@@ -60,21 +49,8 @@ def test_two_ranks_split_data_and_checkpoint(tmp_path: Path) -> None:
     }
     cfg = tmp_path / "w.yaml"
     cfg.write_text(yaml.safe_dump(doc))
-    env = subprocess_env()
-    env.update(OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [torchrun(), "--standalone", "--nproc_per_node", "2", "-m", "lcache", "bench", "run",
-           str(cfg), "--json", "--trace"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun ran over {TIMEOUT} s:\n{stdout[-2000:]}\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    stdout, _ = run_torchrun(["-m", "lcache", "bench", "run", str(cfg), "--json", "--trace"],
+                             TIMEOUT)
     summary = json.loads(stdout)  # only rank 0 prints
     assert summary["num_accelerators"] == 2 and len(summary["per_rank"]) == 2
     # 16 samples, batch 2, 2 ranks: 4 steps each; a checkpoint after steps 2 and 4

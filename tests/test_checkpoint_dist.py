@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,37 +13,17 @@ import pytest
 from lcache import checkpoint as ck
 from lcache.errors import ConfigError
 
-from .conftest import subprocess_env
+from .conftest import run_torchrun
 
 torch = pytest.importorskip("torch")
 SCRIPT = str(Path(__file__).with_name("_ckpt_torchrun.py"))
 TIMEOUT_S = 120
 
 
-def torchrun() -> str:
-    path = Path(sys.executable).parent / "torchrun"
-    if not path.exists():
-        pytest.skip("torchrun is not installed next to this interpreter")
-    return str(path)
-
-
 @pytest.mark.slow
 def test_two_ranks_save_and_load(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
-    env = subprocess_env()
-    env.update(OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    proc = subprocess.Popen([torchrun(), "--standalone", "--nproc_per_node", "2", SCRIPT,
-                             str(root)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun ran over {TIMEOUT_S} s:\n{out[-2000:]}\n{err[-6000:]}")
-    assert proc.returncode == 0, err[-6000:]
+    run_torchrun([SCRIPT, str(root)], TIMEOUT_S)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rep in reports:
         assert rep["world"] == 2

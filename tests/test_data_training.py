@@ -13,9 +13,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -37,7 +34,7 @@ from lcache.data.shared import FetchClaims, SharedCounters  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402
 
 from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
-from .conftest import KIB, MIB, subprocess_env  # noqa: E402
+from .conftest import KIB, MIB, run_torchrun  # noqa: E402
 
 HEADER = 32  # record header bytes the cache adds to every sample
 
@@ -270,13 +267,6 @@ def test_no_sample_fetched_twice_per_epoch(tmp_path: Path, n: int, size: int,
 TORCHRUN_TIMEOUT = 120
 
 
-def torchrun() -> str:
-    path = Path(sys.executable).parent / "torchrun"
-    if not path.exists():
-        pytest.skip("torchrun is not installed next to this interpreter")
-    return str(path)
-
-
 def split_by_marks(log: list[str], epochs: int) -> list[Counter]:  # type: ignore[type-arg]
     """The server's requests per epoch, between the ranks' ``/_mark/...`` requests."""
     marks = {f"/_mark/{m}": i for i, m in enumerate(["start", *(f"end{e}" for e in
@@ -305,29 +295,16 @@ def test_torchrun_two_ranks_share_one_cache(tmp_path: Path, n: int, drop_last: b
     out = tmp_path / "out"
     out.mkdir()
     epochs, seed, world = 3, 5, 2
-    env = subprocess_env()
-    env.update(OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with ThrottledServer(str(root), latency=0.002) as server:
         server.paths = PathLog()
-        cmd = [torchrun(), "--standalone", "--nproc_per_node", str(world),
-               str(Path(__file__).with_name("_torchrun_cache.py")), server.url,
-               str(tmp_path / "cache"), str(out), "--samples", str(n), "--size", str(SIZE),
-               "--capacity", str(5 * MIB), "--epochs", str(epochs), "--seed", str(seed),
-               "--num-workers", "1", "--watchdog", str(TORCHRUN_TIMEOUT - 20),
-               *(["--drop-last"] if drop_last else [])]
-        # A session of its own, so a timeout kills the ranks too, not only torchrun.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"torchrun ran over {TORCHRUN_TIMEOUT} s (the ranks dump their stacks "
-                        f"at {TORCHRUN_TIMEOUT - 20} s):\n{stdout[-3000:]}\n{stderr[-8000:]}")
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+        run_torchrun(
+            [str(Path(__file__).with_name("_torchrun_cache.py")), server.url,
+             str(tmp_path / "cache"), str(out), "--samples", str(n), "--size", str(SIZE),
+             "--capacity", str(5 * MIB), "--epochs", str(epochs), "--seed", str(seed),
+             "--num-workers", "1", "--watchdog", str(TORCHRUN_TIMEOUT - 20),
+             *(["--drop-last"] if drop_last else [])],
+            TORCHRUN_TIMEOUT, nproc=world,
+            hint=f" (the ranks dump their stacks at {TORCHRUN_TIMEOUT - 20} s)")
         log = list(server.paths.log)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     per_epoch = split_by_marks(log, epochs)
