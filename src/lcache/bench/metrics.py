@@ -22,12 +22,13 @@ the minimum of the ranks' rates, not their sum. ``GB`` in DLIO's key names is Gi
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from lcache.io import atomic_write
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -157,12 +158,7 @@ class RankRecorder:
 
 def write_json_atomic(path: str, doc: Any) -> None:
     """Publish ``doc`` as JSON at ``path``: temp file, fsync, rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, default=_jsonable)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(doc, indent=2, default=_jsonable).encode(), mode=0o644)
 
 
 def _jsonable(x: Any) -> Any:

@@ -21,9 +21,9 @@ from typing import Any
 
 from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
 from lcache.checkpoint.format import MANIFEST, parse_manifest
-from lcache.checkpoint.persist import read_small_file, write_file_atomic
+from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.errors import CorruptionError, LCacheError, StorePermissionError
-from lcache.io import fsync_dir
+from lcache.io import atomic_write, fsync_dir
 
 PARTIAL = ".lcache-partial-"
 TRASH = ".lcache-trash-"
@@ -144,8 +144,7 @@ def publish(stage: str, root: str, name: str, manifest: bytes, expected: set[str
     for entry in os.listdir(stage):  # stale files of an earlier, interrupted save
         if entry not in expected:
             os.unlink(os.path.join(stage, entry))
-    write_file_atomic(os.path.join(stage, MANIFEST), manifest)
-    fsync_dir(stage)
+    atomic_write(os.path.join(stage, MANIFEST), manifest, io_class=IO_CLASS)  # dir synced too
     final = os.path.join(root, name)
     if is_complete(final):
         raise CheckpointExistsError(f"a checkpoint named {name!r} appeared in {root} while "

@@ -8,7 +8,6 @@ job's useful pages. Every operation carries ``io_class="checkpoint"`` for the tr
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
@@ -89,23 +88,6 @@ def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
 def _checksums(data: memoryview, arrays: list[ArrayRef]) -> None:
     for ref in arrays:
         ref.xxh3 = checksum(data[ref.offset : ref.offset + ref.nbytes])
-
-
-def write_file_atomic(path: str, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` via a temp file beside it, fsync, ``os.replace``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        try:
-            pwrite_full(fd, 0, [payload], IO_CLASS)
-            sync_fd(fd, data_only=False, io_class=IO_CLASS)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_small_file(path: str, limit: int = 1 << 30) -> bytes:

@@ -27,8 +27,8 @@ import xxhash
 from lcache.data.shared import FetchClaims, SharedCounters
 from lcache.data.sources import Source, as_source
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
+from lcache.io.publish import atomic_write
 from lcache.store import Store, format_size, parse_size
-from lcache.store.layout import atomic_write
 from lcache.store.record import HEADER_SIZE
 
 log = logging.getLogger("lcache")
@@ -176,7 +176,7 @@ class SampleCache:
             # A fresh id per cache, so a recreated directory never meets the staging area
             # (in /dev/shm) of the one it replaced.
             stored = {**identity, "id": os.urandom(8).hex()}
-            atomic_write(path, json.dumps(stored, indent=1).encode())
+            atomic_write(path, json.dumps(stored, indent=1).encode(), io_class="cache-meta")
         except ValueError:
             stored = {}
         self.cache_id = str(stored.get("id", ""))

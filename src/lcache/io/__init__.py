@@ -10,6 +10,7 @@ from lcache.io.engine import (
     sync_fd,
 )
 from lcache.io.files import drop_page_cache, fsync_dir, logical_block_size, open_file
+from lcache.io.publish import atomic_write
 from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "align_up",
     "aligned_buffer",
     "aligned_empty",
+    "atomic_write",
     "drop_page_cache",
     "fsync_dir",
     "get_tracer",

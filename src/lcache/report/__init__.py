@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from lcache.io import atomic_write
 from lcache.report.load import Trace, load
 from lcache.report.stats import summarize_trace
 
@@ -31,19 +31,8 @@ def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".lcache-report-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # 0o644: a report is made to be shared and opened by a browser
+    atomic_write(path, text.encode(), mode=0o644)
 
 
 def write_report(paths: PathLike | Sequence[PathLike], html_path: PathLike,

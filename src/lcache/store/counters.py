@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
-from lcache.store.layout import atomic_write
+from lcache.io.publish import atomic_write
 
 STATS_NAME = "stats.json"
 log = logging.getLogger("lcache")
@@ -54,7 +54,8 @@ def add_to_totals(root: str, delta: Counters) -> None:
     totals = read_totals(root)
     for f in fields(Counters):
         setattr(totals, f.name, getattr(totals, f.name) + getattr(delta, f.name))
-    atomic_write(os.path.join(root, STATS_NAME), json.dumps(totals.as_dict()).encode(), False)
+    atomic_write(os.path.join(root, STATS_NAME), json.dumps(totals.as_dict()).encode(),
+                 io_class="cache-meta", durable=False)
 
 
 class RateLimitedWarning:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -27,12 +26,10 @@ from typing import Any
 from lcache.errors import (
     ConfigError,
     CorruptionError,
-    DiskFullError,
     StoreNotFoundError,
     StorePermissionError,
 )
-from lcache.io.engine import pwrite_full, sync_fd
-from lcache.io.files import fsync_dir
+from lcache.io.publish import atomic_write
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -136,32 +133,6 @@ def prepare_dir(path: str, create: bool) -> None:
     os.makedirs(os.path.join(path, "segments"), mode=0o700, exist_ok=True)
 
 
-def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to a temp file beside ``path``, fsync, rename; never half-written."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            pwrite_full(fd, 0, [data], "cache-meta")
-            if durable:
-                sync_fd(fd, False, "cache-meta")
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(os.path.dirname(path) or ".")
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        # Why: a full disk must surface as DiskFullError (an OSError too) wherever it happens,
-        # e.g. sealing a segment or writing stats.json, not as a bare OSError.
-        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in (
-            errno.ENOSPC, errno.EDQUOT
-        ):
-            raise DiskFullError(f"no space left on the device writing {path}") from exc
-        raise
-
-
 def load_config(path: str) -> StoreConfig | None:
     """The stored configuration, or ``None`` if the directory has none yet."""
     cfg_path = os.path.join(path, CONFIG_NAME)
@@ -183,7 +154,8 @@ def load_config(path: str) -> StoreConfig | None:
 
 def save_config(path: str, config: StoreConfig) -> None:
     doc: dict[str, Any] = {"format": FORMAT, **asdict(config)}
-    atomic_write(os.path.join(path, CONFIG_NAME), json.dumps(doc, indent=1).encode())
+    atomic_write(os.path.join(path, CONFIG_NAME), json.dumps(doc, indent=1).encode(),
+                 io_class="cache-meta")
 
 
 def merge_config(stored: StoreConfig | None, overrides: dict[str, Any]) -> StoreConfig:

@@ -40,8 +40,8 @@ from lcache.io import (
     pwrite_full,
     sync_fd,
 )
+from lcache.io.publish import atomic_write
 from lcache.store import record
-from lcache.store.layout import atomic_write
 
 _SUM_HDR = struct.Struct("<4sIQQQQ")  # magic, version, segment, count, data_len, checksum
 _SUM_MAGIC = b"LCSM"
@@ -146,7 +146,8 @@ def read_summary(root: str, seg: int) -> Summary:
 
 
 def write_summary(root: str, summary: Summary, durable: bool) -> None:
-    atomic_write(sum_path(root, summary.segment), summary.encode(), durable)
+    atomic_write(sum_path(root, summary.segment), summary.encode(), io_class="cache-meta",
+                 durable=durable)
 
 
 def _zero_gap(view: memoryview, used: int, pos: int) -> int:

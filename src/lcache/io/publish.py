@@ -1,0 +1,45 @@
+"""Atomic publish: a file is either absent, its old version, or whole under its final name."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from lcache.errors import DiskFullError
+from lcache.io.engine import pwrite_full, sync_fd
+from lcache.io.files import fsync_dir
+
+
+def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bool = True,
+                 mode: int = 0o600) -> None:
+    """Write ``data`` to ``path.tmpPID`` beside ``path``, fsync, rename; never half-written.
+
+    With ``durable`` the file and its directory entry are synced before returning. Killed
+    processes leave ``.tmpPID`` files, which the owners' clean-ups remove by that name.
+
+    Raises:
+        DiskFullError: the device is full (an ``OSError`` too); nothing is left behind.
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+            pwrite_full(fd, 0, [data], io_class)
+            if durable:
+                sync_fd(fd, False, io_class)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(os.path.dirname(path) or ".")
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        # Why: a full disk must surface as DiskFullError wherever it happens (sealing a
+        # segment, writing stats.json, a manifest), not as a bare OSError.
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and exc.errno in (
+            errno.ENOSPC, errno.EDQUOT
+        ):
+            raise DiskFullError(f"no space left on the device writing {path}") from exc
+        raise
