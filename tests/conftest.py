@@ -40,6 +40,18 @@ def python() -> str:
 
 
 
+def run_as_nobody(imports: str, body: str, arg: str) -> str:
+    """Run ``body`` as the user nobody with ``sys.argv[1] = arg``; returns its stdout, stripped.
+
+    ``imports`` run first, as root: nobody cannot read root's Python installation.
+    """
+    code = (f"import os, sys\n{imports}\n"
+            "os.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\n" + body)
+    done = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env(), check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
 def run_torchrun(args: list[str], timeout: float, nproc: int = 2,
                  hint: str = "") -> tuple[str, str]:
     """``torchrun --standalone --nproc_per_node NPROC ARGS`` with gloo on loopback; returns

@@ -29,7 +29,7 @@ from lcache.errors import ConfigError, StorePermissionError
 from lcache.store import fsck
 from lcache.testing.remote import ThrottledServer
 
-from .conftest import KIB, MIB, mounted_tmpfs, subprocess_env
+from .conftest import KIB, MIB, mounted_tmpfs, run_as_nobody, subprocess_env
 
 NOBODY = 65534
 CAPACITY = "16MiB"
@@ -131,28 +131,15 @@ def test_unreachable_http_source_says_why() -> None:
 
 
 # ------------------------------------------------------------------------ refused settings
-# Everything is imported first: nobody cannot read root's Python installation.
-AS_NOBODY = """
-import os, sys
-from lcache.data import CachedDataset
-from lcache.errors import LCacheError
-os.setgroups([])
-os.setgid(65534)
-os.setuid(65534)
+def _as_nobody(path: Path) -> str:
+    return run_as_nobody("from lcache.data import CachedDataset", """
 try:
     CachedDataset([b"one", b"two", b"three"], sys.argv[1], "16MiB")
 except Exception as exc:
     print("refused:", type(exc).__name__, isinstance(exc, PermissionError), exc)
 else:
     print("opened")
-"""
-
-
-def _as_nobody(path: Path) -> str:
-    done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True,
-                          text=True, timeout=120, env=subprocess_env(), check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+""", str(path))
 
 
 def test_cache_dir_not_writable(nobody_dir: Path) -> None:

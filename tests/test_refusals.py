@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ from lcache import (
 )
 from lcache.store import Store, parse_size
 
-from .conftest import KIB, SEG, subprocess_env
+from .conftest import KIB, SEG, run_as_nobody
 
 NOBODY = 65534
 
@@ -143,28 +141,16 @@ def test_directory_owned_by_another_user(store_dir: Path) -> None:
     assert not (store_dir / "store.json").exists()
 
 
-# Everything is imported first: nobody cannot read root's Python installation.
-AS_NOBODY = """
-import fcntl, os, sys
-from lcache import StorePermissionError
-from lcache.store import Store
-os.setgroups([])
-os.setgid(65534)
-os.setuid(65534)
+def _as_nobody(path: Path) -> str:
+    return run_as_nobody("from lcache import StorePermissionError\nfrom lcache.store import Store",
+                         """
 try:
     Store.open(sys.argv[1])
 except StorePermissionError as exc:
     print("refused:", exc)
 else:
     print("opened")
-"""
-
-
-def _as_nobody(path: Path) -> str:
-    done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True,
-                          text=True, timeout=60, env=subprocess_env(), check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+""", str(path))
 
 
 def test_not_writable_directory(nobody_dir: Path) -> None:
