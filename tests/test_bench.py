@@ -398,7 +398,7 @@ def test_cli_run_json_and_errors(tmp_path: Path) -> None:
     doc = json.loads(res.output)
     assert doc["metric"]["train_au_meet_expectation"] in ("success", "fail")
     res = CliRunner().invoke(cli, ["bench", "run", str(path), "--set", "train.epoc=1"])
-    assert res.exit_code == 1 and "train.epoc" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "train.epoc" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(cli, ["bench", "configs", "--json"])
     assert res.exit_code == 0 and "unet3d_h100" in {r["name"] for r in json.loads(res.output)}
     res = CliRunner().invoke(cli, ["bench", "run", str(path)])

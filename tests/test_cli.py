@@ -45,7 +45,7 @@ def test_stats_table(tmp_path: Path) -> None:
 
 def test_stats_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     out = run("stats", str(tmp_path / "nothing"))
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "no lcache store" in out.stderr
     assert "Traceback" not in out.stderr
 

@@ -31,8 +31,8 @@ from lcache.bench.reader import (
     iterate_batches,
     steps_per_epoch,
 )
-from lcache.errors import ConfigError, StorePermissionError
-from lcache.io import drop_page_cache, open_file, pread_full, pwrite_full, sync_fd
+from lcache.errors import ConfigError
+from lcache.io import drop_page_cache, open_file, pread_full, private_dir, pwrite_full, sync_fd
 
 
 class Comm:
@@ -92,13 +92,8 @@ class BenchOptions:
 
 
 def _owned_dir(path: str) -> str:
-    """Create ``path`` owner-only if missing; refuse one that belongs to another user."""
-    path = os.path.abspath(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if os.stat(path).st_uid != os.getuid():
-        raise StorePermissionError(f"{path} belongs to another user; pick a directory of "
-                                   "your own (--output/--data-dir)")
-    return path
+    """Create ``path`` owner-only if missing; refuse one that is not private to you."""
+    return private_dir(path, "bench directory (--output/--data-dir)")
 
 
 def _mem_total() -> int:

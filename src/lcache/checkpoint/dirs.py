@@ -22,8 +22,8 @@ from typing import Any
 from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
 from lcache.checkpoint.format import MANIFEST, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
-from lcache.errors import CorruptionError, LCacheError, StorePermissionError
-from lcache.io import atomic_write, fsync_dir
+from lcache.errors import CorruptionError, LCacheError
+from lcache.io import atomic_write, fsync_dir, private_dir
 
 PARTIAL = ".lcache-partial-"
 TRASH = ".lcache-trash-"
@@ -62,13 +62,8 @@ def staging_dir(root: str, name: str) -> str:
 
 
 def ensure_root(root: str) -> None:
-    """Create ``root`` owner-only if needed; refuse one that belongs to another user."""
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    st = os.stat(root)
-    if st.st_uid != os.geteuid():
-        raise StorePermissionError(f"checkpoint directory {root} belongs to uid {st.st_uid}, "
-                                   f"not to you (uid {os.geteuid()}); checkpoint directories "
-                                   "are never shared between users: choose another directory")
+    """Create ``root`` owner-only if needed; refuse one that is not private to you."""
+    private_dir(root, "checkpoint directory")
 
 
 def is_complete(path: str) -> bool:

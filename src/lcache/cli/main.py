@@ -44,14 +44,22 @@ def _table(title: str, rows: dict[str, Any]) -> Table:
 
 
 class _Group(click.Group):
-    """Turns an LCacheError into one clear line and exit status 1, not a traceback."""
+    """Turns bad input (an LCacheError, or an OSError such as a missing output directory)
+    into one clear line and exit status 2, never a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except LCacheError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-            sys.exit(1)
+        except (LCacheError, OSError) as exc:
+            err_console.print(f"[bold red]error:[/] {_one_line(exc)}", highlight=False)
+            sys.exit(2)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and not isinstance(exc, LCacheError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @click.group(cls=_Group)

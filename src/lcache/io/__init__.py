@@ -1,6 +1,7 @@
 """Positional, batched file I/O: the engine every lcache byte goes through."""
 
 from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer, aligned_empty
+from lcache.io.dirs import check_private_dir, make_private_dirs, private_dir
 from lcache.io.engine import (
     IOEngine,
     ReadRequest,
@@ -25,12 +26,15 @@ __all__ = [
     "aligned_buffer",
     "aligned_empty",
     "atomic_write",
+    "check_private_dir",
     "drop_page_cache",
     "fsync_dir",
     "get_tracer",
     "logical_block_size",
+    "make_private_dirs",
     "open_file",
     "pread_full",
+    "private_dir",
     "pwrite_full",
     "set_tracer",
     "sync_fd",

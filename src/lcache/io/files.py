@@ -10,12 +10,15 @@ O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
-    """``os.open`` with ``O_CLOEXEC``, and ``O_DIRECT`` when ``direct`` is true.
+    """``os.open`` with ``O_CLOEXEC`` and ``O_NOFOLLOW``, and ``O_DIRECT`` when ``direct`` is true.
+
+    Every file lcache opens lies in a directory of its own, where a symbolic link can only
+    be a plant: it is refused (``OSError`` ELOOP), never followed.
 
     Raises:
         ConfigError: O_DIRECT was asked for on a platform or filesystem without it.
     """
-    flags |= os.O_CLOEXEC
+    flags |= os.O_CLOEXEC | os.O_NOFOLLOW
     if direct:
         if not O_DIRECT:
             raise ConfigError("O_DIRECT is not available on this platform; use direct_io=False")

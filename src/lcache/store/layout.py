@@ -29,6 +29,7 @@ from lcache.errors import (
     StoreNotFoundError,
     StorePermissionError,
 )
+from lcache.io.dirs import check_private_dir, private_dir
 from lcache.io.publish import atomic_write
 
 CONFIG_NAME = "store.json"
@@ -103,24 +104,11 @@ def prepare_dir(path: str, create: bool) -> None:
 
     Raises:
         StoreNotFoundError: no store there and ``create`` is false.
-        StorePermissionError: owned by another user, or not writable.
+        StorePermissionError: not private to you (see ``lcache.io.dirs``), or not writable.
     """
-    if not os.path.isdir(path):
-        if not create:
-            raise StoreNotFoundError(f"no lcache store at {path}")
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except PermissionError as exc:
-            raise StorePermissionError(
-                f"cannot create the cache directory {path}: {exc.strerror}; "
-                "choose a directory you can write"
-            ) from exc
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise StorePermissionError(
-            f"{path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
-            "a cache directory is never shared between users: choose another directory"
-        )
+    if not os.path.lexists(path) and not create:
+        raise StoreNotFoundError(f"no lcache store at {path}")
+    private_dir(path, "cache directory", create=create)
     try:
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
         os.close(fd)
@@ -130,7 +118,10 @@ def prepare_dir(path: str, create: bool) -> None:
             f"the cache directory {path} is not writable ({exc.strerror}); "
             "fix its permissions or choose another directory"
         ) from exc
-    os.makedirs(os.path.join(path, "segments"), mode=0o700, exist_ok=True)
+    segments = os.path.join(path, "segments")
+    if not os.path.lexists(segments):
+        os.makedirs(segments, mode=0o700, exist_ok=True)
+    check_private_dir(segments, "segment directory")
 
 
 def load_config(path: str) -> StoreConfig | None:

@@ -1,0 +1,96 @@
+"""lcache.io.dirs: the one check of cache, store, checkpoint and bench directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lcache.errors import ConfigError, StorePermissionError
+from lcache.io.dirs import private_dir
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+
+
+def test_created_dirs_and_parents_are_0700_under_umask_000(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        path = private_dir(tmp_path / "a" / "b" / "c")
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", Path(path)):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+
+
+def test_dir_others_can_write_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(StorePermissionError, match="chmod go-w"):
+        private_dir(d)
+    d.chmod(0o755)
+    assert private_dir(d) == str(d)
+
+
+def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        private_dir(tmp_path / "f")
+    with pytest.raises(ConfigError, match="not a directory"):
+        private_dir(tmp_path / "f" / "below")
+
+
+def test_missing_dir_without_create(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        private_dir(tmp_path / "none", create=False)
+    assert not (tmp_path / "none").exists()
+
+
+def test_own_symlink_is_followed(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    private_dir(tmp_path / "link")
+
+
+@needs_root
+def test_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, NOBODY, NOBODY)
+    with pytest.raises(StorePermissionError, match="belongs to uid 65534"):
+        private_dir(d)
+
+
+@needs_root
+def test_symlink_planted_by_another_user_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    link = tmp_path / "planted"
+    link.symlink_to(tmp_path / "real")
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(StorePermissionError, match="symbolic link owned by uid 65534"):
+        private_dir(link)
+
+
+@needs_root
+def test_parent_another_user_can_replace_is_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "theirs"
+    parent.mkdir(mode=0o755)
+    mine = parent / "mine"
+    mine.mkdir(mode=0o700)
+    os.chown(parent, NOBODY, NOBODY)
+    with pytest.raises(StorePermissionError, match="which uid 65534 owns"):
+        private_dir(mine)
+
+
+def test_parent_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    (parent / "mine").mkdir(mode=0o700)
+    parent.chmod(0o777)
+    with pytest.raises(StorePermissionError, match="not sticky"):
+        private_dir(parent / "mine")
+    parent.chmod(0o1777)  # as /tmp: others cannot rename what is ours
+    private_dir(parent / "mine")
+    private_dir(parent / "new")
