@@ -161,7 +161,7 @@ def _stream(data_path: str, nbytes: int, targets: list[Any], verify: bool, direc
             _stream_with(mmap.mmap(-1, slots * CHUNK), data_path, nbytes, order, verify,
                          direct, queue_depth, progress)
             return
-        if len(_RING) < slots * CHUNK:
+        if not _RING or len(_RING[0]) < slots * CHUNK:  # grows only; reused otherwise
             _RING.clear()
             _RING.append(mmap.mmap(-1, slots * CHUNK))
         _stream_with(_RING[0], data_path, nbytes, order, verify, direct, queue_depth, progress)

@@ -23,7 +23,6 @@ from lcache.io import IOEngine, ReadRequest, open_file, pread_full, pwrite_full,
 
 IO_CLASS = "checkpoint"
 CHUNK = 8 << 20  # large enough to stream at device speed, small enough to keep several busy
-_engine: IOEngine | None = None
 
 
 def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
@@ -104,13 +103,6 @@ def read_small_file(path: str, limit: int = 1 << 30) -> bytes:
         os.close(fd)
 
 
-def _read_engine(queue_depth: int) -> IOEngine:
-    global _engine
-    if _engine is None or _engine.queue_depth != queue_depth:
-        _engine = IOEngine(queue_depth)
-    return _engine
-
-
 def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: int = 8,
                    on_chunk: Callable[[np.ndarray[Any, Any], int], None] | None = None
                    ) -> tuple[np.ndarray[Any, Any], int]:
@@ -122,6 +114,10 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
     ``k * CHUNK``) is in, so checksums overlap the reads still in flight.
     """
     padded = -(-nbytes // ALIGN) * ALIGN
+    # An engine per load, closed after it: a shared one would have to be swapped under a lock
+    # when the queue depth changes, without stopping another load's threads; a few threads
+    # started per load cost far less than the load.
+    engine = IOEngine(queue_depth)
     fd, used_direct = _open(path, os.O_RDONLY, direct)
     try:
         buf = mmap.mmap(-1, max(padded, ALIGN))
@@ -133,7 +129,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
                     for off in range(0, padded, CHUNK)]
         done = None if on_chunk is None else (lambda k, _n: on_chunk(array, k))
         try:
-            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS, done)
+            got = engine.read_batch(requests, IO_CLASS, done)
         except OSError as exc:
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
@@ -141,9 +137,10 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
             fd, used_direct = _open(path, os.O_RDONLY, False)
             for req in requests:
                 req.fd = fd
-            got = _read_engine(queue_depth).read_batch(requests, IO_CLASS, done)
+            got = engine.read_batch(requests, IO_CLASS, done)
     finally:
         os.close(fd)
+        engine.close()
     total = 0
     for req, n in zip(requests, got, strict=False):
         total += n
