@@ -70,7 +70,8 @@ def main() -> None:
     step, epoch, position = 0, 0, 0
     epoch_gen_state = gen.get_state()
     resumed_from = None
-    latest = ck.latest(args.root)
+    # a first run has no directory yet; latest() raises for a missing one (a typo)
+    latest = ck.latest(args.root) if os.path.isdir(args.root) else None
     if latest is not None:
         state = ck.load(latest)
         model.load_state_dict(state["model"])

@@ -359,7 +359,7 @@ def test_cli_ls_and_verify(tmp_path: Path) -> None:
     text = runner.invoke(cli, ["ckpt", "verify", str(root)])
     assert text.exit_code == 2 and "DAMAGED" in text.output and "ok" in text.output
     missing = runner.invoke(cli, ["ckpt", "verify", str(tmp_path / "none")])
-    assert missing.exit_code == 2 and "no complete checkpoint" in missing.output
+    assert missing.exit_code == 2 and "no checkpoint directory at" in missing.output
 
 
 # --------------------------------------------------------------------------- without torch

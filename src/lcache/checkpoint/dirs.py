@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
+from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from lcache.checkpoint.format import MANIFEST, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.errors import CorruptionError, LCacheError
@@ -163,19 +163,27 @@ def read_info(path: str) -> CheckpointInfo:
         raise CorruptionError(f"{where}: malformed manifest ({exc!r:.200})") from exc
 
 
+def require_dir(root: str) -> None:
+    """Raise CheckpointNotFoundError unless ``root`` is a directory (a mistyped path must not
+    read as "no checkpoint yet": a resume would silently start from scratch)."""
+    if not os.path.isdir(root):
+        why = "it is not a directory" if os.path.lexists(root) else "check the path"
+        raise CheckpointNotFoundError(f"no checkpoint directory at {root} ({why})")
+
+
 def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo], list[str]]:
     """Complete checkpoints in ``root``, oldest first, and the names of damaged ones.
 
     Staging and trash directories are never listed.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` is not a directory (an empty one lists nothing).
     """
     root = os.fspath(root)
+    require_dir(root)
     good: list[CheckpointInfo] = []
     bad: list[str] = []
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return [], []
-    for name in names:
+    for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if name.startswith(".") or not is_complete(path):
             continue
@@ -188,7 +196,11 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
-    """The path of the newest complete checkpoint in ``root``, or None."""
+    """The path of the newest complete checkpoint in ``root``, or None if it has none.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` is not a directory.
+    """
     good, _ = list_checkpoints(root)
     return good[-1].path if good else None
 

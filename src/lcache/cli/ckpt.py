@@ -35,7 +35,7 @@ def ls_cmd(directory: str, as_json: bool) -> None:
     """List the complete checkpoints in DIRECTORY, oldest first (partial saves never)."""
     from lcache.checkpoint import leftovers, list_checkpoints
 
-    good, bad = list_checkpoints(directory)
+    good, bad = list_checkpoints(directory)  # a missing directory: one line, exit status 2
     left = [os.path.basename(p) for p in leftovers(directory)]
     if as_json:
         click.echo(json.dumps({"checkpoints": [c.to_dict() for c in good], "damaged": bad,
@@ -67,9 +67,11 @@ def verify_cmd(directory: str, as_json: bool) -> None:
     Exit status 0 when all are intact, 2 when a problem was found.
     """
     from lcache.checkpoint import list_checkpoints, verify
+    from lcache.checkpoint.dirs import require_dir
     from lcache.checkpoint.format import MANIFEST
 
-    if os.path.isfile(os.path.join(directory, MANIFEST)) or not os.path.isdir(directory):
+    require_dir(directory)  # a mistyped path is one line and exit status 2, not "DAMAGED"
+    if os.path.lexists(os.path.join(directory, MANIFEST)):
         paths = [directory]
     else:
         good, bad = list_checkpoints(directory)
