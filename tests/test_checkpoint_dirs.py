@@ -1,14 +1,20 @@
-"""Checkpoint directories: a mistyped one is an error, not an empty run."""
+"""Checkpoint directories: a mistyped one is an error, not an empty run; every directory a
+save creates is owner-only; a directory another user owns, can write or planted is refused."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from lcache import checkpoint as ck
 from lcache.cli.main import cli
+from lcache.errors import StorePermissionError
+
+from .conftest import run_as_nobody
 
 
 def test_a_missing_directory_is_an_error_an_empty_one_is_not(tmp_path: Path) -> None:
@@ -37,3 +43,61 @@ def test_cli_on_a_missing_directory_exits_2_with_one_line(
     assert out.exit_code == 2, out.output
     lines = out.output.strip().splitlines()
     assert len(lines) == 1 and "no checkpoint directory at ckpst" in lines[0], out.output
+
+
+# --------------------------------------------------------------------------- permissions
+def mode(path: Path) -> int:
+    return path.lstat().st_mode & 0o7777
+
+
+def test_every_directory_a_save_creates_is_0700_whatever_the_umask(tmp_path: Path) -> None:
+    from lcache.checkpoint import dirs
+
+    old = os.umask(0)
+    try:
+        ck.save({"w": np.ones(10)}, tmp_path / "a" / "b" / "ckpts" / "step-1")
+        stage, fd = dirs.open_staging(str(tmp_path / "a" / "b" / "ckpts"), "step-2")
+        os.close(fd)
+    finally:
+        os.umask(old)
+    for made in ("a", "a/b", "a/b/ckpts", "a/b/ckpts/step-1", "a/b/ckpts/.lcache-partial-step-2"):
+        assert mode(tmp_path / made) == 0o700, (made, oct(mode(tmp_path / made)))
+    for name in ("manifest.json", "rank00000.data"):
+        assert mode(tmp_path / "a/b/ckpts/step-1" / name) == 0o600, name
+    assert stage == str(tmp_path / "a/b/ckpts/.lcache-partial-step-2")
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(StorePermissionError, match=r"can be written by other users.*chmod go-w"):
+        ck.save({"a": 1}, root / "s")
+    above = tmp_path / "open"
+    above.mkdir()
+    above.chmod(0o777)  # not sticky: anyone could swap ckpts/ for their own
+    with pytest.raises(PermissionError, match=r"lies in .*open, which other users can write"):
+        ck.save({"a": 1}, above / "ckpts" / "s")
+    assert os.listdir(root) == []
+    # (private_dir makes open/ckpts before it checks the parents: an empty 0700 dir of ours)
+    assert os.listdir(above / "ckpts") == []
+
+
+def test_a_symlinked_root_planted_by_another_user_is_refused(tmp_path: Path,
+                                                            nobody_dir: Path) -> None:
+    """nobody plants /tmp-like/ckpts -> a directory of ours: saving through it would write
+    where nobody chose (and nobody could swap the link between saves)."""
+    shared = nobody_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # world-writable and sticky, as /tmp
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    run_as_nobody("", f"os.symlink(sys.argv[1], {str(shared / 'ckpts')!r})", str(mine))
+    assert (shared / "ckpts").is_symlink() and (shared / "ckpts").lstat().st_uid == 65534
+    with pytest.raises(StorePermissionError, match=r"symbolic link owned by uid 65534"):
+        ck.save({"a": 1}, shared / "ckpts" / "s")
+    assert os.listdir(mine) == []
+    # our own link to our own directory is fine
+    (tmp_path / "link").symlink_to(mine)
+    ck.save({"a": 1}, tmp_path / "link" / "s")
+    assert ck.load(mine / "s") == {"a": 1}
