@@ -93,16 +93,24 @@ def test_object_deleted_after_http_listing(tmp_path: Path) -> None:
 
 def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(_blob(1, 1000))
-    src = RangeSource(str(tmp_path), ["a.bin", "a.bin", "gone.bin"], [0, 900, 0],
-                      [100, 200, 10])
+    with pytest.raises(SourceError) as info:  # a missing file is named up front
+        RangeSource(str(tmp_path), ["a.bin", "gone.bin"], [0, 0], [100, 10])
+    assert str(tmp_path / "gone.bin") in str(info.value)
+    with pytest.raises(ConfigError) as refused:  # so is a range beyond a file's end
+        RangeSource(str(tmp_path), "a.bin", [0, 900], [100, 200])
+    assert "sample 1: bytes 900-1100 lie beyond the end of a.bin (1000 bytes)" in str(
+        refused.value)
+    src = RangeSource(str(tmp_path), "a.bin", [0, 900], [100, 100])
     assert src.fetch(0) == _blob(1, 1000)[:100]
+    (tmp_path / "a.bin").write_bytes(_blob(1, 950))  # shrunk after the source was made
     with pytest.raises(SourceError) as info:
-        src.fetch(1)  # bytes 900-1100 of a 1000-byte file
+        src.fetch(1)
     assert "sample 1" in str(info.value) and "a.bin" in str(info.value)
-    assert "ended after 100 of bytes 900-1100" in str(info.value)
+    assert "ended after 50 of bytes 900-1000" in str(info.value)
+    (tmp_path / "a.bin").unlink()
     with pytest.raises(SourceError) as info:
-        src.fetch(2)
-    assert "sample 2" in str(info.value) and str(tmp_path / "gone.bin") in str(info.value)
+        src.fetch(0)
+    assert "sample 0" in str(info.value) and str(tmp_path / "a.bin") in str(info.value)
     with pytest.raises(ConfigError, match="one entry per sample"):
         RangeSource(str(tmp_path), ["a.bin"], [0, 1], [1, 1])
     with pytest.raises(ConfigError, match="lengths > 0"):
@@ -117,10 +125,9 @@ def test_unreachable_http_source(tmp_path: Path) -> None:
     with pytest.raises(SourceError) as info:
         FileSource(url, files=["a.bin"])  # no listing: the size lookup fails instead
     assert url + "a.bin" in str(info.value)
-    src = RangeSource(url, "big.bin", [0], [10])  # opens nothing until the first fetch
     with pytest.raises(SourceError) as info:
-        src.fetch(0)
-    assert "sample 0" in str(info.value) and url + "big.bin" in str(info.value)
+        RangeSource(url, "big.bin", [0], [10])  # its files are looked up when it is made
+    assert url + "big.bin" in str(info.value)
 
 
 def test_unreachable_http_source_says_why() -> None:
@@ -172,6 +179,50 @@ def test_cache_dir_not_writable_unprivileged(tmp_path: Path) -> None:
         cache.chmod(0o700)
 
 
+def test_cache_dir_of_another_user_that_anyone_can_write_is_refused(nobody_dir: Path) -> None:
+    cache = nobody_dir / "cache"  # nobody's, 0777: root must not use it
+    cache.mkdir()
+    os.chown(cache, NOBODY, NOBODY)
+    cache.chmod(0o777)
+    with pytest.raises(StorePermissionError, match="belongs to uid 65534"):
+        CachedDataset([b"one"], cache, CAPACITY)
+    assert os.listdir(cache) == []
+
+
+def _staging_in_shm(ds: CachedDataset) -> Path:
+    staging = Path(ds.cache.staging_dir)
+    if not str(staging).startswith("/dev/shm/"):
+        pytest.skip("staging is inside the cache directory here")
+    return staging
+
+
+def test_staging_files_are_owner_only(tmp_path: Path) -> None:
+    ds = CachedDataset([b"one", b"two"], tmp_path / "cache", CAPACITY)
+    staging = _staging_in_shm(ds)
+    assert staging.stat().st_mode & 0o777 == 0o700
+    for name in ("origin", "users"):
+        assert (staging / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_staging_of_another_user_is_never_removed(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    theirs = Path(f"/dev/shm/lcache-test-{os.getpid()}")
+    # Looks orphaned (its cache is gone), but it is nobody's: root leaves it alone.
+    run_as_nobody("", """
+os.mkdir(sys.argv[1], 0o700)
+open(os.path.join(sys.argv[1], "origin"), "w").write("/nonexistent\\n1")
+open(os.path.join(sys.argv[1], "users"), "w").close()
+""", str(theirs))
+    try:
+        ds = CachedDataset([b"one"], tmp_path / "cache", CAPACITY)
+        _staging_in_shm(ds)
+        assert ds[0] == b"one"
+        assert sorted(os.listdir(theirs)) == ["origin", "users"]
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
+
+
 def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ConfigError) as info:
@@ -198,12 +249,10 @@ def test_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
     assert str(first) in message and str(second) in message, message
     assert "(3 samples)" in message and "(5 samples)" in message
     assert "use another cache directory" in message
-    # The same URL whose files changed is another dataset too: no stale sample is served.
+    # The same URL whose files changed: the changed samples are dropped (test_cache_identity).
     (first / "s0003.bin").write_bytes(b"new")
-    with pytest.raises(ConfigError, match=r"not .* \(4 samples\)"):
-        CachedDataset(str(first), cache, CAPACITY)
-    (first / "s0003.bin").unlink()
-    assert CachedDataset(str(first), cache, CAPACITY)[0] == files[0]  # unchanged: welcome
+    grown = CachedDataset(str(first), cache, CAPACITY)
+    assert [grown[i] for i in range(4)] == [*files, b"new"]
 
 
 def test_deleted_cache_dir_reused_for_another_source(tmp_path: Path) -> None:

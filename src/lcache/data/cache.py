@@ -1,7 +1,8 @@
 """The node's sample cache: a store on local SSD in front of a source.
 
-``DIR/cache.json`` names the source the directory caches (a second dataset never reads the
-first one's samples); ``DIR/store`` is the log-structured store of kept samples (int key =
+``DIR/cache.json`` and ``DIR/listing.bin`` say what the directory caches (``identity.py``: a
+second dataset never reads the first one's samples, and samples rewritten at the source are
+dropped); ``DIR/store`` is the log-structured store of kept samples (int key =
 sample index); ``DIR/claims`` and ``DIR/counters.bin`` hold the shared state of
 ``lcache.data.shared``. A small FIFO store in /dev/shm (or ``DIR/staging``) holds prefetched
 samples that are read once.
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,10 +26,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from lcache.data.identity import DirectoryIdentity, identify
 from lcache.data.shared import FetchClaims, SharedCounters
 from lcache.data.sources import Source, as_source
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
-from lcache.io.publish import atomic_write
+from lcache.io import atomic_write, open_file, private_dir
 from lcache.store import Store, format_size, parse_size
 from lcache.store.record import HEADER_SIZE
 
@@ -51,12 +54,18 @@ def _remove_orphaned_staging() -> None:
         if not name.startswith("lcache-"):
             continue
         try:
-            with open(os.path.join(path, "origin")) as f:
-                origin, _, cache_id = f.read().partition("\n")
+            st = os.lstat(path)
+            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                continue  # another user's (or a plant): never read, never removed
+            fd = open_file(os.path.join(path, "origin"), os.O_RDONLY)
+            try:
+                origin, _, cache_id = os.read(fd, 1 << 16).decode().partition("\n")
+            finally:
+                os.close(fd)
             if _cache_id(origin) == cache_id:
                 continue  # its cache still exists
-            fd = os.open(os.path.join(path, "users"), os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
+            fd = open_file(os.path.join(path, "users"), os.O_RDWR)
+        except (OSError, UnicodeDecodeError):
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -85,8 +94,11 @@ def _shm_has_room(need: int) -> bool:
 
 def _cache_id(cache_dir: str) -> str | None:
     try:
-        with open(os.path.join(cache_dir, "cache.json")) as f:
-            return str(json.load(f).get("id"))
+        fd = open_file(os.path.join(cache_dir, "cache.json"), os.O_RDONLY)
+        try:
+            return str(json.loads(os.read(fd, 1 << 20)).get("id"))
+        finally:
+            os.close(fd)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -112,7 +124,8 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | str, *, segment_size: int | str | None = None,
-                 staging_bytes: int | str = DEFAULT_STAGING) -> None:
+                 staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
+                 fingerprint: str | None = None, check: bool = True) -> None:
         self.source: Source = as_source(source)
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.capacity = parse_size(capacity)
@@ -121,6 +134,11 @@ class SampleCache:
         largest = int(sizes.max())
         self.segment_size = parse_size(segment_size) if segment_size else \
             choose_segment_size(self.capacity, 512, largest)
+        if largest + HEADER_SIZE > self.segment_size:
+            raise ConfigError(
+                f"segment_size {format_size(self.segment_size)} cannot hold the largest sample "
+                f"of {self.source.url} ({format_size(largest)} + a {HEADER_SIZE}-byte header); "
+                "raise segment_size or leave it out to size segments from the samples")
         # Prefetched samples the plan does not keep are staged in memory (/dev/shm) when it
         # has room, so staging costs no cache capacity; else in a slice of the cache dir.
         self.staging_bytes = parse_size(staging_bytes)
@@ -142,50 +160,55 @@ class SampleCache:
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
                 "capacity" + ("" if segment_size is None else " or lower segment_size"))
-        self._prepare_dir()
-        key = xxhash.xxh3_64_hexdigest(f"{self.cache_dir}#{self.cache_id}".encode())
-        self.staging_dir = os.path.join(self.cache_dir, "staging") if on_ssd else \
-            os.path.join(SHM, f"lcache-{key}")
+        identity = identify(self.source, name, fingerprint)
+        self.cache_dir = private_dir(self.cache_dir, "cache directory")
+        if not os.access(self.cache_dir, os.W_OK | os.X_OK):
+            raise StorePermissionError(
+                f"the cache directory {self.cache_dir} is not writable by this user; fix its "
+                "permissions or choose another directory")
+        store_dir = os.path.join(self.cache_dir, "store")
+        if os.path.islink(store_dir):
+            raise StorePermissionError(f"{store_dir} is a symbolic link; a cache directory "
+                                       "never follows one: remove it")
         self.claims = FetchClaims(os.path.join(self.cache_dir, "claims"))
         self.counters = SharedCounters(os.path.join(self.cache_dir, "counters.bin"))
         self._store: Store | None = None
         self._staging: Store | None = None
         self._pid = -1
         self._admit = True
-        self.store()  # create it now, so configuration errors surface here
+        self._warned_large = False
+        self._on_ssd = on_ssd
+        with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
+            if opened.reset and os.path.lexists(store_dir):
+                log.warning("lcache: dropping the samples cached in %s: their source is "
+                            "unknown", store_dir)
+                shutil.rmtree(store_dir)
+            self.cache_id = opened.cache_id
+            self.store()  # create it now, so configuration errors surface here
+            self.invalidated = self._drop(opened.changed)
+
+    def _drop(self, changed: np.ndarray) -> int:
+        """Delete the cached copies of samples whose object changed at the source."""
+        main = self.store()
+        dropped = [int(i) for i in changed if int(i) in main and main.delete(int(i))]
+        if dropped:
+            names = getattr(self.source, "paths", None)
+            shown = [names[i] if names is not None and i < len(names) else str(i)
+                     for i in dropped[:5]]
+            log.warning("lcache: %d cached samples of %s changed at the source since they "
+                        "were cached and were dropped (%s%s); they are fetched again",
+                        len(dropped), self.source.url, ", ".join(shown),
+                        ", ..." if len(dropped) > 5 else "")
+        return len(dropped)
+
+    @property
+    def staging_dir(self) -> str:
+        if self._on_ssd:
+            return os.path.join(self.cache_dir, "staging")
+        key = xxhash.xxh3_64_hexdigest(f"{self.cache_dir}#{self.cache_id}".encode())
+        return os.path.join(SHM, f"lcache-{key}")
 
     # ------------------------------------------------------------------- setting up
-    def _prepare_dir(self) -> None:
-        try:
-            os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
-        except PermissionError:
-            raise StorePermissionError(
-                f"cannot create the cache directory {self.cache_dir}: permission denied; "
-                "choose a directory you can write (e.g. on the local NVMe SSD)") from None
-        if not os.access(self.cache_dir, os.W_OK | os.X_OK):
-            raise StorePermissionError(
-                f"the cache directory {self.cache_dir} is not writable by this user; fix its "
-                "permissions or choose another directory")
-        identity = {"source": self.source.url, "samples": len(self.source),
-                    "sizes_xxh3": xxhash.xxh3_64_hexdigest(self.source.sizes().tobytes())}
-        path = os.path.join(self.cache_dir, "cache.json")
-        try:
-            with open(path) as f:
-                stored = json.load(f)
-        except FileNotFoundError:
-            # A fresh id per cache, so a recreated directory never meets the staging area
-            # (in /dev/shm) of the one it replaced.
-            stored = {**identity, "id": os.urandom(8).hex()}
-            atomic_write(path, json.dumps(stored, indent=1).encode(), io_class="cache-meta")
-        except ValueError:
-            stored = {}
-        self.cache_id = str(stored.get("id", ""))
-        if {k: v for k, v in stored.items() if k != "id"} != identity:
-            raise ConfigError(
-                f"{self.cache_dir} caches {stored.get('source')!r} "
-                f"({stored.get('samples')} samples), not {self.source.url!r} "
-                f"({len(self.source)} samples); use another cache directory or delete it")
-
     def store(self) -> Store:
         """This process's handle on the store of kept samples (reopened after a fork)."""
         self._open()
@@ -212,15 +235,16 @@ class SampleCache:
         with _OPENING:
             if self._store is not None:
                 return
-            if self.staging_dir.startswith(SHM):
+            if not self._on_ssd:
                 _remove_orphaned_staging()
-            os.makedirs(self.staging_dir, mode=0o700, exist_ok=True)
-            with open(os.path.join(self.staging_dir, "origin"), "w") as f:
-                f.write(f"{self.cache_dir}\n{self.cache_id}")
+            private_dir(self.staging_dir, "staging directory")
+            atomic_write(os.path.join(self.staging_dir, "origin"),
+                         f"{self.cache_dir}\n{self.cache_id}".encode(), io_class="cache-meta",
+                         durable=False)
             # Each process using the staging dir holds a shared flock, so the last one to
             # close removes it (memory in /dev/shm is not freed until its files are deleted).
-            self._users = os.open(os.path.join(self.staging_dir, "users"),
-                                  os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._users = open_file(os.path.join(self.staging_dir, "users"),
+                                    os.O_RDWR | os.O_CREAT)
             fcntl.flock(self._users, fcntl.LOCK_SH)
             _OPEN_CACHES.add(self)
             staging = Store.open(self.staging_dir, capacity=self.staging_bytes,
@@ -340,6 +364,15 @@ class SampleCache:
 
     def _put(self, store: Store, index: int, data: bytes) -> None:
         if not self._admit:
+            return
+        if len(data) + HEADER_SIZE > store.config.segment_size:
+            # A dataset's sizes are estimated from a probe: an item may be larger than any
+            # segment. It is served from the source, uncached, rather than failing training.
+            if not self._warned_large:
+                self._warned_large = True
+                log.warning("lcache: sample %d of %s (%s) is larger than a segment of %s and is "
+                            "not cached; pass a larger segment_size", index, self.source.url,
+                            format_size(len(data)), format_size(store.config.segment_size))
             return
         try:
             store.put(index, data)

@@ -18,15 +18,24 @@ class CachedDataset:
     ``SeedAwareSampler`` yields (follows the plan). ``staging_bytes`` of memory (/dev/shm)
     hold prefetched samples the plan does not keep until they are read. ``transform`` turns
     the raw item (bytes for files and ranges, the original structure for datasets) into what
-    training needs.
+    training needs; it runs on every read, so random augmentations belong there.
+
+    The directory serves only the source it was made for: ``name`` and ``fingerprint`` (a
+    dataset version, say) are part of that identity, on top of the URL or, for a dataset
+    without a listing, the bytes of a probe of its items. ``check`` (on by default) compares
+    the source's listing with the one cached and drops samples rewritten since; turn it off
+    only for a source that never changes.
     """
 
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | str, *, transform: Callable[[Any], Any] | None = None,
                  segment_size: int | str | None = None,
-                 staging_bytes: int | str = DEFAULT_STAGING, **source_options: Any) -> None:
+                 staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
+                 fingerprint: str | None = None, check: bool = True,
+                 **source_options: Any) -> None:
         self.cache = SampleCache(as_source(source, **source_options), cache_dir, capacity,
-                                 segment_size=segment_size, staging_bytes=staging_bytes)
+                                 segment_size=segment_size, staging_bytes=staging_bytes,
+                                 name=name, fingerprint=fingerprint, check=check)
         self.transform = transform
 
     def __len__(self) -> int:

@@ -15,8 +15,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from lcache.data import codec
+from lcache.data.identity import probe_contents
 from lcache.errors import ConfigError, LCacheError
 from lcache.trace import recorder as _trace
 
@@ -26,6 +28,12 @@ class SourceError(LCacheError, OSError):
 
 
 class Source(Protocol):
+    """What the cache needs of a source. A source may also offer ``fingerprints()``: one
+    uint64 per sample that changes when the sample's object is rewritten (from its listing:
+    path, size, ETag or modification time), so a cache notices changed samples; a source
+    without it is identified by the contents of a probe of its items (``lcache.data.identity``).
+    """
+
     url: str
 
     def __len__(self) -> int: ...
@@ -39,6 +47,30 @@ class Source(Protocol):
     def decode(self, data: bytes | memoryview) -> Any:
         """The item a dataset returns, from fetched (or cached) bytes."""
         ...
+
+
+# Fields of an fsspec info dict that change when an object is rewritten: S3/Azure ETag, GCS
+# generation and md5Hash, HTTP ETag/Last-Modified/Content-MD5/Digest, and for local files the
+# modification time, the inode change time (which no user can set back) and the inode.
+VERSION_FIELDS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "version_id",
+                  "Content-MD5", "Digest", "Last-Modified", "LastModified", "last_modified",
+                  "mtime", "created", "ino")
+
+
+def object_version(info: dict[str, Any]) -> str:
+    """The version fields of an fsspec info dict, as one string ("" if it has none)."""
+    return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
+
+
+def _fingerprint(*parts: object) -> int:
+    return int(xxhash.xxh3_64_intdigest("\0".join(map(str, parts)).encode()))
+
+
+async def _gather_infos(fs: Any, paths: list[str]) -> list[Any]:
+    from fsspec.asyn import _run_coros_in_chunks
+
+    return list(await _run_coros_in_chunks([fs._info(p) for p in paths],
+                                           batch_size=getattr(fs, "batch_size", None)))
 
 
 class _Fsspec:
@@ -69,6 +101,19 @@ class _Fsspec:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def infos(self, paths: list[str]) -> list[dict[str, Any]]:
+        """fsspec ``info`` of each path (concurrent on async filesystems such as HTTP)."""
+        fs, _ = self.fs()
+        try:
+            if getattr(fs, "async_impl", False):
+                from fsspec.asyn import sync
+
+                return sync(fs.loop, _gather_infos, fs, paths)  # type: ignore[no-any-return]
+            return [fs.info(p) for p in paths]
+        except Exception as exc:
+            raise SourceError(f"cannot stat the files under {self.url}: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     def full_url(self, path: str) -> str:
         fs, _ = self.fs()
@@ -109,34 +154,38 @@ class FileSource:
         root = root.rstrip("/")
         if files is not None:
             self.paths = [f"{root}/{f.lstrip('/')}" for f in files]
-            self._sizes = np.array([self._info_size(p) for p in self.paths], dtype=np.int64)
+            infos = dict(zip(self.paths, self._remote.infos(self.paths), strict=True))
         else:
             try:
                 listing = fs.find(root, detail=True)
             except Exception as exc:
                 raise SourceError(f"cannot list {url}: {exc}") from exc
-            names = sorted(p for p, info in listing.items() if info.get("type") != "directory"
-                           and (not suffixes or p.endswith(tuple(suffixes))))
-            self.paths = names
-            self._sizes = np.array([int(listing[p].get("size") or 0) for p in names], np.int64)
-            if names and not self._sizes.all():  # e.g. HTTP listings carry no sizes
-                try:
-                    self._sizes = np.array(fs.sizes(names), dtype=np.int64)
-                except Exception as exc:
-                    raise SourceError(f"cannot stat the files under {url}: {exc}") from exc
+            self.paths = sorted(p for p, info in listing.items()
+                                if info.get("type") != "directory"
+                                and (not suffixes or p.endswith(tuple(suffixes))))
+            infos = {p: listing[p] for p in self.paths}
+            # e.g. HTTP listings carry neither sizes nor versions: ask each object (HEAD)
+            bare = [p for p in self.paths if not infos[p].get("size") or
+                    not object_version(infos[p])]
+            if bare:
+                infos.update(zip(bare, self._remote.infos(bare), strict=True))
         if not self.paths:
             try:  # find() hides connection errors behind an empty listing; ls() raises them
                 fs.ls(root)
             except Exception as exc:
                 raise SourceError(f"cannot list {url}: {type(exc).__name__}: {exc}") from exc
             raise SourceError(f"no samples found under {url}")
+        self._sizes = np.array([int(infos[p].get("size") or 0) for p in self.paths], np.int64)
+        self._versions = [object_version(infos[p]) for p in self.paths]
 
-    def _info_size(self, path: str) -> int:
-        fs, _ = self._remote.fs()
-        try:
-            return int(fs.size(path) or 0)
-        except Exception as exc:
-            raise SourceError(f"cannot stat {self._remote.full_url(path)}: {exc}") from exc
+    def fingerprints(self) -> npt.NDArray[np.uint64]:
+        """Per sample: its path, size and version (ETag or modification time)."""
+        return np.array([_fingerprint(p, int(n), v) for p, n, v in
+                         zip(self.paths, self._sizes, self._versions, strict=True)], np.uint64)
+
+    def versioned(self) -> bool:
+        """Whether the listing tells rewritten objects apart (ETag or modification time)."""
+        return all(self._versions)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -174,6 +223,33 @@ class RangeSource:
         self._files = sorted(set(names))
         lookup = {name: i for i, name in enumerate(self._files)}
         self._file_of = np.array([lookup[p] for p in names], dtype=np.int32)
+        infos = self._remote.infos([self._path(i) for i in range(len(self._files))])
+        file_sizes = np.array([int(info.get("size") or 0) for info in infos], np.int64)
+        ends = self.offsets + self.lengths
+        beyond = np.flatnonzero(ends > file_sizes[self._file_of])
+        if len(beyond):
+            i = int(beyond[0])
+            raise ConfigError(f"sample {i}: bytes {self.offsets[i]}-{ends[i]} lie beyond the end "
+                              f"of {self._files[self._file_of[i]]} ({file_sizes[self._file_of[i]]}"
+                              f" bytes); {len(beyond)} samples do")
+        self._versions = [object_version(info) for info in infos]
+        self._file_fps = np.array([_fingerprint(f, int(n), v) for f, n, v in
+                                   zip(self._files, file_sizes, self._versions, strict=True)],
+                                  np.uint64)
+
+    def _path(self, file: int) -> str:
+        _, root = self._remote.fs()
+        return f"{root.rstrip('/')}/{self._files[file]}"
+
+    def fingerprints(self) -> npt.NDArray[np.uint64]:
+        """Per sample: its file's path, size and version, mixed with its offset and length."""
+        mix = (self.offsets.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+               ^ self.lengths.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
+        fps: npt.NDArray[np.uint64] = self._file_fps[self._file_of] ^ mix
+        return fps
+
+    def versioned(self) -> bool:
+        return all(self._versions)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -182,8 +258,7 @@ class RangeSource:
         return self.lengths
 
     def fetch(self, index: int) -> bytes:
-        _, root = self._remote.fs()
-        path = f"{root.rstrip('/')}/{self._files[self._file_of[index]]}"
+        path = self._path(int(self._file_of[index]))
         start = int(self.offsets[index])
         end = start + int(self.lengths[index])
         data = self._remote.cat(index, path, start, end)
@@ -198,9 +273,12 @@ class RangeSource:
 
 class DatasetSource:
     """Any map-style dataset whose items are bytes, arrays, tensors or containers of them;
-    items are cached with ``lcache.data.codec`` (never pickle)."""
+    items are cached with ``lcache.data.codec`` (never pickle).
 
-    SIZE_PROBES = 8
+    It has no listing, so it is identified by the full bytes of a fixed pseudo-random probe
+    of its items (``lcache.data.identity``), which also estimates the sizes and refuses a
+    dataset whose items differ between two reads (random augmentations).
+    """
 
     def __init__(self, dataset: Any, *, url: str | None = None) -> None:
         self.dataset = dataset
@@ -212,15 +290,14 @@ class DatasetSource:
                               "__getitem__)") from None
         if self._n == 0:
             raise ConfigError(f"{self.url} is empty")
-        probes = np.unique(np.linspace(0, self._n - 1, min(self._n, self.SIZE_PROBES),
-                                       dtype=np.int64))
-        self._mean = int(np.mean([len(self.fetch(int(i))) for i in probes]))
+        self.content, probed = probe_contents(self)
+        self._mean = int(np.mean(probed))
 
     def __len__(self) -> int:
         return self._n
 
     def sizes(self) -> npt.NDArray[np.int64]:
-        return np.full(self._n, self._mean, dtype=np.int64)  # an estimate from a few items
+        return np.full(self._n, self._mean, dtype=np.int64)  # an estimate from the probe
 
     def fetch(self, index: int) -> bytes:
         t0 = time.perf_counter_ns() if _trace._active is not None else 0

@@ -1,0 +1,205 @@
+"""What a cache directory caches, so it never serves one dataset's bytes for another's.
+
+``DIR/cache.json`` describes the source: its kind and URL, the user's ``name`` and
+``fingerprint``, and, for a source without a listing (a map-style dataset), a digest of the
+full bytes of a fixed pseudo-random probe of its items. Opening the directory for a source
+that differs in any of these is refused. ``DIR/listing.bin`` holds one fingerprint per sample
+of a source with a listing (path, size, ETag or modification time): samples whose
+fingerprint changed since they were cached are dropped when the cache is opened, and the
+log says which.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from lcache.errors import ConfigError
+from lcache.io import atomic_write, open_file
+
+log = logging.getLogger("lcache")
+
+FORMAT = 2  # format 1 (lcache 0.1) identified a dataset by its length and a size estimate
+PROBES = 32  # items whose full bytes identify a dataset without a listing
+REPEATS = 4  # of them read twice: a dataset with random items is refused
+COMPARED = ("kind", "source", "name", "fingerprint", "content")
+
+
+def probe_indices(n: int) -> list[int]:
+    """``PROBES`` items spread over ``0..n-1``: one at a pseudo-random place in each of
+    ``PROBES`` equal strata. A function of ``n`` alone, the same in every version (a hash, not
+    a random generator whose stream may change)."""
+    k = min(n, PROBES)
+    picks = []
+    for j in range(k):
+        lo, hi = j * n // k, (j + 1) * n // k
+        picks.append(lo + xxhash.xxh3_64_intdigest(f"lcache-probe:{n}:{j}".encode()) % (hi - lo))
+    return picks
+
+
+def probe_contents(source: Any) -> tuple[str, list[int]]:
+    """A digest of the full bytes of the items ``probe_indices`` picks, and their sizes.
+
+    Two opens of one dataset probe the same items. Raises ConfigError if an item differs
+    between two reads.
+    """
+    digest = xxhash.xxh3_128()
+    sizes = []
+    first: dict[int, bytes] = {}
+    for i in probe_indices(len(source)):
+        data = source.fetch(i)
+        digest.update(i.to_bytes(8, "little") + len(data).to_bytes(8, "little"))
+        digest.update(data)
+        sizes.append(len(data))
+        if len(first) < REPEATS:
+            first[i] = data
+    for i, data in first.items():
+        if source.fetch(i) != data:
+            raise ConfigError(
+                f"{source.url}: item {i} differs between two reads, so its items are random "
+                "(augmentations?) and caching them would replay one draw forever; cache the "
+                "deterministic part and apply random transforms in CachedDataset(transform=...), "
+                "which runs on every read")
+    return digest.hexdigest(), sizes
+
+
+@dataclass
+class Identity:
+    """What a source is, as far as a cache directory is concerned."""
+
+    doc: dict[str, Any]
+    listing: npt.NDArray[np.uint64] | None  # per-sample fingerprints, if it has a listing
+
+
+def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity:
+    doc: dict[str, Any] = {"kind": type(source).__name__, "source": source.url,
+                           "samples": len(source), "name": name, "fingerprint": fingerprint}
+    listing = source.fingerprints() if hasattr(source, "fingerprints") else None
+    if listing is None:
+        content = getattr(source, "content", None)
+        doc["content"] = content if isinstance(content, str) else probe_contents(source)[0]
+    elif not source.versioned():
+        log.warning("lcache: %s gives neither ETags nor modification times: an object "
+                    "rewritten with the same size cannot be told from the cached one; pass "
+                    "fingerprint= (a dataset version) to be safe", source.url)
+    return Identity(doc, listing)
+
+
+def _describe(doc: dict[str, Any]) -> str:
+    extra = "".join(f", {k} {doc[k]!r}" for k in ("name", "fingerprint") if doc.get(k))
+    return f"{doc.get('source')!r} ({doc.get('samples')} samples{extra})"
+
+
+@dataclass
+class Opened:
+    """The outcome of checking a directory: the cache id (a new one when the directory is
+    new, reset or had samples invalidated), and the samples to drop from the store."""
+
+    cache_id: str
+    reset: bool  # the store's contents are of unknown origin: drop them all
+    changed: npt.NDArray[np.int64]
+
+
+class DirectoryIdentity:
+    """``DIR/cache.json`` and ``DIR/listing.bin``, read and updated under ``DIR/cache.lock``."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self.json_path = os.path.join(cache_dir, "cache.json")
+        self.listing_path = os.path.join(cache_dir, "listing.bin")
+
+    @contextmanager
+    def check(self, ident: Identity, check_listing: bool) -> Iterator[Opened]:
+        """Compare ``ident`` with what the directory caches; the caller drops what the
+        yielded ``Opened`` says, then the new identity is published (all under a lock that
+        every rank and process opening the directory takes, so one of them does it)."""
+        fd = open_file(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            stored = self._load()
+            if stored is None:
+                opened = Opened(os.urandom(8).hex(), True, np.zeros(0, np.int64))
+            else:
+                self._refuse_other_source(stored, ident.doc)
+                changed = self._changed(ident.listing) if check_listing else np.zeros(0, np.int64)
+                # A new id when samples change: the staging area (in /dev/shm, named by the
+                # id) of an earlier run may still hold their old bytes.
+                cache_id = os.urandom(8).hex() if len(changed) else str(stored["id"])
+                opened = Opened(cache_id, False, changed)
+            yield opened
+            if opened.reset or len(opened.changed) or stored is None or (
+                    ident.listing is not None and not check_listing and
+                    not os.path.exists(self.listing_path)):
+                self._publish(ident, opened.cache_id)
+        finally:
+            os.close(fd)
+
+    def _load(self) -> dict[str, Any] | None:
+        """The stored identity, or None if there is none this version can trust."""
+        try:
+            fd = open_file(self.json_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            raw = os.read(fd, 1 << 20)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or "id" not in doc:
+            log.warning("lcache: %s was written by an older lcache or is damaged; the "
+                        "samples cached there are dropped", self.json_path)
+            return None
+        return doc
+
+    def _refuse_other_source(self, stored: dict[str, Any], doc: dict[str, Any]) -> None:
+        differs = [k for k in COMPARED if stored.get(k) != doc.get(k)]
+        if "content" in doc and stored.get("samples") != doc["samples"]:
+            differs.append("samples")
+        if not differs:
+            return
+        why = ("the contents of its items differ" if differs == ["content"]
+               else "its " + ", ".join(differs) + " differ")
+        raise ConfigError(
+            f"{self.cache_dir} caches {_describe(stored)}, not {_describe(doc)} ({why}); "
+            "use another cache directory (one per dataset and split) or delete it")
+
+    def _changed(self, listing: npt.NDArray[np.uint64] | None) -> npt.NDArray[np.int64]:
+        """Samples whose fingerprint changed (or that were added or removed)."""
+        if listing is None:
+            return np.zeros(0, np.int64)
+        try:
+            fd = open_file(self.listing_path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                old = np.frombuffer(os.pread(fd, size, 0), "<u8") if size % 8 == 0 else None
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            old = None
+        if old is None:  # unknown: every cached sample is suspect
+            return np.arange(len(listing), dtype=np.int64)
+        common = min(len(old), len(listing))
+        changed = np.flatnonzero(old[:common] != listing[:common])
+        tail = np.arange(common, max(len(old), len(listing)), dtype=np.int64)
+        return np.concatenate([changed, tail]).astype(np.int64)
+
+    def _publish(self, ident: Identity, cache_id: str) -> None:
+        # The listing first: cache.json is what makes the directory's contents trusted.
+        if ident.listing is not None:
+            atomic_write(self.listing_path, ident.listing.astype("<u8").tobytes(),
+                         io_class="cache-meta")
+        doc = {"format": FORMAT, "id": cache_id, **ident.doc}
+        atomic_write(self.json_path, json.dumps(doc, indent=1).encode(), io_class="cache-meta")

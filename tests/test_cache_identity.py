@@ -1,0 +1,224 @@
+"""A cache directory serves only the source it was made for: never another dataset's bytes,
+never an object's bytes from before it was rewritten (issue 10, item 1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from lcache.data import CachedDataset, RangeSource
+from lcache.data.identity import PROBES, probe_indices
+from lcache.errors import ConfigError, StorePermissionError
+from lcache.testing.remote import ThrottledServer
+
+CAPACITY = "16MiB"
+
+
+class Split:
+    """A map-style dataset of ``n`` items of ``size`` bytes; ``seed`` picks the contents."""
+
+    def __init__(self, seed: int, n: int = 400, size: int = 512, odd: int = -1) -> None:
+        self.seed, self.n, self.size, self.odd = seed, n, size, odd
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        seed = self.seed + 1000 if i == self.odd else self.seed
+        return random.Random(seed * 1_000_003 + i).randbytes(self.size)
+
+
+class Augmented(Split):
+    def __getitem__(self, i: int) -> bytes:
+        return random.randbytes(self.size)  # a fresh draw each read
+
+
+def _files(root: Path, n: int, size: int = 1000, seed: int = 0) -> list[bytes]:
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        data = random.Random(seed * 7919 + i).randbytes(size)
+        (root / f"s{i:04d}.bin").write_bytes(data)
+        out.append(data)
+    return out
+
+
+def _rewrite_keeping_mtime(path: Path, data: bytes) -> None:
+    """Same size, same modification time: only the inode change time tells."""
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _fetches(ds: CachedDataset) -> int:
+    return int(ds.stats()["fetches"])
+
+
+# ----------------------------------------------------------------------- datasets
+def test_two_splits_of_one_class_and_size_never_share_a_directory(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    train, val = Split(0), Split(1)
+    ds = CachedDataset(train, cache, CAPACITY)
+    assert [ds[i] for i in range(400)] == [train[i] for i in range(400)]
+    ds.cache.close()
+    with pytest.raises(ConfigError) as info:
+        CachedDataset(val, cache, CAPACITY)
+    message = str(info.value)
+    assert "the contents of its items differ" in message and "one per dataset" in message
+    again = CachedDataset(Split(0), cache, CAPACITY)  # the same data is welcome back
+    assert again[7] == train[7] and _fetches(again) == 400
+
+
+def test_a_change_outside_the_probe_needs_a_fingerprint(tmp_path: Path) -> None:
+    unprobed = next(i for i in range(400) if i not in probe_indices(400))
+    cache = tmp_path / "cache"
+    CachedDataset(Split(0), cache, CAPACITY, fingerprint="v1").cache.close()
+    with pytest.raises(ConfigError, match="its fingerprint differ"):
+        CachedDataset(Split(0, odd=unprobed), cache, CAPACITY, fingerprint="v2")
+    with pytest.raises(ConfigError, match="its name differ"):
+        CachedDataset(Split(0), cache, CAPACITY, fingerprint="v1", name="val")
+
+
+def test_probe_reads_tens_of_items_spread_over_the_dataset() -> None:
+    picks = probe_indices(10_000)
+    assert len(picks) == PROBES >= 16 and picks == sorted(set(picks))
+    assert picks[0] < 10_000 // PROBES and picks[-1] >= 10_000 - 10_000 // PROBES
+    assert probe_indices(10_000) == picks and probe_indices(10_001) != picks
+    assert probe_indices(5) == [0, 1, 2, 3, 4]
+
+
+def test_a_dataset_with_random_items_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"differs between two reads.*transform="):
+        CachedDataset(Augmented(0), tmp_path / "cache", CAPACITY)
+    assert not (tmp_path / "cache").exists()
+
+
+# ----------------------------------------------------------------------- listings
+def test_object_rewritten_with_same_size_and_mtime_is_fetched_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    ds = CachedDataset(str(data), cache, CAPACITY)
+    assert [ds[i] for i in range(20)] == files
+    ds.cache.close()
+    new = random.Random(99).randbytes(1000)
+    _rewrite_keeping_mtime(data / "s0003.bin", new)
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        again = CachedDataset(str(data), cache, CAPACITY)
+    assert again.cache.invalidated == 1
+    assert "1 cached samples" in caplog.text and "s0003.bin" in caplog.text
+    assert [again[i] for i in range(20)] == [*files[:3], new, *files[4:]]
+    assert _fetches(again) == 21  # 20 in the first open, then only the rewritten one
+
+
+def test_files_added_before_the_others_shift_every_index(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 10)
+    ds = CachedDataset(str(data), cache, CAPACITY)
+    assert [ds[i] for i in range(10)] == files
+    ds.cache.close()
+    (data / "a-first.bin").write_bytes(b"first")
+    (data / "s0009.bin").unlink()
+    again = CachedDataset(str(data), cache, CAPACITY)
+    assert [again[i] for i in range(10)] == [b"first", *files[:9]]
+
+
+def test_check_off_trusts_the_cached_listing(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 5)
+    ds = CachedDataset(str(data), cache, CAPACITY, check=False)
+    assert ds[2] == files[2]
+    ds.cache.close()
+    _rewrite_keeping_mtime(data / "s0002.bin", bytes(1000))
+    trusting = CachedDataset(str(data), cache, CAPACITY, check=False)
+    assert trusting.cache.invalidated == 0 and trusting[2] == files[2]  # as documented
+    trusting.cache.close()
+    checking = CachedDataset(str(data), cache, CAPACITY)
+    assert checking.cache.invalidated == 1 and checking[2] == bytes(1000)
+
+
+def test_range_source_file_rewritten(tmp_path: Path) -> None:
+    big = tmp_path / "tokens.bin"
+    old = random.Random(1).randbytes(4000)
+    big.write_bytes(old)
+    cache = tmp_path / "cache"
+
+    def source() -> RangeSource:
+        return RangeSource(str(tmp_path), "tokens.bin", range(0, 4000, 1000), [1000] * 4)
+
+    ds = CachedDataset(source(), cache, CAPACITY)
+    assert [ds[i] for i in range(4)] == [old[i:i + 1000] for i in range(0, 4000, 1000)]
+    ds.cache.close()
+    new = random.Random(2).randbytes(4000)
+    _rewrite_keeping_mtime(big, new)
+    again = CachedDataset(source(), cache, CAPACITY)
+    assert again.cache.invalidated == 4
+    assert [again[i] for i in range(4)] == [new[i:i + 1000] for i in range(0, 4000, 1000)]
+
+
+def test_http_object_rewritten_with_same_size(tmp_path: Path) -> None:
+    root, cache = tmp_path / "srv", tmp_path / "cache"
+    files = _files(root / "d", 6)
+    with ThrottledServer(str(root)) as server:
+        url = server.url + "/d/"
+        ds = CachedDataset(url, cache, CAPACITY)
+        assert [ds[i] for i in range(6)] == files
+        ds.cache.close()
+        path = root / "d" / "s0001.bin"
+        st = path.stat()
+        path.write_bytes(bytes(1000))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))  # Last-Modified: 1 s
+        again = CachedDataset(url, cache, CAPACITY)
+        assert again.cache.invalidated == 1 and again[1] == bytes(1000) and again[0] == files[0]
+
+
+def test_directory_of_an_older_lcache_is_dropped(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "cache"
+    ds = CachedDataset(Split(0, n=50), cache, CAPACITY)
+    assert ds[0] == Split(0, n=50)[0]
+    ds.cache.close()
+    # What lcache 0.1 wrote: a class name, a length and a size estimate.
+    (cache / "cache.json").write_text(json.dumps(
+        {"source": "dataset:Split", "samples": 50, "sizes_xxh3": "0", "id": "00"}))
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        other = CachedDataset(Split(1, n=50), cache, CAPACITY)
+    assert "older lcache" in caplog.text
+    assert other[0] == Split(1, n=50)[0] and other.cache.store().stats()["live_keys"] == 1
+
+
+# ----------------------------------------------------------------------- the directory
+def test_store_symlink_inside_the_cache_is_refused(tmp_path: Path) -> None:
+    other = CachedDataset([b"a", b"b"], tmp_path / "other", CAPACITY)
+    other.cache.close()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "store").symlink_to(tmp_path / "other" / "store")
+    with pytest.raises(StorePermissionError, match="symbolic link"):
+        CachedDataset([b"x", b"y"], cache, CAPACITY)
+
+
+def test_segment_smaller_than_a_sample_is_refused_up_front(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _files(data, 3, size=300 << 10)
+    with pytest.raises(ConfigError, match="cannot hold the largest sample"):
+        CachedDataset(str(data), tmp_path / "cache", "64MiB", segment_size="256KiB")
+
+
+def test_dataset_item_larger_than_a_segment_is_served_uncached(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    large = next(i for i in range(400) if i not in probe_indices(400))
+    items = [b"s" * 1000] * 400  # the probe sees small items only
+    items[large] = b"L" * (3 << 20)
+    ds = CachedDataset(items, tmp_path / "cache", "64MiB")
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        assert ds[large] == items[large] and ds[large] == items[large]
+    assert caplog.text.count("larger than a segment") == 1
+    small = probe_indices(400)[0]
+    assert large not in ds.cache.store()
+    assert ds[small] == items[small] and small in ds.cache.store()
