@@ -67,7 +67,9 @@ def ensure_root(root: str) -> None:
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
+    """Whether ``path`` has a manifest entry (of any kind: a link or a FIFO there is a damaged
+    checkpoint, listed as such, not an unfinished save)."""
+    return os.path.lexists(os.path.join(path, MANIFEST))
 
 
 def open_staging(root: str, name: str) -> tuple[str, int]:

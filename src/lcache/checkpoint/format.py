@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,17 @@ ALIGN = 4096  # every array starts at a multiple of this in its data file (O_DIR
 _PLAIN = (type(None), bool, int, float, str)
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
+
+
 def data_file_name(rank: int) -> str:
     return f"rank{rank:05d}.data"
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` can only name a file in the checkpoint's own directory (no ``/``,
+    ``..``, hidden names or control characters)."""
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
 
 
 def checksum(buf: Any) -> str:

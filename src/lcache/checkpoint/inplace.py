@@ -24,7 +24,7 @@ import xxhash
 
 from lcache.checkpoint.errors import CorruptionError, StateMismatchError
 from lcache.checkpoint.format import MANIFEST, ArrayRef, decode_tree, numpy_dtype, torch_dtype
-from lcache.checkpoint.persist import CHUNK, IO_CLASS, _open
+from lcache.checkpoint.persist import CHUNK, IO_CLASS, open_data_file
 from lcache.io import pread_full
 
 # chunk buffers kept for the process's later loads: reused memory costs no page faults
@@ -143,10 +143,6 @@ def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like:
     dests: list[Any] = [None] * len(refs)
     _pair(skeleton, like, dests)
     targets = [_Target(r, d) for r, d in zip(refs, dests, strict=True)]
-    size = os.path.getsize(data_path) if os.path.isfile(data_path) else -1
-    if size < nbytes:
-        raise CorruptionError(f"data file {data_path} is {max(size, 0)} bytes, the manifest "
-                              f"says {nbytes}: it is missing or truncated")
     _stream(data_path, nbytes, targets, verify, direct, queue_depth)
     return decode_tree(tree, [t.result for t in targets], where)
 
@@ -178,7 +174,7 @@ def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[Any],
     slots = len(ring) // CHUNK
     view = memoryview(ring)
     base = int(np.frombuffer(ring, dtype=np.uint8).ctypes.data)
-    fd, _ = _open(data_path, os.O_RDONLY, direct)
+    fd, _ = open_data_file(data_path, nbytes, direct)  # checked before any byte is copied
     inflight: collections.deque[tuple[int, int, Future[int]]] = collections.deque()
     try:
         with ThreadPoolExecutor(queue_depth, thread_name_prefix="lcache-ckpt-load") as pool:

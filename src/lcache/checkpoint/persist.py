@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lcache.checkpoint.format import ALIGN, ArrayRef, checksum
-from lcache.errors import ConfigError
+from lcache.errors import ConfigError, CorruptionError
 from lcache.io import IOEngine, ReadRequest, open_file, pread_full, pwrite_full, sync_fd
 
 IO_CLASS = "checkpoint"
@@ -33,6 +34,42 @@ def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
         except ConfigError:  # tmpfs and some network filesystems refuse O_DIRECT
             pass
     return open_file(path, flags), False
+
+
+def open_member(path: str, what: str, direct: bool = False) -> tuple[int, bool, int]:
+    """Open a file of a checkpoint for reading; returns (fd, direct, size).
+
+    A symbolic link is refused, not followed (``open_file`` adds O_NOFOLLOW), and so is
+    anything but a regular file, opened with O_NONBLOCK so that a FIFO cannot hang the load:
+    a crafted checkpoint cannot make a load read outside its directory.
+
+    Raises:
+        CorruptionError: the file is missing, a symbolic link, or not a regular file.
+    """
+    try:
+        fd, used_direct = _open(path, os.O_RDONLY | os.O_NONBLOCK, direct)
+    except FileNotFoundError as exc:
+        raise CorruptionError(f"{what} {path} is missing; the checkpoint is damaged") from exc
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptionError(f"{what} {path} is a symbolic link; a checkpoint's files never "
+                              "are, so it is refused, not followed") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptionError(f"{what} {path} is not a regular file; the checkpoint is damaged")
+    return fd, used_direct, st.st_size
+
+
+def open_data_file(path: str, nbytes: int, direct: bool) -> tuple[int, bool]:
+    """``open_member`` for a data file that must hold at least ``nbytes``: (fd, direct)."""
+    fd, used_direct, size = open_member(path, "data file", direct)
+    if size < nbytes:
+        os.close(fd)
+        raise CorruptionError(f"data file {path} is {size} bytes, the manifest says {nbytes}: "
+                              "it was truncated")
+    return fd, used_direct
 
 
 def _write_all(fd: int, data: memoryview, queue_depth: int) -> None:
@@ -90,12 +127,11 @@ def _checksums(data: memoryview, arrays: list[ArrayRef]) -> None:
 
 
 def read_small_file(path: str, limit: int = 1 << 30) -> bytes:
-    """A whole (manifest-sized) file through ``lcache.io``."""
-    fd = open_file(path, os.O_RDONLY)
+    """A whole (manifest-sized) file through ``lcache.io`` (see ``open_member``)."""
+    fd, _, size = open_member(path, "manifest")
     try:
-        size = os.fstat(fd).st_size
         if size > limit:
-            raise ConfigError(f"{path} is {size} bytes, more than a manifest can be")
+            raise CorruptionError(f"{path} is {size} bytes, more than a manifest can be")
         buf = bytearray(size)
         got = pread_full(fd, 0, memoryview(buf), IO_CLASS)
         return bytes(buf[:got])
@@ -108,17 +144,21 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
                    ) -> tuple[np.ndarray[Any, Any], int]:
     """Read the first ``nbytes`` of ``path`` into a new page-aligned array.
 
-    Returns (array of ``align_up(nbytes)`` bytes, bytes actually read: short when truncated).
+    Returns (array of ``align_up(nbytes)`` bytes, bytes actually read: short only if the file
+    shrank while it was read).
     Each load gets its own buffer: the loaded arrays are views of it, with no further copy.
     ``on_chunk(array, k)`` runs in an I/O thread once chunk ``k`` (``CHUNK`` bytes at
     ``k * CHUNK``) is in, so checksums overlap the reads still in flight.
+
+    Raises:
+        CorruptionError: the file is missing, not a regular file, or shorter than ``nbytes``.
     """
     padded = -(-nbytes // ALIGN) * ALIGN
     # An engine per load, closed after it: a shared one would have to be swapped under a lock
     # when the queue depth changes, without stopping another load's threads; a few threads
     # started per load cost far less than the load.
     engine = IOEngine(queue_depth)
-    fd, used_direct = _open(path, os.O_RDONLY, direct)
+    fd, used_direct = open_data_file(path, nbytes, direct)
     try:
         buf = mmap.mmap(-1, max(padded, ALIGN))
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -134,7 +174,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
             os.close(fd)
-            fd, used_direct = _open(path, os.O_RDONLY, False)
+            fd, used_direct = open_data_file(path, nbytes, False)
             for req in requests:
                 req.fd = fd
             got = engine.read_batch(requests, IO_CLASS, done)

@@ -29,6 +29,7 @@ from lcache.checkpoint.format import (
     checksum,
     decode_tree,
     expected_nbytes,
+    is_plain_name,
     numpy_dtype,
     parse_manifest,
     torch_dtype,
@@ -47,7 +48,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = os.fspath(path)
     where = os.path.join(path, MANIFEST)
-    if not os.path.isfile(where):
+    if not os.path.lexists(where):
         hint = ("a directory without manifest.json is an unfinished save"
                 if os.path.isdir(path) else "no such directory")
         raise CheckpointNotFoundError(f"no complete checkpoint at {path} ({hint}); "
@@ -56,6 +57,11 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     shards = body.get("shards")
     if not isinstance(shards, list) or len(shards) != body.get("world_size") or not shards:
         raise CorruptionError(f"{where}: shard list does not match world_size")
+    for shard in shards:
+        fname = shard.get("file") if isinstance(shard, dict) else None
+        if not is_plain_name(fname):
+            raise CorruptionError(f"{where}: invalid data file name {fname!r:.80}: a plain "
+                                  "name in the checkpoint's directory was expected")
     return body
 
 
@@ -63,12 +69,12 @@ def _shard_refs(path: str, shard: Any) -> tuple[str, int, list[ArrayRef], Any]:
     """(data file path, padded size, arrays, tree) of one shard entry, validated."""
     where = os.path.join(path, MANIFEST)
     try:
-        fname, nbytes, tree = str(shard["file"]), int(shard["data_bytes"]), shard["tree"]
+        fname, nbytes, tree = shard["file"], int(shard["data_bytes"]), shard["tree"]
         refs = [ArrayRef.from_json(a, where) for a in shard["arrays"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptionError(f"{where}: malformed shard entry ({exc!r:.200})") from exc
-    if os.sep in fname or fname.startswith(".") or nbytes % ALIGN or nbytes < 0:
-        raise CorruptionError(f"{where}: invalid data file entry {fname!r:.80}")
+    if nbytes % ALIGN or nbytes < 0:
+        raise CorruptionError(f"{where}: invalid data file size {nbytes!r:.80}")
     for ref in refs:
         if ref.offset % ALIGN or ref.offset + ref.nbytes > nbytes:
             raise CorruptionError(f"{where}: array {ref.key!r} lies outside {fname}")
@@ -205,12 +211,6 @@ class _ChunkHasher:
 
 def _read_checked(data_path: str, nbytes: int, hasher: _ChunkHasher | None = None
                   ) -> np.ndarray[Any, Any]:
-    if not os.path.isfile(data_path):
-        raise CorruptionError(f"data file {data_path} is missing; the checkpoint is damaged")
-    size = os.path.getsize(data_path)
-    if size < nbytes:
-        raise CorruptionError(f"data file {data_path} is {size} bytes, the manifest says "
-                              f"{nbytes}: it was truncated")
     buf, got = read_data_file(data_path, nbytes,
                               on_chunk=None if hasher is None else hasher.chunk_done)
     if got < nbytes:
@@ -334,10 +334,6 @@ def verify(path: str | os.PathLike[str], progress: Callable[[int], None] | None 
             data_path, nbytes, refs, tree = _shard_refs(path, shard)
             report.arrays += len(refs)
             report.data_bytes += nbytes
-            size = os.path.getsize(data_path) if os.path.isfile(data_path) else -1
-            if size < nbytes:
-                raise CorruptionError(f"data file {data_path} is {max(size, 0)} bytes, the "
-                                      f"manifest says {nbytes}: it is missing or truncated")
             sums = stream_checksums(data_path, nbytes, refs, progress=progress)
             for ref, got in zip(refs, sums, strict=True):
                 if got != ref.xxh3:

@@ -10,8 +10,9 @@ import os
 from typing import Any
 
 from lcache.checkpoint.format import MANIFEST
-from lcache.checkpoint.persist import CHUNK
-from lcache.io import open_file, pread_full
+from lcache.checkpoint.persist import CHUNK, open_member
+from lcache.checkpoint.restore import read_manifest
+from lcache.io import pread_full
 
 IO_CLASS = "checkpoint-upload"
 
@@ -24,12 +25,13 @@ def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | Non
     fs, base = fsspec.core.url_to_fs(url, **(storage_options or {}))
     name = os.path.basename(path.rstrip(os.sep))
     dest = f"{base.rstrip('/')}/{name}"
+    # the files the manifest names (checked plain names), nothing else found in the directory
+    files = sorted({shard["file"] for shard in read_manifest(path)["shards"]})
     fs.makedirs(dest, exist_ok=True)
-    files = sorted(f for f in os.listdir(path) if f != MANIFEST and not f.startswith("."))
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     for fname in [*files, MANIFEST]:
-        fd = open_file(os.path.join(path, fname), os.O_RDONLY)
+        fd, _, _ = open_member(os.path.join(path, fname), "checkpoint file")
         try:
             with fs.open(f"{dest}/{fname}", "wb") as out:
                 offset = 0
