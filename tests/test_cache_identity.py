@@ -203,6 +203,26 @@ def test_store_symlink_inside_the_cache_is_refused(tmp_path: Path) -> None:
         CachedDataset([b"x", b"y"], cache, CAPACITY)
 
 
+@pytest.mark.parametrize("name", ["counters.bin", "claims", "cache.json", "listing.bin"])
+def test_no_file_of_the_cache_follows_a_symlink(tmp_path: Path, name: str) -> None:
+    cache, target = tmp_path / "cache", tmp_path / "target"
+    first = CachedDataset(str(_make_dir(tmp_path / "data")), cache, CAPACITY)
+    assert first[0] and first[1]
+    first.cache.close()
+    target.write_bytes(b"precious")
+    (cache / name).unlink()
+    (cache / name).symlink_to(target)
+    with pytest.raises(OSError, match="symbolic links"):
+        ds = CachedDataset(str(tmp_path / "data"), cache, CAPACITY)
+        ds[2]  # a miss: claimed, fetched, counted
+    assert target.read_bytes() == b"precious"
+
+
+def _make_dir(root: Path) -> Path:
+    _files(root, 3)
+    return root
+
+
 def test_segment_smaller_than_a_sample_is_refused_up_front(tmp_path: Path) -> None:
     data = tmp_path / "data"
     _files(data, 3, size=300 << 10)

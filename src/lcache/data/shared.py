@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from lcache.io import open_file
+
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
                  "corrupt_refetches", "admit_failures", "deleted", "served_bytes")
 log = logging.getLogger("lcache")
@@ -49,7 +51,7 @@ class FetchClaims:
                 return
             # Why one descriptor per process: closing any descriptor of a file drops all of
             # the process's lockf locks on it.
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
             self._mu = threading.Lock()
             self._locks: dict[int, list[object]] = {}
             self._pid = os.getpid()
@@ -104,7 +106,7 @@ class SharedCounters:
     def _table(self) -> Any:
         """The counter file, mapped once per path and kept for the process's life; a forked
         child keeps using the (shared) mapping it inherited."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
         key = (self.path, os.fstat(fd).st_ino)  # a recreated file is another table
         table = _TABLES.get(key)
         if table is not None:
@@ -136,7 +138,7 @@ class SharedCounters:
 
     def _claim(self, table: Any) -> Any:
         """A slot whose owner (pid in its last word) is gone, taken under a brief flock."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_file(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             for slot in table:
