@@ -253,7 +253,7 @@ def test_crafted_manifest_cannot_reach_outside(tmp_path: Path) -> None:
     """A manifest pointing at another file, a bogus dtype or an out-of-range offset is
     refused with CorruptionError (and nothing is ever unpickled)."""
     path = Path(ck.save({"x": torch.ones(10)}, tmp_path / "c" / "s"))
-    from lcache.checkpoint.format import dump_manifest
+    from lcache.checkpoint.manifest import dump_manifest
 
     body = ck.read_manifest(path)
     for mutate, needle in [

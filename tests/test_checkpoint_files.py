@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lcache import checkpoint as ck
-from lcache.checkpoint.format import dump_manifest
+from lcache.checkpoint.manifest import dump_manifest
 from lcache.errors import CorruptionError
 
 STATE = {"w": np.arange(5000, dtype=np.float32), "step": 3}

@@ -25,7 +25,8 @@ from typing import Any
 from lcache.checkpoint import dirs
 from lcache.checkpoint.dist import all_gather, broadcast, rank_and_world
 from lcache.checkpoint.errors import CheckpointFailedError, ConfigError
-from lcache.checkpoint.format import data_file_name, dump_manifest
+from lcache.checkpoint.format import data_file_name
+from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
 
@@ -73,7 +74,7 @@ class CheckpointHandle:
         self._shard: dict[str, Any] | None = None
         self._settled = False
         self._observed = False
-        self._meta: dict[str, Any] = options.get("meta") or {}
+        self._meta: dict[str, Any] = options["meta"]
 
     # --- public -------------------------------------------------------------------------
     def done(self) -> bool:
@@ -134,11 +135,16 @@ class CheckpointHandle:
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
             fname = data_file_name(self.rank)
+            shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
+                     "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
+            for entry in shard["arrays"]:
+                entry["xxh3"] = "0" * 16  # a checksum's length: the size check is exact
+            check_manifest_room(shard, self.world, self._meta)  # before any byte is written
             self.direct = write_data_file(
                 os.path.join(dirs.staging_dir(self.root, self.name), fname), snap.data, snap.arrays,
                 direct=self._options["direct"], queue_depth=self._options["queue_depth"])
-            self._shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
-                           "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
+            shard["arrays"] = [r.to_json() for r in snap.arrays]  # with their checksums now
+            self._shard = shard
             self.data_bytes = snap.nbytes
             self.state = CkptState.PERSISTED
             self.persist_s = time.perf_counter() - t0
@@ -250,12 +256,15 @@ class Checkpointer:
         Args:
             state: nested dicts/lists/tuples of tensors, numpy arrays and plain values.
             path: the checkpoint directory to create, e.g. ``ckpts/step-000100``.
-            meta: small JSON-able facts stored in the manifest (shown by ``lcache ckpt ls``).
+            meta: a small dict of JSON values stored in the manifest (shown by
+                ``lcache ckpt ls``); checked here (``ConfigError``).
             **overrides: any constructor option for this save only.
 
         Raises:
-            UnsupportedValueError: a value in ``state`` cannot be saved (single process; in
-                multi-rank runs every rank gets the error from ``wait()``).
+            UnsupportedValueError: a value in ``state`` cannot be saved, or the state is
+                nested too deep (single process; in multi-rank runs every rank gets the error
+                from ``wait()``). A state whose manifest would be too large fails in
+                ``wait()``, before its data is written.
             CheckpointExistsError: ``path`` holds a complete checkpoint already.
         """
         t0 = time.perf_counter()
@@ -263,7 +272,7 @@ class Checkpointer:
         if unknown:
             raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
                               f"known: {sorted(self._defaults)}")
-        options = {**self._defaults, **overrides, "meta": meta}
+        options = {**self._defaults, **overrides, "meta": check_meta(meta)}
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
         self.wait_pending()

@@ -1,4 +1,5 @@
-"""The on-disk format: a JSON manifest plus raw data files, and the state-tree encoding.
+"""The on-disk format: a JSON manifest plus raw data files, and the state-tree encoding
+(the manifest file itself: ``manifest.py``).
 
 A checkpoint is a directory::
 
@@ -14,7 +15,6 @@ can raise, never run code.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -25,11 +25,13 @@ import xxhash
 
 from lcache.errors import CorruptionError
 
-FORMAT = "lcache-checkpoint"
-VERSION = 1
 MANIFEST = "manifest.json"
 ALIGN = 4096  # every array starts at a multiple of this in its data file (O_DIRECT reads)
+MAX_STATE_DEPTH = 100  # levels of nested containers in a state (optimizer states use ~5)
+MAX_DIMS = 64  # numpy's limit; torch's is lower
 _PLAIN = (type(None), bool, int, float, str)
+_WIDE = 64  # ints of more bits are stored as hex: JSON readers (and CPython's, past 4300
+# decimal digits) cannot take every int, and hex converts in linear time
 
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
@@ -80,16 +82,43 @@ class ArrayRef:
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> ArrayRef:
-        try:
-            ref = cls(str(doc["key"]), str(doc["kind"]), str(doc["dtype"]),
-                      [int(d) for d in doc["shape"]], int(doc["offset"]), int(doc["nbytes"]),
-                      str(doc["xxh3"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptionError(f"{where}: malformed array entry {doc!r:.200}") from exc
-        if ref.kind not in ("torch", "numpy", "npscalar") or ref.offset < 0 or ref.nbytes < 0 \
-                or any(d < 0 for d in ref.shape):
-            raise CorruptionError(f"{where}: invalid array entry for {ref.key!r}")
+        """The entry ``doc`` of a manifest's array table, every field checked.
+
+        Raises:
+            CorruptionError: a missing field, a value of the wrong type or out of range.
+        """
+        fields = ("key", "kind", "dtype", "shape", "offset", "nbytes", "xxh3")
+        if not isinstance(doc, dict) or any(f not in doc for f in fields):
+            raise CorruptionError(f"{where}: malformed array entry {_short(doc)}")
+        ref = cls(*(doc[f] for f in fields))
+        text = all(isinstance(v, str) for v in (ref.key, ref.kind, ref.dtype, ref.xxh3))
+        if not text or ref.kind not in ("torch", "numpy", "npscalar"):
+            raise CorruptionError(f"{where}: malformed array entry {_short(doc)}")
+        if not isinstance(ref.shape, list) or len(ref.shape) > MAX_DIMS or not all(
+                _is_size(d) for d in ref.shape):
+            raise CorruptionError(f"{where}: invalid shape for array {ref.key!r:.200}: a list "
+                                  f"of at most {MAX_DIMS} sizes was expected")
+        if not (_is_size(ref.offset) and _is_size(ref.nbytes)):
+            raise CorruptionError(f"{where}: invalid offset or size for array {ref.key!r:.200}")
         return ref
+
+
+def _is_size(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _short(value: Any) -> str:
+    """``repr`` of a manifest value for an error message, cut short (and safe for any int)."""
+    try:
+        return f"{value!r:.200}"
+    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
+        return f"<{type(value).__name__}>"
+
+
+def key_text(key: Any) -> str:
+    """A state key as it appears in paths and messages (hex for ints beyond 64 bits, whose
+    decimal form CPython may refuse to build)."""
+    return hex(key) if type(key) is int and key.bit_length() > _WIDE else str(key)
 
 
 # --- the state tree ------------------------------------------------------------------------
@@ -99,18 +128,25 @@ def _is_torch_tensor(value: Any) -> bool:
     return mod.startswith("torch") and hasattr(value, "untyped_storage")
 
 
-def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "") -> Any:
+def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "", depth: int = 0) -> Any:
     """The JSON form of ``value``; arrays are appended to ``arrays`` (offsets set later).
 
     Raises:
-        TypeError (ConfigError): a value that cannot be saved, naming its key.
+        UnsupportedValueError (a TypeError): a value that cannot be saved, naming its key;
+            or a state nested more than ``MAX_STATE_DEPTH`` levels (or holding itself).
     """
     from lcache.checkpoint.errors import UnsupportedValueError
 
     where = path or "<root>"
+    if depth > MAX_STATE_DEPTH:
+        raise UnsupportedValueError(
+            f"cannot checkpoint {where[:200]}: the state is nested more than {MAX_STATE_DEPTH} "
+            "levels deep (or a list or dict holds itself); flatten it")
     if value is None or isinstance(value, (bool, str)):
         return {"t": "plain", "v": value}
-    if isinstance(value, int) and type(value) is int:
+    if type(value) is int:
+        if value.bit_length() > _WIDE:
+            return {"t": "int", "v": hex(value)}
         return {"t": "plain", "v": value}
     if isinstance(value, float) and type(value) is float:
         # hex keeps every bit (NaN, inf, -0.0 included), which JSON numbers cannot
@@ -130,31 +166,45 @@ def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "") -> Any:
         for k, v in value.items():
             if isinstance(k, str):
                 keys.append(k)
-            elif type(k) is int:
-                keys.append({"int": k})  # optimizer.state_dict() keys its state by param id
+            elif type(k) is int:  # optimizer.state_dict() keys its state by param id
+                keys.append({"int": hex(k) if k.bit_length() > _WIDE else k})
             else:
                 raise UnsupportedValueError(
-                    f"state key {k!r} ({type(k).__name__}) under {where} is not a str or int; "
-                    "use str or int dict keys")
-            items.append(encode_tree(v, arrays, f"{path}/{k}" if path else str(k)))
+                    f"state key {_short(k)} ({type(k).__name__}) under {where} is not a str "
+                    "or int; use str or int dict keys")
+            name = key_text(k)
+            items.append(encode_tree(v, arrays, f"{path}/{name}" if path else name, depth + 1))
         doc: dict[str, Any] = {"t": "odict" if isinstance(value, collections.OrderedDict)
                                else "dict", "k": keys, "v": items}
         meta = getattr(value, "_metadata", None)  # nn.Module.state_dict()'s version table
         if isinstance(meta, dict):
-            doc["meta"] = encode_tree(meta, arrays, f"{path}/<_metadata>")
+            doc["meta"] = encode_tree(meta, arrays, f"{path}/<_metadata>", depth + 1)
         return doc
     if isinstance(value, (list, tuple)):
         kind = "tuple" if isinstance(value, tuple) else "list"
-        return {"t": kind, "v": [encode_tree(v, arrays, f"{path}/{i}" if path else str(i))
-                                 for i, v in enumerate(value)]}
+        return {"t": kind, "v": [encode_tree(v, arrays, f"{path}/{i}" if path else str(i),
+                                             depth + 1) for i, v in enumerate(value)]}
     raise UnsupportedValueError(
         f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__}; "
         "convert it to a tensor, a numpy array or plain values (int, float, str, bool, None, "
         "list, tuple, dict)")
 
 
+def _int(value: Any, where: str) -> int:
+    """An int as stored: a JSON number, or hex text for one beyond 64 bits."""
+    if type(value) is int:
+        return value
+    if isinstance(value, str) and value.lstrip("-").startswith("0x"):
+        return int(value, 16)  # linear time and no digit limit, unlike decimal
+    raise CorruptionError(f"{where}: int expected, found {_short(value)}")
+
+
 def decode_tree(doc: Any, arrays: list[Any], where: str) -> Any:
-    """Rebuild the state from its JSON form; ``arrays[i]`` are the loaded arrays."""
+    """Rebuild the state from its JSON form; ``arrays[i]`` are the loaded arrays.
+
+    Raises:
+        CorruptionError: a malformed tree (its depth was bounded when the manifest was read).
+    """
     try:
         t = doc["t"]
         if t == "plain":
@@ -162,31 +212,40 @@ def decode_tree(doc: Any, arrays: list[Any], where: str) -> Any:
             if not isinstance(v, _PLAIN):
                 raise CorruptionError(f"{where}: plain value of type {type(v).__name__}")
             return v
+        if t == "int":
+            return _int(doc["v"], where)
         if t == "float":
             return float.fromhex(doc["v"])
         if t == "array":
-            return arrays[int(doc["i"])]
+            i = doc["i"]
+            if type(i) is not int or not 0 <= i < len(arrays):
+                raise CorruptionError(f"{where}: array index {_short(i)} is not in the table")
+            return arrays[i]
         if t in ("dict", "odict"):
             out: dict[Any, Any] = collections.OrderedDict() if t == "odict" else {}
-            if len(doc["k"]) != len(doc["v"]):
+            keys, values = doc["k"], doc["v"]
+            if not isinstance(keys, list) or not isinstance(values, list) \
+                    or len(keys) != len(values):
                 raise CorruptionError(f"{where}: dict with unequal keys and values")
-            for k, v in zip(doc["k"], doc["v"], strict=False):
-                key = int(k["int"]) if isinstance(k, dict) else k
-                if not isinstance(key, (str, int)):
-                    raise CorruptionError(f"{where}: dict key {key!r}")
+            for k, v in zip(keys, values, strict=True):
+                key = _int(k["int"], where) if isinstance(k, dict) else k
+                if not isinstance(key, str) and type(key) is not int:
+                    raise CorruptionError(f"{where}: dict key {_short(key)}")
                 out[key] = decode_tree(v, arrays, where)
             if "meta" in doc and isinstance(out, collections.OrderedDict):
                 out._metadata = decode_tree(doc["meta"], arrays, where)  # type: ignore[attr-defined]
             return out
-        if t == "list":
-            return [decode_tree(v, arrays, where) for v in doc["v"]]
-        if t == "tuple":
-            return tuple(decode_tree(v, arrays, where) for v in doc["v"])
-    except (KeyError, TypeError, IndexError, ValueError, OverflowError) as exc:
+        if t in ("list", "tuple"):
+            items = doc["v"]
+            if not isinstance(items, list):
+                raise CorruptionError(f"{where}: a {t} node without a list of items")
+            got = [decode_tree(v, arrays, where) for v in items]
+            return tuple(got) if t == "tuple" else got
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         if isinstance(exc, CorruptionError):
             raise
-        raise CorruptionError(f"{where}: malformed state tree ({exc!r:.200})") from exc
-    raise CorruptionError(f"{where}: unknown node type {t!r:.50}")
+        raise CorruptionError(f"{where}: malformed state tree ({_short(exc)})") from exc
+    raise CorruptionError(f"{where}: unknown node type {_short(t)}")
 
 
 # --- dtypes --------------------------------------------------------------------------------
@@ -206,9 +265,10 @@ def torch_dtype(name: str, where: str) -> Any:
 def numpy_dtype(name: str, where: str) -> np.dtype[Any]:
     try:
         dtype = np.dtype(name)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise CorruptionError(f"{where}: unknown numpy dtype {name!r:.50}") from exc
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None \
+            or dtype.itemsize == 0:
         raise CorruptionError(f"{where}: numpy dtype {name!r:.50} is not a plain dtype")
     return dtype
 
@@ -233,9 +293,11 @@ def _numpy_ref(array: np.ndarray[Any, Any], where: str, kind: str) -> ArrayRef:
     from lcache.checkpoint.errors import UnsupportedValueError
 
     dtype = array.dtype
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None \
+            or dtype.itemsize == 0:
         raise UnsupportedValueError(f"cannot checkpoint {where}: numpy dtype {dtype} holds "
-                                    "Python objects or fields; use a plain numeric dtype")
+                                    "Python objects, fields or no bytes; use a plain numeric "
+                                    "dtype")
     return ArrayRef(where, kind, dtype.str, list(array.shape), 0, array.nbytes, source=array)
 
 
@@ -255,33 +317,3 @@ def expected_nbytes(ref: ArrayRef, where: str) -> int:
     else:
         itemsize = numpy_dtype(ref.dtype, where).itemsize
     return math.prod(ref.shape) * itemsize
-
-
-# --- manifest ------------------------------------------------------------------------------
-def _canonical(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def dump_manifest(body: dict[str, Any]) -> bytes:
-    """The manifest file's bytes: the body plus a checksum of it (a flipped bit is caught)."""
-    doc = {"format": FORMAT, "version": VERSION, "xxh3": checksum(_canonical(body)),
-           "body": body}
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
-
-
-def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    """The manifest body, after checking format, version and checksum."""
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptionError(f"{where} is not valid JSON ({exc}); the checkpoint is damaged"
-                              ) from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptionError(f"{where} is not an lcache checkpoint manifest")
-    if doc.get("version") != VERSION:
-        raise CorruptionError(f"{where} has format version {doc.get('version')!r:.20}; this "
-                              f"lcache reads version {VERSION}")
-    body = doc.get("body")
-    if not isinstance(body, dict) or checksum(_canonical(body)) != doc.get("xxh3"):
-        raise CorruptionError(f"{where}: manifest checksum mismatch; the file is damaged")
-    return body

@@ -126,15 +126,23 @@ def _checksums(data: memoryview, arrays: list[ArrayRef]) -> None:
         ref.xxh3 = checksum(data[ref.offset : ref.offset + ref.nbytes])
 
 
-def read_small_file(path: str, limit: int = 1 << 30) -> bytes:
-    """A whole (manifest-sized) file through ``lcache.io`` (see ``open_member``)."""
+def read_small_file(path: str, limit: int) -> bytearray:
+    """A whole manifest through ``lcache.io`` (see ``open_member``), refused before any
+    byte is read if it is over ``limit`` bytes (a sparse file costs nothing to make).
+
+    Raises:
+        CorruptionError: as ``open_member``, or the file is over ``limit``.
+    """
     fd, _, size = open_member(path, "manifest")
     try:
         if size > limit:
-            raise CorruptionError(f"{path} is {size} bytes, more than a manifest can be")
+            raise CorruptionError(f"{path} is {size} bytes, more than a manifest can be "
+                                  f"({limit >> 20} MiB); the checkpoint is damaged")
         buf = bytearray(size)
-        got = pread_full(fd, 0, memoryview(buf), IO_CLASS)
-        return bytes(buf[:got])
+        with memoryview(buf) as view:
+            got = pread_full(fd, 0, view, IO_CLASS)
+        del buf[got:]  # shorter only if it shrank meanwhile; no copy
+        return buf
     finally:
         os.close(fd)
 

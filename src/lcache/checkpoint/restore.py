@@ -29,12 +29,13 @@ from lcache.checkpoint.format import (
     checksum,
     decode_tree,
     expected_nbytes,
-    is_plain_name,
+    key_text,
     numpy_dtype,
-    parse_manifest,
     torch_dtype,
 )
+from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lcache.checkpoint.persist import CHUNK, read_data_file, read_small_file
+from lcache.errors import LCacheError
 
 _MAX_LISTED = 20
 
@@ -53,39 +54,42 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
                 if os.path.isdir(path) else "no such directory")
         raise CheckpointNotFoundError(f"no complete checkpoint at {path} ({hint}); "
                                       "`lcache ckpt ls` lists the complete ones")
-    body = parse_manifest(read_small_file(where), where)
-    shards = body.get("shards")
-    if not isinstance(shards, list) or len(shards) != body.get("world_size") or not shards:
-        raise CorruptionError(f"{where}: shard list does not match world_size")
-    for shard in shards:
-        fname = shard.get("file") if isinstance(shard, dict) else None
-        if not is_plain_name(fname):
-            raise CorruptionError(f"{where}: invalid data file name {fname!r:.80}: a plain "
-                                  "name in the checkpoint's directory was expected")
-    return body
+    return parse_manifest(read_small_file(where, MAX_MANIFEST_BYTES), where)
 
 
-def _shard_refs(path: str, shard: Any) -> tuple[str, int, list[ArrayRef], Any]:
-    """(data file path, padded size, arrays, tree) of one shard entry, validated."""
+def _shard_refs(path: str, shard: dict[str, Any]) -> tuple[str, int, list[ArrayRef], Any]:
+    """(data file path, padded size, arrays, tree) of one shard entry of a parsed manifest.
+
+    The arrays must lie in the data file in table order without overlapping, as a save lays
+    them out: so a load reads and checksums every byte once, whatever the manifest says.
+    """
     where = os.path.join(path, MANIFEST)
-    try:
-        fname, nbytes, tree = shard["file"], int(shard["data_bytes"]), shard["tree"]
-        refs = [ArrayRef.from_json(a, where) for a in shard["arrays"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptionError(f"{where}: malformed shard entry ({exc!r:.200})") from exc
-    if nbytes % ALIGN or nbytes < 0:
-        raise CorruptionError(f"{where}: invalid data file size {nbytes!r:.80}")
+    fname, nbytes = shard["file"], shard["data_bytes"]
+    refs = [ArrayRef.from_json(a, where) for a in shard["arrays"]]
+    end = 0
     for ref in refs:
-        if ref.offset % ALIGN or ref.offset + ref.nbytes > nbytes:
-            raise CorruptionError(f"{where}: array {ref.key!r} lies outside {fname}")
-    return os.path.join(path, fname), nbytes, refs, tree
+        if ref.offset % ALIGN or ref.offset < end or ref.offset + ref.nbytes > nbytes:
+            raise CorruptionError(f"{where}: array {ref.key!r:.200} lies outside {fname} or "
+                                  "over the array before it")
+        end = ref.offset + ref.nbytes
+    return os.path.join(path, fname), nbytes, refs, shard["tree"]
 
 
 def _materialize(buf: np.ndarray[Any, Any], ref: ArrayRef, data_path: str) -> Any:
-    where = f"{data_path} array {ref.key!r}"
+    where = f"{data_path} array {ref.key!r:.200}"
     if expected_nbytes(ref, where) != ref.nbytes:
-        raise CorruptionError(f"{where}: {ref.nbytes} bytes do not fit dtype {ref.dtype} and "
-                              f"shape {ref.shape}")
+        raise CorruptionError(f"{where}: {ref.nbytes} bytes do not fit dtype {ref.dtype:.50} "
+                              f"and shape {ref.shape}")
+    try:
+        return _as_array(buf, ref, where)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+        if isinstance(exc, LCacheError):
+            raise
+        # e.g. an empty array of a shape whose other sizes overflow numpy's or torch's limits
+        raise CorruptionError(f"{where}: shape {ref.shape} cannot be built ({exc})") from exc
+
+
+def _as_array(buf: np.ndarray[Any, Any], ref: ArrayRef, where: str) -> Any:
     raw = buf[ref.offset : ref.offset + ref.nbytes]
     if ref.kind == "torch":
         import torch
@@ -99,8 +103,8 @@ def _materialize(buf: np.ndarray[Any, Any], ref: ArrayRef, data_path: str) -> An
     return arr[()] if ref.kind == "npscalar" else arr
 
 
-def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> Any:
-    world = int(body["world_size"])
+def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> dict[str, Any]:
+    world = body["world_size"]
     if rank is None:
         rank, my_world = rank_and_world()
         if my_world != world and not (my_world == 1 and world == 1):
@@ -112,8 +116,8 @@ def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> Any:
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in [0, {world}) for {path}")
     for shard in body["shards"]:
-        if isinstance(shard, dict) and shard.get("rank") == rank:
-            return shard
+        if shard["rank"] == rank:
+            return shard  # type: ignore[no-any-return]
     raise CorruptionError(f"{os.path.join(path, MANIFEST)} has no shard for rank {rank}")
 
 
@@ -149,8 +153,8 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
 
         for ref in refs:
             if expected_nbytes(ref, data_path) != ref.nbytes:
-                raise CorruptionError(f"{data_path} array {ref.key!r}: {ref.nbytes} bytes do "
-                                      f"not fit dtype {ref.dtype} and shape {ref.shape}")
+                raise CorruptionError(f"{data_path} array {ref.key!r:.200}: {ref.nbytes} bytes "
+                                      f"do not fit dtype {ref.dtype:.50} and shape {ref.shape}")
         return load_into(path, (data_path, nbytes, refs, tree), like, verify=verify,
                          direct=direct)
     hasher = _ChunkHasher(refs) if verify else None
@@ -238,12 +242,12 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
             return
         for k in want:
             if k not in got:
-                diffs.append(f"{key}/{k}: missing from the checkpoint")
+                diffs.append(f"{key}/{key_text(k)}: missing from the checkpoint")
         for k in got:
             if k not in want:
-                diffs.append(f"{key}/{k}: in the checkpoint, not in like=")
+                diffs.append(f"{key}/{key_text(k)}: in the checkpoint, not in like=")
             else:
-                _compare(got[k], want[k], f"{key}/{k}", diffs)
+                _compare(got[k], want[k], f"{key}/{key_text(k)}", diffs)
     elif isinstance(want, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(want):
             diffs.append(f"{key}: checkpoint has {_describe(got)} of "
@@ -326,7 +330,7 @@ def verify(path: str | os.PathLike[str], progress: Callable[[int], None] | None 
     report = VerifyReport(path)
     try:
         body = read_manifest(path)
-    except (CheckpointNotFoundError, CorruptionError, OSError) as exc:
+    except (LCacheError, OSError) as exc:
         report.problems.append(str(exc))
         return report
     for shard in body["shards"]:
@@ -347,6 +351,6 @@ def verify(path: str | os.PathLike[str], progress: Callable[[int], None] | None 
                 except ImportError:
                     pass  # torch arrays without torch installed: the bytes are still checked
             decode_tree(tree, [None] * len(refs), os.path.join(path, MANIFEST))
-        except (CorruptionError, OSError) as exc:
+        except (LCacheError, OSError) as exc:
             report.problems.append(str(exc))
     return report
