@@ -218,3 +218,13 @@ def test_overlapping_arrays_are_refused(tmp_path: Path) -> None:
     rewrite(path, overlap)
     with pytest.raises(CorruptionError, match="over the array before it"):
         ck.load(path)
+
+
+def test_the_depth_scan_is_linear_on_unterminated_escaped_quotes(tmp_path: Path) -> None:
+    """A regular expression that skips JSON strings rescans the rest of the file from every
+    escaped quote of an unterminated string: quadratic (minutes for this one)."""
+    root = two_checkpoints(tmp_path)
+    (root / "step-000002" / "manifest.json").write_bytes(b'"' + b'\\"' * 500_000)
+    t0 = time.perf_counter()
+    assert_only_step1_listed(root)
+    assert time.perf_counter() - t0 < 5
