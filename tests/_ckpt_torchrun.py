@@ -4,8 +4,9 @@
 
 Each rank saves its own state (async, then a second save that settles the first), loads both
 back and checks them bit for bit; a third save that fails on rank 1 must fail on both ranks
-and publish nothing; a fourth succeeds and keep_last=2 retires the first. Rank R writes
-``ROOT/../rank{R}.json`` with what it saw.
+and publish nothing; a fourth succeeds and keep_last=2 retires the first; a fifth is polled
+with done() alone (no wait()) and must be the newest visible checkpoint once done() is True.
+Rank R writes ``ROOT/../rank{R}.json`` with what it saw.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -72,6 +74,15 @@ def main() -> None:
     dist.barrier()
     report["listed_after_fourth"] = [c.name for c in ck.list_checkpoints(root)[0]]
     report["load4"] = same(ck.load(os.path.join(root, "step-4")), rank_state(rank, 4))
+
+    # done() means published on every rank, without wait() and without a collective here
+    fifth = saver.async_save(rank_state(rank, 5), os.path.join(root, "step-5"))
+    deadline = time.monotonic() + 30
+    while not fifth.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report["fifth_done"] = fifth.done()
+    report["fifth_state"] = fifth.state.value
+    report["latest_when_done"] = ck.latest(root)
     with open(os.path.join(os.path.dirname(root), f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     saver.close()

@@ -1,11 +1,17 @@
 """Two ranks under torchrun (gloo): each writes its shard, rank 0 publishes after both have
 persisted, a failure on one rank fails the checkpoint on both, and loads need the same world
-size (or an explicit rank)."""
+size (or an explicit rank); done() means published on every rank, so a kill -9 right after it
+keeps that checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,10 +19,13 @@ import pytest
 from lcache import checkpoint as ck
 from lcache.errors import ConfigError
 
-from .conftest import run_torchrun
+from ._ckpt_child import rank_state
+from .conftest import run_torchrun, subprocess_env
+from .test_checkpoint_crash import assert_state_equal, read_line
 
 torch = pytest.importorskip("torch")
 SCRIPT = str(Path(__file__).with_name("_ckpt_torchrun.py"))
+CHILD = str(Path(__file__).with_name("_ckpt_child.py"))
 TIMEOUT_S = 120
 
 
@@ -31,6 +40,9 @@ def test_two_ranks_save_and_load(tmp_path: Path) -> None:
         assert rep["listed_after_third"] == ["step-1", "step-2"], rep
         assert rep["leftovers_after_third"] == [], rep
         assert rep["listed_after_fourth"] == ["step-2", "step-4"], rep  # keep_last=2
+        # done() without wait(): published, and visible to every rank
+        assert rep["fifth_done"] and rep["fifth_state"] == "published", rep
+        assert rep["latest_when_done"] == str(root / "step-5"), rep
     assert reports[1]["third"].startswith("UnsupportedValueError"), reports[1]
     assert reports[0]["third"].startswith("CheckpointFailedError"), reports[0]
     assert "rank 1" in reports[0]["third"] and "extra" in reports[0]["third"]
@@ -45,3 +57,45 @@ def test_two_ranks_save_and_load(tmp_path: Path) -> None:
     one = ck.load(root / "step-4", rank=1)
     assert one["rank"] == 1 and one["model"]["w"].shape == (1001,)
     assert torch.equal(one["model"]["w"], torch.full((1001,), 41.0))
+
+
+@pytest.mark.slow
+def test_kill_minus_9_of_every_rank_after_done_keeps_that_checkpoint(tmp_path: Path) -> None:
+    """Two real gloo ranks save step 1, 2, ... polling done() alone; once both have reported
+    step N done, both are killed with SIGKILL (perhaps inside a later save): the newest
+    checkpoint either rank reported done must be listed (or one newer, published just before
+    the kill landed), and every listed one must load bit-exact for both ranks. A publish left
+    to wait() or the next save lost up to two saves here."""
+    root, elements = tmp_path / "ckpts", 1 << 16
+    env = subprocess_env()
+    env.update(OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [subprocess.Popen([sys.executable, CHILD, "--dist", str(root), str(rank), "2",
+                               str(tmp_path / "rendezvous"), str(elements)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for rank in (0, 1)]
+    target = random.Random().randint(1, 3)
+    try:
+        deadline = time.monotonic() + 90
+        for proc in procs:
+            while (line := read_line(proc, deadline)) != f"published {target}":
+                assert line.startswith("published"), line  # not "stuck" or "failed"
+        time.sleep(random.uniform(0, 0.05))
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reported = [int(line.split()[1]) for proc in procs if proc.stdout
+                for line in proc.stdout.read().split("\n") if line.startswith("published")]
+    newest_done = max([target, *reported])  # the ranks may have gone on before the kill
+    listed, damaged = ck.list_checkpoints(root)
+    assert damaged == []
+    names = [c.name for c in listed]
+    assert f"step-{newest_done:06d}" in names, (names, newest_done)
+    # a rank prints only after done(), and the next vote needs both ranks: at most one newer
+    assert names[-1] in (f"step-{newest_done:06d}", f"step-{newest_done + 1:06d}"), names
+    for info in listed:
+        step = int(info.name.split("-")[1])
+        for rank in (0, 1):
+            assert_state_equal(ck.load(info.path, rank=rank), rank_state(step, rank, elements))

@@ -6,10 +6,10 @@ Lifecycle of one checkpoint (``CheckpointHandle.state``)::
          \\            \\            \\
           +------------+------------+--> FAILED
 
-``PERSISTED`` is visible only in multi-rank runs: a rank's shard is on disk and the global
-manifest waits for every rank, which the caller's thread confirms in ``wait()`` (or in the next
-save) with one all-gather; rank 0 then publishes. A single process publishes from the
-background thread directly.
+The background thread writes this rank's shard and publishes. ``PERSISTED`` is visible only in
+multi-rank runs: the shard is durable and the thread waits for every rank's vote (``dist``);
+rank 0 then publishes and tells the others. ``done()`` is True once the checkpoint is published
+(or failed), on every rank, with no call needed on the training thread.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from lcache.checkpoint import dirs
-from lcache.checkpoint.dist import all_gather, broadcast, rank_and_world
+from lcache.checkpoint.dist import all_gather, broadcast, rank_and_world, turns, vote_group
 from lcache.checkpoint.errors import CheckpointFailedError, ConfigError
 from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
@@ -57,7 +57,7 @@ class CheckpointHandle:
     """
 
     def __init__(self, path: str, root: str, name: str, rank: int, world: int,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], vote: tuple[Any, int] | None = None) -> None:
         self.path, self.root, self.name = path, root, name
         self.rank, self.world = rank, world
         self.state = CkptState.SNAPSHOT
@@ -67,27 +67,21 @@ class CheckpointHandle:
         self.direct = False
         self.uploaded_to: str | None = None
         self._options = options
+        self._vote_on = vote  # multi-rank: (vote group, turn ticket)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stage: str | None = None
         self._lock_fd: int | None = None
         self._shard: dict[str, Any] | None = None
-        self._settled = False
-        self._observed = False
         self._meta: dict[str, Any] = options["meta"]
 
     # --- public -------------------------------------------------------------------------
     def done(self) -> bool:
-        """Whether the background work is over (multi-rank: published after ``wait()``)."""
-        if self._thread is not None and self._thread.is_alive():
-            return False
-        return self.world == 1 or self._settled
+        """Whether it is over: published (in multi-rank runs, on every rank) or failed."""
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the checkpoint is published; returns its path.
-
-        In multi-rank runs every rank must call it (or save again): it holds the all-gather
-        that lets rank 0 publish.
 
         An upload error is raised here too; the local checkpoint is then still published
         (``state`` is ``PUBLISHED``).
@@ -101,9 +95,7 @@ class CheckpointHandle:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"checkpoint {self.path} still persisting after {timeout} s")
-        self._settle()
         if self._error is not None:
-            self._observed = True
             raise self._error
         return self.path
 
@@ -128,34 +120,47 @@ class CheckpointHandle:
             shutil.rmtree(self._stage, ignore_errors=True)
         self._release_lock()
 
-    def _persist(self, snap: Snapshot) -> None:
-        """Background thread: write this rank's shard; a single process also publishes."""
-        t0 = time.perf_counter()
+    def _persist(self, snap: Snapshot | None) -> None:
+        """Background thread: write this rank's shard (``snap`` None: this rank failed
+        before, and still votes), publish, then retention and upload on rank 0."""
+        if snap is not None:
+            try:
+                self._write(snap)
+            except BaseException as exc:
+                self._fail(exc)
         try:
-            if snap.cuda_event is not None:
-                snap.cuda_event.synchronize()
-            fname = data_file_name(self.rank)
-            shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
-                     "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
-            for entry in shard["arrays"]:
-                entry["xxh3"] = "0" * 16  # a checksum's length: the size check is exact
-            check_manifest_room(shard, self.world, self._meta)  # before any byte is written
-            self.direct = write_data_file(
-                os.path.join(dirs.staging_dir(self.root, self.name), fname), snap.data, snap.arrays,
-                direct=self._options["direct"], queue_depth=self._options["queue_depth"])
-            shard["arrays"] = [r.to_json() for r in snap.arrays]  # with their checksums now
-            self._shard = shard
-            self.data_bytes = snap.nbytes
-            self.state = CkptState.PERSISTED
-            self.persist_s = time.perf_counter() - t0
-            if self.world == 1:
-                self._publish([self._shard])
+            if self._vote_on is not None:
+                self._vote(*self._vote_on)  # a failed rank votes too: the others learn of it
+            elif self._error is None:
+                self._publish([self._shard])  # type: ignore[list-item]
+            if self.state is CkptState.PUBLISHED and self.rank == 0:
                 self._after_publish()
         except BaseException as exc:
             self._fail(exc)
-            if self.world == 1:
-                self._discard_stage()
-                log.warning("checkpoint %s failed: %s", self.path, exc)
+        if self.state is not CkptState.PUBLISHED and self._vote_on is None:
+            self._discard_stage()  # multi-rank: rank 0 does it once every rank has voted
+        self._release_lock()
+        if self._error is not None:
+            log.warning("checkpoint %s failed: %s", self.path, self._error)
+
+    def _write(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        if snap.cuda_event is not None:
+            snap.cuda_event.synchronize()
+        fname = data_file_name(self.rank)
+        shard = {"rank": self.rank, "file": fname, "data_bytes": snap.nbytes,
+                 "tree": snap.tree, "arrays": [r.to_json() for r in snap.arrays]}
+        for entry in shard["arrays"]:
+            entry["xxh3"] = "0" * 16  # a checksum's length: the size check is exact
+        check_manifest_room(shard, self.world, self._meta)  # before any byte is written
+        self.direct = write_data_file(
+            os.path.join(dirs.staging_dir(self.root, self.name), fname), snap.data, snap.arrays,
+            direct=self._options["direct"], queue_depth=self._options["queue_depth"])
+        shard["arrays"] = [r.to_json() for r in snap.arrays]  # with their checksums now
+        self._shard = shard
+        self.data_bytes = snap.nbytes
+        self.state = CkptState.PERSISTED
+        self.persist_s = time.perf_counter() - t0
 
     def _publish(self, shards: list[dict[str, Any]]) -> None:
         body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
@@ -164,8 +169,43 @@ class CheckpointHandle:
         self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                  {s["file"] for s in shards})
         self._stage = None
-        self._release_lock()
         self.state = CkptState.PUBLISHED
+
+    def _vote(self, group: Any, ticket: int) -> None:
+        """Multi-rank: every rank says whether its shard is durable; rank 0 publishes if all
+        are (or discards the staging directory) and tells the others."""
+        mine = {"ok": self._error is None, "shard": self._shard,
+                "error": None if self._error is None else
+                f"{type(self._error).__name__}: {self._error}"}
+        try:
+            with turns.turn(ticket):
+                everyone = all_gather(mine, group, self.world)
+                failed = [f"rank {r}: {v['error']}" for r, v in enumerate(everyone) if not v["ok"]]
+                outcome: dict[str, Any] = {"ok": not failed, "error": "; ".join(failed)}
+                if self.rank == 0:
+                    outcome = self._publish_for_all(everyone, outcome)
+                outcome = broadcast(outcome, group, self.rank)
+        except Exception as exc:  # a rank died or timed out mid-vote: nothing is published
+            raise CheckpointFailedError(f"checkpoint {self.path}: the ranks could not vote "
+                                        f"on it ({type(exc).__name__}: {exc})") from exc
+        if not outcome["ok"]:
+            raise CheckpointFailedError(f"checkpoint {self.path} was not published: "
+                                        f"{outcome['error']}")
+        self.state = CkptState.PUBLISHED
+
+    def _publish_for_all(self, everyone: list[dict[str, Any]], outcome: dict[str, Any]
+                         ) -> dict[str, Any]:
+        """Rank 0, once every rank has voted (so none still writes into the stage)."""
+        if outcome["ok"]:
+            try:
+                self._publish([v["shard"] for v in everyone])
+                return outcome
+            except Exception as exc:
+                self._fail(exc)
+                outcome = {"ok": False, "error": f"rank 0 publish: {exc}"}
+        self._stage = dirs.staging_dir(self.root, self.name)
+        self._discard_stage()
+        return outcome
 
     def _after_publish(self) -> None:
         """Rank 0, after publishing: retention, then the optional upload."""
@@ -178,46 +218,6 @@ class CheckpointHandle:
 
             self.uploaded_to = upload_checkpoint(self.path, url,
                                                  self._options.get("storage_options"))
-
-    def _settle(self) -> None:
-        """Caller's thread, once: in multi-rank runs agree on the outcome and publish."""
-        if self._settled:
-            return
-        if self._thread is not None:
-            self._thread.join()
-        self._settled = True
-        if self.world == 1:
-            return
-        mine = {"ok": self._error is None, "shard": self._shard,
-                "error": None if self._error is None else
-                f"{type(self._error).__name__}: {self._error}"}
-        everyone = all_gather(mine, self.world)
-        failed = [f"rank {r}: {s['error']}" for r, s in enumerate(everyone) if not s["ok"]]
-        outcome: dict[str, Any] = {"ok": not failed, "error": "; ".join(failed)}
-        if self.rank == 0:
-            if failed:
-                # every rank is done with it (they all reached the all-gather)
-                self._stage = dirs.staging_dir(self.root, self.name)
-                self._discard_stage()
-            else:
-                try:
-                    self._publish([s["shard"] for s in everyone])
-                except BaseException as exc:
-                    self._fail(exc)
-                    self._discard_stage()
-                    outcome = {"ok": False, "error": f"rank 0 publish: {exc}"}
-        outcome = broadcast(outcome, self.world)
-        self._release_lock()
-        if not outcome["ok"]:
-            self._fail(CheckpointFailedError(
-                f"checkpoint {self.path} was not published: {outcome['error']}"))
-            return
-        self.state = CkptState.PUBLISHED
-        if self.rank == 0:
-            try:
-                self._after_publish()
-            except BaseException as exc:
-                self._fail(exc)
 
 
 class Checkpointer:
@@ -276,22 +276,26 @@ class Checkpointer:
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
         self.wait_pending()
-        handle = CheckpointHandle(os.path.join(root, name), root, name, rank, world, options)
+        # every rank reaches this point in the same order: the place for the one collective
+        # that makes the vote group, and for the ticket that orders the votes
+        vote = (vote_group(), turns.ticket()) if world > 1 else None
+        handle = CheckpointHandle(os.path.join(root, name), root, name, rank, world, options,
+                                  vote)
         self._pending = handle
+        snap: Snapshot | None = None
         try:
             dirs.ensure_root(root)
             if rank == 0:
                 dirs.clean_leftovers(root, keep=dirs.staging_dir(root, name))
             handle._stage, handle._lock_fd = dirs.open_staging(root, name)
             snap = take_snapshot(state, self._buffer)
+            handle.state = CkptState.PERSISTING
         except BaseException as exc:
             handle._fail(exc)
             if world == 1:
                 handle._discard_stage()
-                handle._settled = True
                 raise
-            return handle  # the other ranks learn of it in the all-gather of wait()
-        handle.state = CkptState.PERSISTING
+            # multi-rank: the thread still votes, so the other ranks learn of it
         handle.stall_s = time.perf_counter() - t0
         # not a daemon: a script that ends right after a save still finishes writing it
         handle._thread = threading.Thread(target=handle._persist, args=(snap,),
@@ -307,10 +311,8 @@ class Checkpointer:
     def wait_pending(self) -> None:
         """Finish the previous save (its errors stay with its handle, and are logged)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending._settle()
-            if pending._error is not None and pending.world > 1 and not pending._observed:
-                log.warning("previous checkpoint %s failed: %s", pending.path, pending._error)
+        if pending is not None and pending._thread is not None:
+            pending._thread.join()
 
     def close(self) -> None:
         """Finish the pending save and free the host buffer."""

@@ -1,12 +1,22 @@
-"""The few collectives a multi-rank checkpoint needs (torch.distributed, any backend).
+"""The collectives of a multi-rank checkpoint (torch.distributed, any backend for training).
 
-They run only on the thread that called ``save``/``wait``: gloo deadlocks when two threads of
-one rank issue collectives, so the background persist never touches the process group.
+Every rank's persist thread votes on its checkpoint as soon as its shard is durable, and rank 0
+publishes it then: no collective runs on the training thread. The votes go over a gloo process
+group of the checkpoint's own, made once by every rank in their first multi-rank save
+(``new_group`` is itself collective), as torch's ``async_save`` does: gloo deadlocks when two
+threads of one rank issue collectives on one group, so the training's groups are never used
+from the background. Votes run in the order their saves started, the same on every rank, even
+with several checkpointers. Messages are JSON in byte tensors: nothing a rank sends is
+unpickled.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -23,23 +33,90 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def all_gather(obj: Any, world: int) -> list[Any]:
-    """Every rank's ``obj`` (small JSON-able values), in rank order."""
-    if world == 1:
-        return [obj]
+_group: tuple[Any, Any] | None = None  # (the default group it was made in, the vote group)
+_group_lock = threading.Lock()
+
+
+def vote_group() -> Any:
+    """The checkpoints' own gloo group of every rank.
+
+    Call it on the thread that saves, where every rank reaches it in the same order: the first
+    call (and the first after the default group is replaced) is a collective.
+    """
     import torch.distributed as dist
 
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+    global _group
+    with _group_lock:
+        world = dist.group.WORLD
+        if _group is None or _group[0] is not world:
+            _group = (world, dist.new_group(backend="gloo"))
+        return _group[1]
 
 
-def broadcast(obj: Any, world: int) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if world == 1:
-        return obj
+class _Turns:
+    """Tickets taken in save order on the saving thread; votes run in ticket order."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+
+    def ticket(self) -> int:
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    @contextmanager
+    def turn(self, ticket: int) -> Iterator[None]:
+        """Hold the turn of ``ticket`` (every ticket must take its turn once, or later votes
+        wait forever)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._serving == ticket)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving += 1
+                self._cond.notify_all()
+
+
+turns = _Turns()
+
+
+def _to_tensor(obj: Any) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _from_tensor(tensor: Any, size: int) -> Any:
+    return json.loads(tensor[:size].numpy().tobytes())
+
+
+def all_gather(obj: Any, group: Any, world: int) -> list[Any]:
+    """Every rank's ``obj`` (JSON values), in rank order."""
+    import torch
     import torch.distributed as dist
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    mine = _to_tensor(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [_from_tensor(t, int(n)) for t, n in zip(out, sizes, strict=True)]
+
+
+def broadcast(obj: Any, group: Any, rank: int) -> Any:
+    """Rank 0's ``obj`` (JSON values) on every rank (the others pass anything)."""
+    import torch
+    import torch.distributed as dist
+
+    data = _to_tensor(obj) if rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = data if data is not None else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return _from_tensor(buf, int(size))
