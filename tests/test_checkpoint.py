@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from lcache import checkpoint as ck
 from lcache.cli.main import cli
-from lcache.errors import ConfigError, CorruptionError, LCacheError
+from lcache.errors import ConfigError, CorruptionError, LCacheError, StorePermissionError
 from lcache.io import IOEvent, set_tracer
 
 from .conftest import subprocess_env
@@ -383,10 +383,31 @@ def test_numpy_only_states_need_no_torch(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-def test_errors_are_lcache_errors() -> None:
-    for cls in (ck.UnsupportedValueError, ck.StateMismatchError, ck.CheckpointNotFoundError,
-                ck.CheckpointExistsError, ck.CheckpointFailedError):
-        assert issubclass(cls, LCacheError)
+def test_each_failure_raises_its_documented_error(tmp_path: Path) -> None:
+    """Every real failure mode raises the documented class, an LCacheError that is also the
+    builtin a caller would catch (CheckpointFailedError: test_checkpoint_dist.py)."""
+    root = tmp_path / "c"
+    path = Path(ck.save({"w": np.zeros(3, np.float32)}, root / "s"))
+    theirs = tmp_path / "open"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "manifest.json").write_text("{")
+    cases: list[tuple[Any, type[LCacheError], type[Exception]]] = [
+        (lambda: ck.load(tmp_path / "missing"), ck.CheckpointNotFoundError, FileNotFoundError),
+        (lambda: ck.latest(tmp_path / "typo"), ck.CheckpointNotFoundError, FileNotFoundError),
+        (lambda: ck.load(tmp_path / "damaged"), CorruptionError, ValueError),
+        (lambda: ck.save({"w": 1}, path), ck.CheckpointExistsError, FileExistsError),
+        (lambda: ck.save({"w": 1}, root / ".hidden"), ConfigError, ValueError),
+        (lambda: ck.save({"w": 1}, theirs / "s"), StorePermissionError, PermissionError),
+        (lambda: ck.save({"f": len}, root / "t"), ck.UnsupportedValueError, TypeError),
+        (lambda: ck.load(path, like={"w": np.zeros(4, np.float32)}), ck.StateMismatchError,
+         ValueError),
+    ]
+    for call, documented, builtin in cases:
+        with pytest.raises(documented) as info:
+            call()
+        assert isinstance(info.value, LCacheError) and isinstance(info.value, builtin)
 
 
 # --------------------------------------------------------------------------- docs
