@@ -5,7 +5,8 @@
 Each rank saves its own state (async, then a second save that settles the first), loads both
 back and checks them bit for bit; a third save that fails on rank 1 must fail on both ranks
 and publish nothing; a fourth succeeds and keep_last=2 retires the first; a fifth is polled
-with done() alone (no wait()) and must be the newest visible checkpoint once done() is True.
+with done() alone (no wait()) and must be the newest visible checkpoint once done() is True; a
+sixth with bad meta on rank 1 fails on both.
 Rank R writes ``ROOT/../rank{R}.json`` with what it saw.
 """
 
@@ -83,6 +84,15 @@ def main() -> None:
     report["fifth_done"] = fifth.done()
     report["fifth_state"] = fifth.state.value
     report["latest_when_done"] = ck.latest(root)
+
+    # meta that cannot be stored, on rank 1 only: both fail, neither hangs
+    sixth = saver.async_save(rank_state(rank, 6), os.path.join(root, "step-6"),
+                             meta={"fn": len} if rank == 1 else {"ok": True})
+    try:
+        sixth.wait(timeout=60)
+        report["sixth"] = "published"
+    except Exception as exc:  # the test checks which error each rank saw
+        report["sixth"] = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(os.path.dirname(root), f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     saver.close()

@@ -46,6 +46,9 @@ def test_two_ranks_save_and_load(tmp_path: Path) -> None:
     assert reports[1]["third"].startswith("UnsupportedValueError"), reports[1]
     assert reports[0]["third"].startswith("CheckpointFailedError"), reports[0]
     assert "rank 1" in reports[0]["third"] and "extra" in reports[0]["third"]
+    assert reports[1]["sixth"].startswith("ConfigError: meta"), reports[1]
+    assert reports[0]["sixth"].startswith("CheckpointFailedError"), reports[0]
+    assert not (root / "step-6").exists()
 
     body = ck.read_manifest(root / "step-4")
     assert body["world_size"] == 2 and [s["rank"] for s in body["shards"]] == [0, 1]

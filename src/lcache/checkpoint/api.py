@@ -73,7 +73,7 @@ class CheckpointHandle:
         self._stage: str | None = None
         self._lock_fd: int | None = None
         self._shard: dict[str, Any] | None = None
-        self._meta: dict[str, Any] = options["meta"]
+        self._meta: dict[str, Any] = {}
 
     # --- public -------------------------------------------------------------------------
     def done(self) -> bool:
@@ -257,22 +257,25 @@ class Checkpointer:
             state: nested dicts/lists/tuples of tensors, numpy arrays and plain values.
             path: the checkpoint directory to create, e.g. ``ckpts/step-000100``.
             meta: a small dict of JSON values stored in the manifest (shown by
-                ``lcache ckpt ls``); checked here (``ConfigError``).
+                ``lcache ckpt ls``).
             **overrides: any constructor option for this save only.
 
         Raises:
             UnsupportedValueError: a value in ``state`` cannot be saved, or the state is
-                nested too deep (single process; in multi-rank runs every rank gets the error
-                from ``wait()``). A state whose manifest would be too large fails in
+                nested too deep. A state whose manifest would be too large fails in
                 ``wait()``, before its data is written.
+            ConfigError: ``meta`` is not a small dict of JSON values.
             CheckpointExistsError: ``path`` holds a complete checkpoint already.
+
+        In multi-rank runs these are not raised here: the save fails on every rank, and
+        ``wait()`` raises the error (``CheckpointFailedError`` on the other ranks).
         """
         t0 = time.perf_counter()
         unknown = set(overrides) - set(self._defaults)
         if unknown:
             raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
                               f"known: {sorted(self._defaults)}")
-        options = {**self._defaults, **overrides, "meta": check_meta(meta)}
+        options = {**self._defaults, **overrides}
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
         self.wait_pending()
@@ -284,6 +287,7 @@ class Checkpointer:
         self._pending = handle
         snap: Snapshot | None = None
         try:
+            handle._meta = check_meta(meta)  # in the try: a rank with bad meta fails the vote
             dirs.ensure_root(root)
             if rank == 0:
                 dirs.clean_leftovers(root, keep=dirs.staging_dir(root, name))
