@@ -30,10 +30,9 @@ ALIGN = 4096  # every array starts at a multiple of this in its data file (O_DIR
 MAX_STATE_DEPTH = 100  # levels of nested containers in a state (optimizer states use ~5)
 MAX_DIMS = 64  # numpy's limit; torch's is lower
 _PLAIN = (type(None), bool, int, float, str)
-_WIDE = 64  # ints of more bits are stored as hex: JSON readers (and CPython's, past 4300
-# decimal digits) cannot take every int, and hex converts in linear time
-
-
+# Ints of more bits are stored as hex text: JSON readers (CPython's past 4300 decimal digits)
+# cannot take every int, and hex converts both ways in linear time.
+_WIDE = 64
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 
 
