@@ -2,7 +2,7 @@
 
 ``torchrun --standalone --nproc_per_node 2 tests/_ckpt_torchrun.py ROOT``
 
-Each rank saves its own state (async, then a second save that settles the first), loads both
+Each rank saves its own state (async, then a second save that waits for the first), loads both
 back and checks them bit for bit; a third save that fails on rank 1 must fail on both ranks
 and publish nothing; a fourth succeeds and keep_last=2 retires the first; a fifth is polled
 with done() alone (no wait()) and must be the newest visible checkpoint once done() is True; a
