@@ -87,8 +87,9 @@ def test_unknown_key_is_refused_naming_key_and_file(tmp_path: Path) -> None:
     ("reader", "data_loader", "dali", "not supported"),
     ("storage", "storage_type", "s3", "not supported"),
     ("workflow", "evaluation", True, "num_files_eval"),
-    ("metric", "au", 90, "fraction"),
-    ("reader", "batch_size", 0, "at least 1"),
+    ("metric", "au", 90, r"metric\.au must be a number in 0\.\.1, got 90"),
+    ("metric", "au", 0, "fraction"),
+    ("reader", "batch_size", 0, r"reader\.batch_size must be an integer in 1\.\."),
 ])
 def test_unsupported_values_are_refused(tmp_path: Path, section: str, key: str, value: Any,
                                         match: str) -> None:

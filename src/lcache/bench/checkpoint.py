@@ -141,6 +141,25 @@ def total_bytes(w: Workload, world: int) -> int:
     return sum(f.nbytes for r in range(world) for f in rank_files(w, r, world))
 
 
+def count_saves(w: Workload, steps_per_epoch: int) -> int:
+    """How many checkpoints a run writes (each kept under its own name).
+
+    Args:
+        steps_per_epoch: this rank's training steps per epoch (unused without training).
+    """
+    if not w.do_checkpoint:
+        return 0
+    if not w.do_train:
+        return max(1, w.num_checkpoints_write)
+    if w.steps_between_checkpoints > 0:
+        return w.epochs * (steps_per_epoch // w.steps_between_checkpoints)
+    every = max(1, w.epochs_between_checkpoints)
+    first = w.checkpoint_after_epoch  # then every `every` epochs, from epoch 1 on
+    if first < 1:
+        first += -(-(1 - first) // every) * every
+    return 0 if first > w.epochs else (w.epochs - first) // every + 1
+
+
 class CheckpointIO:
     """Writes and reads one rank's checkpoint files under ``folder/NAME/``.
 

@@ -2,12 +2,16 @@
 
 The sections and key names are those of the DLIO benchmark (argonne-lcf/dlio_benchmark,
 ``dlio_benchmark/utils/config.py`` and its ``configs/workload/*.yaml``), so a DLIO or MLPerf
-Storage workload file runs here unchanged. Two deliberate differences from DLIO:
+Storage workload file runs here unchanged. Deliberate differences from DLIO:
 
 * an unknown key is an error that names the key and the file (DLIO 2.0.0 silently drops it, so a
   typo such as ``train.epoch`` quietly runs the default epoch count);
 * a key DLIO knows but this emulator does not implement (``storage_type: s3``, ``format: hdf5``)
-  is refused rather than ignored.
+  is refused rather than ignored;
+* every number is checked against its range (``_RANGES``, wide enough for every published DLIO
+  and MLPerf Storage workload) and the totals against theirs, and the YAML is plain (no tags,
+  no aliases, bounded size and depth), so bad input is one ``ConfigError``, never a traceback,
+  a hang or a runaway allocation (docs/bench.md, "Allowed values").
 
 DLIO versions spell the record size two ways: 2.0.0 reads ``dataset.record_length`` and ignores
 ``record_length_bytes``; newer DLIO reads the latter. Both are accepted (the same for ``_stdev``
@@ -17,7 +21,10 @@ and ``_resize``); giving both with different values is an error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,14 +178,138 @@ class Workload:
         return dataclasses.asdict(self)
 
 
+# Every number a workload holds, with its range: (attribute, DLIO key, type, min, max). The
+# key's "|" gives DLIO's other spelling (same section). The ranges hold every published DLIO
+# (argonne-lcf/dlio_benchmark configs/workload, all versions) and MLPerf Storage v1.0/v2.0
+# workload, whose largest values are: 1,281,167 files, 4,195,198,976 samples per file (an old
+# dlrm), 640 MiB records, batch 2,048 (16,384 for evaluation), 8 read threads, 311,541 epochs,
+# 8.99 s of compute per step, 126 layers, hidden 25,872, tensor 8 x pipeline 64. Beyond them
+# they stop values that would allocate or run without end (``read_threads: 100000``,
+# ``epochs: 1e12``), and negatives where only a sentinel -1 means something.
+_RANGES: tuple[tuple[str, str, type, int, int], ...] = (
+    ("model_size", "model.model_size|model_size_bytes", int, 0, 1 << 50),
+    ("model_size", "checkpoint.model_size", int, 0, 1 << 50),  # older DLIO's place for it
+    ("num_layers", "model.num_layers", int, 0, 10_000),
+    ("tensor_parallelism", "model.parallelism.tensor", int, 1, 4096),
+    ("pipeline_parallelism", "model.parallelism.pipeline", int, 1, 4096),
+    ("data_parallelism", "model.parallelism.data", int, 0, 1 << 20),
+    ("zero_stage", "model.parallelism.zero_stage", int, -1, 3),
+    ("vocab_size", "model.transformer.vocab_size", int, 0, 1 << 24),
+    ("hidden_size", "model.transformer.hidden_size", int, 0, 1 << 20),
+    ("ffn_hidden_size", "model.transformer.ffn_hidden_size", int, 0, 1 << 22),
+    ("num_attention_heads", "model.transformer.num_attention_heads", int, 0, 1 << 16),
+    ("num_kv_heads", "model.transformer.num_kv_heads", int, 0, 1 << 16),
+    ("num_files_train", "dataset.num_files_train", int, 1, 1 << 24),
+    ("num_files_eval", "dataset.num_files_eval", int, 0, 1 << 24),
+    ("num_samples_per_file", "dataset.num_samples_per_file", int, 1, 1 << 32),
+    ("record_length", "dataset.record_length|record_length_bytes", int, 1, 1 << 36),
+    ("record_length_stdev", "dataset.record_length_stdev|record_length_bytes_stdev", int, 0,
+     1 << 36),
+    ("record_length_resize", "dataset.record_length_resize|record_length_bytes_resize", int, 0,
+     1 << 36),
+    ("num_subfolders_train", "dataset.num_subfolders_train", int, 0, 1 << 20),
+    ("batch_size", "reader.batch_size", int, 1, 1 << 20),
+    ("batch_size_eval", "reader.batch_size_eval", int, 1, 1 << 20),
+    ("read_threads", "reader.read_threads", int, 0, 256),
+    ("prefetch_size", "reader.prefetch_size", int, 0, 1024),
+    ("transfer_size", "reader.transfer_size", int, 0, 1 << 26),
+    ("preprocess_time", "reader.preprocess_time", float, 0, 3600),
+    ("epochs", "train.epochs", int, 1, 1_000_000),
+    ("computation_time", "train.computation_time", float, 0, 3600),
+    ("computation_time_stdev", "train.computation_time_stdev", float, 0, 3600),
+    ("total_training_steps", "train.total_training_steps", int, -1, 1 << 40),
+    ("seed", "train.seed", int, 0, 2**32 - 1),
+    ("eval_time", "evaluation.eval_time", float, 0, 3600),
+    ("eval_time_stdev", "evaluation.eval_time_stdev", float, 0, 3600),
+    ("eval_after_epoch", "evaluation.eval_after_epoch", int, 0, 1_000_000),
+    ("epochs_between_evals", "evaluation.epochs_between_evals", int, 0, 1_000_000),
+    ("checkpoint_after_epoch", "checkpoint.checkpoint_after_epoch", int, 0, 1_000_000),
+    ("epochs_between_checkpoints", "checkpoint.epochs_between_checkpoints", int, 0, 1_000_000),
+    ("steps_between_checkpoints", "checkpoint.steps_between_checkpoints", int, -1, 1 << 40),
+    ("time_between_checkpoints", "checkpoint.time_between_checkpoints", float, -1, 86_400),
+    ("num_checkpoints_write", "checkpoint.num_checkpoints_write", int, -1, 10_000),
+    ("num_checkpoints_read", "checkpoint.num_checkpoints_read", int, -1, 10_000),
+    ("au", "metric.au", float, 0, 1),
+    ("exclude_start_steps", "metric.exclude_start_steps", int, 0, 1 << 40),
+    ("exclude_end_steps", "metric.exclude_end_steps", int, 0, 1 << 40),
+)
+
+#: Totals: samples of one epoch (its order is an array in memory), steps of a whole run, and
+#: the time a run spends in its emulated compute and checkpoint pauses.
+MAX_EPOCH_SAMPLES = 1 << 32
+MAX_RUN_STEPS = 10**9
+MAX_RUN_S = 31 * 86_400
+
+_BOOLS = "a boolean (true or false)"
+_MAX_TEXT = 4096  # strings are names and paths: PATH_MAX at most
+
+
 def _err(source: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {msg}")
 
 
-def _check_keys(doc: dict[str, Any], source: str) -> None:
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 3
+
+
+def _show(value: Any) -> str:
+    """A short one-line rendering of a value from a file, whatever its size or depth."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"a {value.bit_length()}-bit integer"
+    if isinstance(value, str) and len(value) <= 40 and value.isprintable():
+        return value
+    return " ".join(_REPR.repr(value).split())
+
+
+def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str) -> int | float:
+    """``value`` as ``kind`` if it lies in ``lo..hi``; DLIO's float record lengths truncate."""
+    bad = _err(source, f"{label} must be {'an integer' if kind is int else 'a number'} in "
+               f"{lo}..{hi}, got {_show(value)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    if isinstance(value, str):  # YAML 1.1 reads 1e12 (no dot) as a string
+        try:
+            value = int(value)
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise bad
+        if kind is int:
+            value = int(value)  # DLIO files hold record lengths such as 114660.07
+    if not lo <= value <= hi:
+        raise bad
+    return kind(value)  # type: ignore[no-any-return]
+
+
+def _as_bool(label: str, value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise _err(source, f"{label} must be {_BOOLS}, got {_show(value)}")
+
+
+def _as_str(label: str, value: Any, source: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _err(source, f"{label} must be a string, got {_show(value)}")
+    text = str(value)
+    if len(text) > _MAX_TEXT or "\0" in text:
+        raise _err(source, f"{label} must be a string of at most {_MAX_TEXT} characters "
+                   "without NUL bytes")
+    return text
+
+
+def _check_keys(doc: dict[Any, Any], source: str) -> None:
     for top, body in doc.items():
         if top not in _TOP:
-            raise _err(source, f"unknown section '{top}' (DLIO workload sections: "
+            raise _err(source, f"unknown section '{_show(top)}' (DLIO workload sections: "
                        f"{', '.join(sorted(_TOP))})")
         if top == "framework":
             continue
@@ -187,27 +318,130 @@ def _check_keys(doc: dict[str, Any], source: str) -> None:
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise _err(source, f"section '{top}' must be a mapping of keys, not {body!r}")
+            raise _err(source, f"section '{top}' must be a mapping of keys, not {_show(body)}")
         allowed = _SCHEMA[top]
         for key, value in body.items():
             if key not in allowed:
                 hint = " (DLIO's key is 'epochs')" if (top, key) == ("train", "epoch") else ""
-                raise _err(source, f"unknown key '{top}.{key}'{hint}; known keys of '{top}': "
-                           f"{', '.join(sorted(allowed))}")
-            if allowed[key] == "d":
+                raise _err(source, f"unknown key '{top}.{_show(key)}'{hint}; known keys of "
+                           f"'{top}': {', '.join(sorted(allowed))}")
+            if allowed[key] == "d" and value is not None:
                 if not isinstance(value, dict):
                     raise _err(source, f"'{top}.{key}' must be a mapping")
                 for sub in value:
                     if sub not in _NESTED[(top, key)]:
-                        raise _err(source, f"unknown key '{top}.{key}.{sub}'; known: "
+                        raise _err(source, f"unknown key '{top}.{key}.{_show(sub)}'; known: "
                                    f"{', '.join(_NESTED[(top, key)])}")
 
 
-def _apply_override(doc: dict[str, Any], item: str, source: str) -> None:
+# --------------------------------------------------------------------------- YAML input
+_MAX_FILE_BYTES = 1 << 20  # DLIO workload files are a few KiB
+_MAX_DEPTH = 16  # sections hold keys, parallelism/transformer one level more
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's SafeLoader without aliases, explicit tags or deep nesting.
+
+    An alias (``*name``) makes a "billion laughs" document of a few lines that expands
+    exponentially when it is compared or printed; an explicit tag (``!!python/object``,
+    ``!!timestamp``, ``!!binary``) reaches constructors that fail in ways of their own; deep
+    nesting would exhaust the composer's recursion. DLIO and MLPerf Storage workloads use none.
+    """
+
+    def __init__(self, stream: bytes | str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        problem = ""
+        if isinstance(event, yaml.AliasEvent):
+            problem = "YAML aliases (*name) are not allowed in a workload; write the value out"
+        elif getattr(event, "tag", None) not in (None, "!"):
+            tag = event.tag.replace("tag:yaml.org,2002:", "!!")
+            problem = (f"the tag {_show(tag)} is not allowed: a workload holds plain values "
+                       "(numbers, strings, booleans, lists, mappings)")
+        elif self._depth >= _MAX_DEPTH:
+            problem = f"nested deeper than {_MAX_DEPTH} levels; a workload is sections of keys"
+        if problem:
+            raise yaml.composer.ComposerError(None, None, problem, event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return " ".join(str(exc).split())
+    problem = exc.problem or exc.context or "invalid YAML"
+    mark = exc.problem_mark or exc.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return where + " ".join(problem.split())
+
+
+def load_yaml(text: bytes | str, where: str) -> Any:
+    """Parse YAML from a workload file or a ``--set`` value, safely.
+
+    Only plain values: no tags (``!!python/object``...), no aliases, at most 16 levels.
+
+    Raises:
+        ConfigError: anything that is not such a document; the message starts with ``where``.
+    """
+    try:
+        loader = _Loader(text)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid workload YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a workload") from None
+    except (ValueError, OverflowError) as exc:  # int() of 5,000 digits, a 30th of February
+        raise ConfigError(f"{where}: not valid workload YAML: {_show(str(exc))}") from None
+
+
+def _read_file(path: str) -> bytes:
+    """The bytes of a workload file: a regular file of at most 1 MiB (never a FIFO or a
+    device, which could block or never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"workload file {path} does not exist; `lcache bench configs` lists "
+                          "the shipped ones") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the workload file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{path} is a directory; give a DLIO workload YAML file or a "
+                              "shipped name (`lcache bench configs`)")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path} is not a regular file; give a DLIO workload YAML file")
+        chunks, total = [], 0
+        while total <= _MAX_FILE_BYTES:
+            chunk = os.read(fd, _MAX_FILE_BYTES + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the workload file {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if total > _MAX_FILE_BYTES:
+        raise ConfigError(f"{path} is over {_MAX_FILE_BYTES >> 20} MiB; a DLIO workload file "
+                          "is a few KiB of YAML")
+    return b"".join(chunks)
+
+
+def _apply_override(doc: dict[str, Any], item: str) -> None:
     """``section.key=value`` (DLIO's ``++workload.section.key=value`` without the prefix)."""
     path, sep, raw = item.partition("=")
     if not sep:
-        raise ConfigError(f"override {item!r} is not SECTION.KEY=VALUE")
+        raise ConfigError(f"override {_show(item)} is not SECTION.KEY=VALUE")
     path = path.removeprefix("++").removeprefix("workload.")
     parts = path.split(".")
     node = doc
@@ -217,12 +451,37 @@ def _apply_override(doc: dict[str, Any], item: str, source: str) -> None:
             child = {}
             node[part] = child
         node = child
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = load_yaml(raw, f"--set {_show(path)}")
+
+
+# --------------------------------------------------------------------------- parsing
+def _lookup(sections: dict[str, Any], model: dict[str, Any],
+            key: str) -> list[tuple[str, Any]]:
+    """Values under ``section.key`` (or ``section.sub.key``) and its ``|`` spellings."""
+    section, _, rest = key.partition(".")
+    body: Any = model if section == "model" else sections.get(section, {})
+    *parents, last = rest.split(".")
+    for parent in parents:
+        body = body.get(parent) if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return []
+    return [(k, body[k]) for k in last.split("|") if body.get(k) is not None]
+
+
+def _pick(source: str, section: str, found: list[tuple[str, Any]]) -> Any:
+    """The one value of a key given in one or two spellings (converted), or None."""
+    if len(found) > 1 and found[0][1] != found[1][1]:
+        raise _err(source, f"'{section}.{found[0][0]}' = {_show(found[0][1])} and "
+                   f"'{section}.{found[1][0]}' = {_show(found[1][1])} disagree; keep one")
+    return found[0][1] if found else None
 
 
 def parse_workload(doc: dict[str, Any], source: str = "<dict>",
                    overrides: tuple[str, ...] | list[str] = ()) -> Workload:
     """Validate a DLIO workload mapping and resolve it into a :class:`Workload`.
+
+    Every number is checked against its range (``_RANGES``) and the totals against theirs
+    before anything is allocated or written.
 
     Args:
         doc: the YAML document (the ``workload`` mapping of DLIO's Hydra config).
@@ -230,7 +489,7 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         overrides: ``section.key=value`` strings applied before validation.
 
     Raises:
-        ConfigError: an unknown or unsupported key, or a value out of range.
+        ConfigError: an unknown or unsupported key, a value of the wrong type or out of range.
     """
     if not isinstance(doc, dict):
         raise _err(source, "a DLIO workload file is a YAML mapping of sections")
@@ -238,7 +497,7 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         doc = doc["workload"]
     doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
     for item in overrides:
-        _apply_override(doc, item, source)
+        _apply_override(doc, item)
     _check_keys(doc, source)
     w = Workload(source=source)
     for (sec_name, key) in sorted(_NO_EFFECT):
@@ -252,76 +511,62 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     if isinstance(model, str):
         model = {"name": model}
 
+    for attr, key, kind, lo, hi in _RANGES:
+        prefix = key.partition("|")[0].rpartition(".")[0]  # model.parallelism for .tensor
+        found = [(k, _number(f"{prefix}.{k}", v, kind, lo, hi, source))
+                 for k, v in _lookup(sec, model, key)]
+        if found:
+            setattr(w, attr, _pick(source, prefix, found))
+
     def get(section: str, *keys: str) -> Any:
-        body = model if section == "model" else sec.get(section, {})
-        found = [(k, body[k]) for k in keys if k in body]
-        if len(found) > 1 and found[0][1] != found[1][1]:
-            raise _err(source, f"'{section}.{found[0][0]}' = {found[0][1]!r} and "
-                       f"'{section}.{found[1][0]}' = {found[1][1]!r} disagree; keep one")
-        return found[0][1] if found else None
+        return _pick(source, section, _lookup(sec, model, f"{section}.{'|'.join(keys)}"))
 
-    def setv(attr: str, section: str, *keys: str, conv: Any = None) -> None:
-        value = get(section, *keys)
-        if value is None:
-            return
-        try:
-            value = conv(value) if conv else value
-        except (TypeError, ValueError) as exc:
-            raise _err(source, f"'{section}.{keys[0]}' = {value!r} is not a valid "
-                       f"{conv.__name__ if conv else 'value'}") from exc
-        setattr(w, attr, value)
+    def set_str(attr: str, section: str, key: str) -> None:
+        value = get(section, key)
+        if value is not None:
+            setattr(w, attr, _as_str(f"{section}.{key}", value, source))
 
-    w.framework = str(doc.get("framework", "pytorch"))
+    def set_bool(attr: str, section: str, key: str) -> None:
+        value = get(section, key)
+        if value is not None:
+            setattr(w, attr, _as_bool(f"{section}.{key}", value, source))
+
+    framework = doc.get("framework")
+    w.framework = "pytorch" if framework is None else _as_str("framework", framework, source)
     if w.framework not in ("pytorch", "tensorflow"):
         raise _err(source, f"framework '{w.framework}' is not supported; use pytorch or "
                    "tensorflow (both are emulated the same way: I/O plus a sleep)")
-    setv("model_name", "model", "name", conv=str)
-    setv("model_size", "model", "model_size", "model_size_bytes", conv=_as_int)
-    setv("num_layers", "model", "num_layers", conv=_as_int)
-    setv("model_datatype", "model", "model_datatype", conv=str)
-    setv("optimizer_datatype", "model", "optimizer_datatype", conv=str)
+    set_str("model_name", "model", "name")
+    for attr in ("model_datatype", "optimizer_datatype"):
+        set_str(attr, "model", attr)
+        set_str(attr, "checkpoint", attr)
+        if getattr(w, attr) not in DTYPE_BYTES:
+            raise _err(source, f"'{attr}' = {_show(getattr(w, attr))}; use one of "
+                       f"{', '.join(DTYPE_BYTES)}")
     for bad in ("layer_parameters", "optimization_groups"):
         if model.get(bad):
             raise _err(source, f"'model.{bad}' (DLIO's legacy predefined tensor list) is not "
                        "supported; describe the model with num_layers and model.transformer")
-    par = model.get("parallelism") or {}
-    tr = model.get("transformer") or {}
-    for attr, key in (("tensor_parallelism", "tensor"), ("pipeline_parallelism", "pipeline"),
-                      ("data_parallelism", "data"), ("zero_stage", "zero_stage")):
-        if key in par:
-            setattr(w, attr, _as_int(par[key]))
-    for key in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_kv_heads"):
-        if key in tr:
-            setattr(w, key, _as_int(tr[key]))
-    setv("generate_data", "workflow", "generate_data", conv=_as_bool)
-    setv("do_train", "workflow", "train", conv=_as_bool)
-    setv("do_checkpoint", "workflow", "checkpoint", conv=_as_bool)
-    setv("do_eval", "workflow", "evaluation", conv=_as_bool)
-    if _as_bool(sec.get("workflow", {}).get("profiling", False)):
+    set_bool("generate_data", "workflow", "generate_data")
+    set_bool("do_train", "workflow", "train")
+    set_bool("do_checkpoint", "workflow", "checkpoint")
+    set_bool("do_eval", "workflow", "evaluation")
+    profiling = get("workflow", "profiling")
+    if profiling is not None and _as_bool("workflow.profiling", profiling, source):
         w.notes.append("workflow.profiling is ignored: use --trace for lcache's tracer")
 
-    setv("data_folder", "dataset", "data_folder", conv=str)
-    setv("format", "dataset", "format", conv=str)
-    setv("num_files_train", "dataset", "num_files_train", conv=_as_int)
-    setv("num_files_eval", "dataset", "num_files_eval", conv=_as_int)
-    setv("num_samples_per_file", "dataset", "num_samples_per_file", conv=_as_int)
-    setv("record_length", "dataset", "record_length", "record_length_bytes", conv=_as_int)
-    setv("record_length_stdev", "dataset", "record_length_stdev", "record_length_bytes_stdev",
-         conv=_as_int)
-    setv("record_length_resize", "dataset", "record_length_resize",
-         "record_length_bytes_resize", conv=_as_int)
-    setv("num_subfolders_train", "dataset", "num_subfolders_train", conv=_as_int)
-    setv("file_prefix", "dataset", "file_prefix", conv=str)
-    setv("keep_files", "dataset", "keep_files", conv=_as_bool)
+    set_str("data_folder", "dataset", "data_folder")
+    set_str("format", "dataset", "format")
+    set_str("file_prefix", "dataset", "file_prefix")
+    set_bool("keep_files", "dataset", "keep_files")
     comp = get("dataset", "compression")
     if comp not in (None, "none"):
-        raise _err(source, f"'dataset.compression' = {comp!r} is not supported; use none")
+        raise _err(source, f"'dataset.compression' = {_show(comp)} is not supported; use none")
     if w.format in _DLIO_ONLY_FORMATS:
         raise _err(source, f"'dataset.format' = {w.format!r} is a DLIO format this emulator "
                    f"does not implement; use one of {', '.join(FORMATS)}")
     if w.format not in FORMATS:
-        raise _err(source, f"'dataset.format' = {w.format!r} is unknown; use one of "
+        raise _err(source, f"'dataset.format' = {_show(w.format)} is unknown; use one of "
                    f"{', '.join(FORMATS)}")
     if w.num_subfolders_train:
         raise _err(source, "'dataset.num_subfolders_train' > 0 is not supported; put the "
@@ -329,69 +574,35 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
 
     loader = get("reader", "data_loader")
     if loader not in (None, "pytorch", "tensorflow"):
-        raise _err(source, f"'reader.data_loader' = {loader!r} is not supported; use pytorch "
-                   "or tensorflow")
-    setv("batch_size", "reader", "batch_size", conv=_as_int)
-    setv("batch_size_eval", "reader", "batch_size_eval", conv=_as_int)
-    setv("read_threads", "reader", "read_threads", conv=_as_int)
-    setv("prefetch_size", "reader", "prefetch_size", conv=_as_int)
-    setv("file_shuffle", "reader", "file_shuffle", conv=str)
-    setv("sample_shuffle", "reader", "sample_shuffle", conv=str)
-    setv("transfer_size", "reader", "transfer_size", conv=_as_int)
-    setv("odirect", "reader", "odirect", conv=_as_bool)
-    setv("preprocess_time", "reader", "preprocess_time", conv=float)
+        raise _err(source, f"'reader.data_loader' = {_show(loader)} is not supported; use "
+                   "pytorch or tensorflow")
+    set_str("file_shuffle", "reader", "file_shuffle")
+    set_str("sample_shuffle", "reader", "sample_shuffle")
+    set_bool("odirect", "reader", "odirect")
     read_type = get("reader", "read_type")
     if read_type not in (None, "on_demand"):
-        raise _err(source, f"'reader.read_type' = {read_type!r} is not supported; use "
+        raise _err(source, f"'reader.read_type' = {_show(read_type)} is not supported; use "
                    "on_demand")
     for key in ("file_shuffle", "sample_shuffle"):
         if getattr(w, key) not in ("off", "seed", "random"):
-            raise _err(source, f"'reader.{key}' = {getattr(w, key)!r}; use off, seed or random")
-
-    setv("epochs", "train", "epochs", conv=_as_int)
-    setv("computation_time", "train", "computation_time", conv=float)
-    setv("computation_time_stdev", "train", "computation_time_stdev", conv=float)
-    setv("total_training_steps", "train", "total_training_steps", conv=_as_int)
-    setv("seed", "train", "seed", conv=_as_int)
-    setv("seed_change_epoch", "train", "seed_change_epoch", conv=_as_bool)
-    setv("eval_time", "evaluation", "eval_time", conv=float)
-    setv("eval_time_stdev", "evaluation", "eval_time_stdev", conv=float)
-    setv("eval_after_epoch", "evaluation", "eval_after_epoch", conv=_as_int)
-    setv("epochs_between_evals", "evaluation", "epochs_between_evals", conv=_as_int)
+            raise _err(source, f"'reader.{key}' = {_show(getattr(w, key))}; use off, seed or "
+                       "random")
+    set_bool("seed_change_epoch", "train", "seed_change_epoch")
     if w.do_eval and (w.num_files_eval < 1 or w.batch_size_eval < 1):
         raise _err(source, "workflow.evaluation is on: set dataset.num_files_eval and "
                    "reader.batch_size_eval to 1 or more")
 
-    setv("checkpoint_folder", "checkpoint", "checkpoint_folder", conv=str)
-    setv("checkpoint_after_epoch", "checkpoint", "checkpoint_after_epoch", conv=_as_int)
-    setv("epochs_between_checkpoints", "checkpoint", "epochs_between_checkpoints",
-         conv=_as_int)
-    setv("steps_between_checkpoints", "checkpoint", "steps_between_checkpoints", conv=_as_int)
-    setv("time_between_checkpoints", "checkpoint", "time_between_checkpoints", conv=float)
-    setv("num_checkpoints_write", "checkpoint", "num_checkpoints_write", conv=_as_int)
-    setv("num_checkpoints_read", "checkpoint", "num_checkpoints_read", conv=_as_int)
-    setv("checkpoint_fsync", "checkpoint", "fsync", conv=_as_bool)
-    ck_size = get("checkpoint", "model_size")
-    if ck_size is not None:  # older DLIO: checkpoint.model_size; newer: model.model_size
-        w.model_size = _as_int(ck_size)
-    setv("model_datatype", "checkpoint", "model_datatype", conv=str)
-    setv("optimizer_datatype", "checkpoint", "optimizer_datatype", conv=str)
-    for attr in ("model_datatype", "optimizer_datatype"):
-        if getattr(w, attr) not in DTYPE_BYTES:
-            raise _err(source, f"'{attr}' = {getattr(w, attr)!r}; use one of "
-                       f"{', '.join(DTYPE_BYTES)}")
-    setv("checkpoint_type", "checkpoint", "type", conv=str)
+    set_str("checkpoint_folder", "checkpoint", "checkpoint_folder")
+    set_bool("checkpoint_fsync", "checkpoint", "fsync")
+    set_str("checkpoint_type", "checkpoint", "type")
     if w.checkpoint_type not in ("all_ranks", "rank_zero"):
-        raise _err(source, f"'checkpoint.type' = {w.checkpoint_type!r}; use all_ranks or "
-                   "rank_zero")
+        raise _err(source, f"'checkpoint.type' = {_show(w.checkpoint_type)}; use all_ranks "
+                   "or rank_zero")
 
-    setv("output_folder", "output", "folder", conv=str)
-    setv("au", "metric", "au", conv=float)
-    setv("exclude_start_steps", "metric", "exclude_start_steps", conv=_as_int)
-    setv("exclude_end_steps", "metric", "exclude_end_steps", conv=_as_int)
+    set_str("output_folder", "output", "folder")
     storage_type = get("storage", "storage_type")
     if storage_type not in (None, "local_fs"):
-        raise _err(source, f"'storage.storage_type' = {storage_type!r} is not supported; "
+        raise _err(source, f"'storage.storage_type' = {_show(storage_type)} is not supported; "
                    "lcache bench measures a local path (local_fs)")
     _validate(w)
     return w
@@ -399,17 +610,7 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
 
 def _validate(w: Workload) -> None:
     src = w.source
-    positive = ("num_files_train", "num_samples_per_file", "batch_size", "epochs")
-    for name in positive:
-        if getattr(w, name) < 1:
-            raise _err(src, f"{name} = {getattr(w, name)} must be at least 1")
-    if w.do_train and w.record_length < 1:
-        raise _err(src, f"record_length = {w.record_length} must be at least 1 byte")
-    if w.read_threads < 0:
-        raise _err(src, "reader.read_threads must be 0 or more")
-    if w.computation_time < 0:
-        raise _err(src, "train.computation_time must not be negative")
-    if not 0 < w.au <= 1:
+    if w.au <= 0:
         raise _err(src, f"metric.au = {w.au} must be a fraction in (0, 1], e.g. 0.90")
     if w.do_checkpoint and w.model_size <= 0 and w.num_layers <= 0:
         raise _err(src, "workflow.checkpoint is on but the checkpoint has no size: set "
@@ -417,34 +618,47 @@ def _validate(w: Workload) -> None:
     if w.num_layers > 0 and min(w.hidden_size, w.ffn_hidden_size, w.vocab_size) <= 0:
         raise _err(src, "model.num_layers is set: also set model.transformer.hidden_size, "
                    "ffn_hidden_size and vocab_size")
+    for split, files, on in (("train", w.num_files_train, w.do_train),
+                             ("eval", w.num_files_eval, w.do_eval)):
+        if on and files * w.num_samples_per_file > MAX_EPOCH_SAMPLES:
+            raise _err(src, f"dataset.num_files_{split} x num_samples_per_file = "
+                       f"{files * w.num_samples_per_file} samples; at most "
+                       f"{MAX_EPOCH_SAMPLES} per epoch (an epoch's order is held in memory)")
+    if w.do_checkpoint and not w.do_train:
+        check_run_length(w, 0, 0)
 
 
-def _as_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(value)
-    return int(float(value))  # DLIO files hold record lengths such as 114660.07
+def check_run_length(w: Workload, steps_per_epoch: int, eval_steps_per_epoch: int) -> None:
+    """Refuse a run of more than ``MAX_RUN_STEPS`` steps, or whose emulated compute and
+    checkpoint pauses alone last more than ``MAX_RUN_S`` (a month).
 
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.lower() in ("true", "yes", "1")
-    if isinstance(value, int):
-        return bool(value)
-    raise ValueError(value)
+    Args:
+        steps_per_epoch: this rank's training steps per epoch (0: a checkpoint-only run).
+        eval_steps_per_epoch: its evaluation steps after an epoch (0: none).
+    """
+    steps = w.epochs * (steps_per_epoch + eval_steps_per_epoch) if w.do_train else 0
+    seconds = w.epochs * (steps_per_epoch * w.computation_time
+                          + eval_steps_per_epoch * w.eval_time) if w.do_train else 0.0
+    if w.do_checkpoint and not w.do_train:
+        seconds += max(0, w.num_checkpoints_write - 1) * max(0.0, w.time_between_checkpoints)
+    if steps > MAX_RUN_STEPS:
+        raise _err(w.source, f"train.epochs = {w.epochs} x {steps // w.epochs} steps per epoch "
+                   f"make {steps} steps, more than {MAX_RUN_STEPS}; lower train.epochs or "
+                   "set train.total_training_steps")
+    if seconds > MAX_RUN_S:
+        raise _err(w.source, f"this run would sleep {seconds / 86_400:,.0f} days in emulated "
+                   f"compute and checkpoint pauses, more than {MAX_RUN_S // 86_400} days; lower "
+                   "train.epochs, computation_time or num_checkpoints_write")
 
 
 def load_workload(path: str, overrides: tuple[str, ...] | list[str] = ()) -> Workload:
-    """Read and validate a DLIO workload YAML file (see :func:`parse_workload`)."""
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"workload file {path} does not exist; `lcache bench configs` lists "
-                          "the shipped ones") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    """Read and validate a DLIO workload YAML file (see :func:`parse_workload`).
+
+    Raises:
+        ConfigError: the file is missing, not a regular file, over 1 MiB, not plain YAML
+            (tags, aliases), or its workload is invalid.
+    """
+    doc = load_yaml(_read_file(path), path)
     return parse_workload(doc, source=path, overrides=overrides)
 
 

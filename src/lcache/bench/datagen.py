@@ -27,18 +27,40 @@ from collections.abc import Callable
 import numpy as np
 
 from lcache.bench.config import Workload
+from lcache.bench.resources import need_memory
 from lcache.errors import ConfigError
 from lcache.io import fsync_dir, open_file, pwrite_full, sync_fd
 
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
+_CHECK_MEMORY_FROM = 64 << 20
+
+
+def _count(w: Workload, split: str) -> int:
+    return w.num_files_train if split == "train" else w.num_files_eval
+
+
+def file_name(w: Workload, split: str, i: int) -> str:
+    """The name DLIO gives file ``i`` of ``split`` (relative to ``DATA/train`` or ``valid``)."""
+    n = _count(w, split)
+    return f"{w.file_prefix}_{i:0{len(str(n))}d}_of_{n}.{w.format}"
 
 
 def file_names(w: Workload, split: str = "train") -> list[str]:
     """The file names DLIO gives this workload (relative to ``DATA/train`` or ``DATA/valid``)."""
-    n = w.num_files_train if split == "train" else w.num_files_eval
-    width = len(str(n))
-    return [f"{w.file_prefix}_{i:0{width}d}_of_{n}.{w.format}" for i in range(n)]
+    return [file_name(w, split, i) for i in range(_count(w, split))]
+
+
+def missing_bytes(w: Workload, data_dir: str) -> int:
+    """About how many bytes :func:`generate` would still write into ``data_dir``."""
+    per_file = w.num_samples_per_file * (w.record_length + 16) + 4096  # framing, idx, header
+    total = 0
+    for split in ["train"] + (["valid"] if w.do_eval else []):
+        folder = os.path.join(data_dir, split)
+        have = sum(1 for e in os.scandir(folder) if e.name.endswith(f".{w.format}")) \
+            if os.path.isdir(folder) else 0
+        total += max(0, _count(w, split) - have) * per_file
+    return total
 
 
 def sample_size_of_file(w: Workload, index: int) -> int:
@@ -57,6 +79,10 @@ def _encode(w: Workload, index: int) -> list[bytes | memoryview]:
     """The bytes of data file ``index`` (and, for indexed formats, its index files)."""
     size = sample_size_of_file(w, index)
     n = w.num_samples_per_file
+    if size * n >= _CHECK_MEMORY_FROM:
+        # A file is built in memory (about three copies of its bytes on the way to disk).
+        need_memory(3 * size * n, f"generating a {w.format} file of {n} samples of {size} bytes",
+                    "dataset.num_samples_per_file or record_length")
     rng = np.random.default_rng([w.seed, index, 1])
     x = _payload(rng, size * n).reshape(n, size)
     if w.format in ("npz", "npy"):
@@ -138,10 +164,8 @@ def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: in
     sweep_stale_temps(train)
     written = 0
     first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
-    for i, name in enumerate(file_names(w, split)):
-        if i % world != rank:
-            continue
-        path = os.path.join(train, name)
+    for i in range(rank, _count(w, split), world):
+        path = os.path.join(train, file_name(w, split, i))
         if not os.path.exists(path):
             parts = _encode(w, first + i)
             _publish(path, parts[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ import numpy as np
 
 from lcache.bench import checkpoint as ckpt
 from lcache.bench import datagen
-from lcache.bench.config import Workload
+from lcache.bench.config import Workload, check_run_length
 from lcache.bench.metrics import RankRecorder, aggregate, verdict, write_json_atomic
 from lcache.bench.reader import (
     SampleReader,
@@ -31,6 +32,7 @@ from lcache.bench.reader import (
     iterate_batches,
     steps_per_epoch,
 )
+from lcache.bench.resources import bytes_under, meminfo, need_memory, need_space
 from lcache.errors import ConfigError
 from lcache.io import drop_page_cache, open_file, pread_full, private_dir, pwrite_full, sync_fd
 
@@ -91,20 +93,39 @@ class BenchOptions:
     progress_label: str = ""
 
 
-def _owned_dir(path: str) -> str:
-    """Create ``path`` owner-only if missing; refuse one that is not private to you."""
-    return private_dir(path, "bench directory (--output/--data-dir)")
-
-
-def _mem_total() -> int:
+def _owned_dir(path: str, what: str) -> str:
+    """Create ``path`` owner-only if missing; refuse one that is not private to you, or that
+    cannot hold files (``/proc/self``), before any long work starts."""
+    full = private_dir(path, f"bench {what} directory")
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        os.rmdir(tempfile.mkdtemp(prefix=".lcache-probe-", dir=full))
+    except OSError as exc:
+        raise ConfigError(f"the {what} directory {full} cannot hold files ({exc.strerror}); "
+                          "give a directory on the storage to measure") from None
+    return full
+
+
+def _check_room(w: Workload, world: int, data_dir: str, ck_dir: str, generate: bool) -> None:
+    """Refuse a run this machine cannot hold or finish, before anything is generated."""
+    steps = steps_per_epoch(w, world) if w.do_train else 0
+    check_run_length(w, steps, eval_steps(w, world) if w.do_train and w.do_eval else 0)
+    if w.do_train:
+        # The epoch's sample order (and its shuffled copy); indexed formats also keep every
+        # file's offsets and sizes per reader thread.
+        samples = w.num_files_train * w.num_samples_per_file
+        per_sample = 24 + (16 * max(1, w.read_threads) if w.format not in ("npz", "npy")
+                           else 0)
+        need_memory(samples * per_sample, f"an epoch of {samples} samples",
+                    "dataset.num_files_train or num_samples_per_file")
+        if generate:
+            need_space(data_dir, datagen.missing_bytes(w, data_dir), "generating the dataset",
+                       "dataset.num_files_train, num_samples_per_file or record_length")
+    if w.do_checkpoint:
+        saves = ckpt.count_saves(w, steps)
+        need_space(ck_dir, saves * ckpt.total_bytes(w, world),
+                   f"{saves} checkpoint(s) of {world} rank(s)",
+                   "the model size or checkpoint.num_checkpoints_write",
+                   reusable=bytes_under(ck_dir))
 
 
 def _now() -> str:
@@ -205,18 +226,22 @@ def run_workload(w: Workload, opts: BenchOptions | None = None) -> dict[str, Any
 
 def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
     rank, world = comm.rank, comm.world
-    output = _owned_dir(opts.output or w.output_folder)
+    output = _owned_dir(opts.output or w.output_folder, "output")
     data_dir = os.path.abspath(opts.data_dir or w.data_folder)
     ck_dir = os.path.abspath(opts.checkpoint_dir or w.checkpoint_folder)
     direct = w.odirect if opts.direct is None else opts.direct
+    if w.do_checkpoint or opts.step_io:
+        _owned_dir(ck_dir, "checkpoint")
+    generate = (w.generate_data if opts.generate is None else opts.generate) and w.do_train
+    if generate:
+        _owned_dir(data_dir, "data")
+    _check_room(w, world, data_dir, ck_dir, generate)
     progress = _Progress(opts.show_progress and rank == 0, opts.progress_label)
     start = _now()
     trace_mod, trace_path = _enable_trace(output, rank) if opts.trace else (None, "")
     rec = RankRecorder(rank, w.batch_size, w.exclude_start_steps, w.exclude_end_steps,
                        w.batch_size_eval)
     ck_io = None
-    if w.do_checkpoint or opts.step_io:
-        _owned_dir(ck_dir)
     if w.do_checkpoint:
         ck_io = ckpt.CheckpointIO(ck_dir, ckpt.rank_files(w, rank, world), w.checkpoint_fsync,
                                   drop_cache=opts.drop_cache)
@@ -233,9 +258,7 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
         comm.barrier()
         rec.checkpoint(kind, name, time.perf_counter() - t0, own, n)
 
-    generate = w.generate_data if opts.generate is None else opts.generate
-    if generate and w.do_train:
-        _owned_dir(data_dir)
+    if generate:
         with progress.phase("generate data", w.num_files_train) as advance:
             datagen.generate(w, data_dir, rank, world, progress=advance)
         comm.barrier()
@@ -310,7 +333,7 @@ def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
         with open(os.path.join(output, f"{r}_output.json")) as f:
             ranks.append(json.load(f))
     agg = aggregate(ranks, w.record_length, w.au, checkpoint_bytes)
-    mem = _mem_total()
+    mem = meminfo("MemTotal")
     summary: dict[str, Any] = {
         "start": start, "end": _now(), "num_accelerators": world, "num_hosts": 1,
         "hostname": socket.gethostname(), "workload": w.source, "model": w.model_name,

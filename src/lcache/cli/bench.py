@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import click
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -122,8 +121,8 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
         from lcache.model import config_from_preset, predict
         from lcache.store import parse_size
 
-        pred = predict(config_from_preset(offload_preset,
-                                          **_parse_settings(model_settings))).to_dict()
+        settings = _parse_settings(model_settings, "--model-set")
+        pred = predict(config_from_preset(offload_preset, **settings)).to_dict()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         opts.step_io, offload = offload_step_io(pred, w.computation_time, world,
                                                 parse_size(max_step_bytes))
@@ -139,13 +138,15 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
     _print(summary, as_json)
 
 
-def _parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
+def _parse_settings(items: tuple[str, ...], option: str = "--set") -> dict[str, Any]:
+    from lcache.bench.config import load_yaml
+
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set gpus=16)")
-        out[key.replace("-", "_")] = yaml.safe_load(raw)
+            raise ConfigError(f"{option} {item!r:.80} is not KEY=VALUE (e.g. {option} gpus=16)")
+        out[key.replace("-", "_")] = load_yaml(raw, f"{option} {key:.80}")
     return out
 
 
