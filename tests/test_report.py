@@ -63,10 +63,11 @@ def test_missing_truncated_and_foreign_files(tmp_path: Path) -> None:
     other_tool.write_text('{"name": "f", "ph": "X", "pid": 1, "ts": 1, "dur": 2}\n')
     with pytest.raises(TraceFormatError, match=r"other\.json: line 1: no lcache I/O events"):
         summarize(other_tool)
-    # The CLI says the same and exits non-zero.
+    # The CLI says the same on one line and exits 2 (COLUMNS: rich must not wrap the line).
     run = subprocess.run([sys.executable, "-m", "lcache", "report", str(cut), "-o",
-                          str(tmp_path / "r.html")], capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0 and f"cut.trace: line {n}" in run.stderr
+                          str(tmp_path / "r.html")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "1000"})
+    assert run.returncode == 2 and f"cut.trace: line {n}" in run.stderr
 
 
 def test_perfetto_wrapping_round_trips(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
+from lcache.errors import ConfigError
 from lcache.trace.recorder import ENV
-from lcache.trace.schema import TraceFormatError
 
 
 def _fail(message: str, code: int) -> None:
@@ -159,15 +159,25 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
     """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table."""
     from lcache.report import print_summary, write_perfetto, write_report
 
-    try:
-        summary = write_report(list(traces), html_path,
-                               None if json_path in (None, "-") else json_path)
-        if perfetto:
-            write_perfetto(list(traces), perfetto)
-    except TraceFormatError as exc:
-        raise click.ClickException(str(exc)) from None
+    for path, what in ((html_path, "report"), (json_path, "summary"), (perfetto, "trace")):
+        if path not in (None, "-"):
+            _check_output_dir(str(path), what)
+    # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
+    summary = write_report(list(traces), html_path,
+                           None if json_path in (None, "-") else json_path)
+    if perfetto:
+        write_perfetto(list(traces), perfetto)
     if json_path == "-":
         click.echo(json.dumps(summary, indent=2))
     else:
         print_summary(summary)
         click.echo(f"report: {html_path}" + (f", summary: {json_path}" if json_path else ""))
+
+
+def _check_output_dir(path: str, what: str) -> None:
+    """Refuse an output whose directory is missing before reading the traces, which can take
+    long, and name the path asked for (the writer's temp file would be named otherwise)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write the {what} {path}: the directory {folder} does not "
+                          "exist; create it or choose another path")

@@ -1,19 +1,22 @@
 """Loading trace files (plain or gzip, JSON lines or wrapped in ``[ ]``) into numpy columns.
 
-Every error names the file and the line: a missing file, a line that is not JSON (the last
-line cut short means the file was truncated), an object that is not a trace event, or a file
-with no lcache events at all.
+Every error names the file and the line: a missing file or one that is not a regular file, a
+line that is not JSON (the last line cut short means the file was truncated) or is longer than
+any event, an object that is not a trace event or holds numbers out of range, or a file with
+no lcache events at all. Memory stays bounded by the events, whatever the file holds.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -56,20 +59,55 @@ class Trace:
         return len(self.ts_us)
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
+#: Longest line accepted. Real events are far shorter (paths are at most 4 KiB, process names
+#: are cut to 4 KiB); a longer line is damage or not a trace, and the cap bounds the memory a
+#: file without newlines (``/dev/zero``, a gzip bomb) can take.
+MAX_LINE = 1 << 20
+
+#: Timestamps and durations are microseconds; beyond 2^53 (285 years) a float loses the
+#: microsecond and the time bins of the report would overflow.
+_MAX_US = float(1 << 53)
+
+
+def _open(path: str) -> BinaryIO:
+    """The trace file, opened without blocking (a FIFO would wait for a writer) and only if it
+    is a regular file (a device or a FIFO can be endless)."""
     try:
-        with open(path, "rb") as probe:
-            magic = probe.read(2)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such trace file; give the file that "
                                "`lcache trace -o` or LCACHE_TRACE wrote") from None
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read the trace: {exc.strerror}") from exc
+        raise TraceFormatError(f"{path}: cannot read the trace: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise TraceFormatError(f"{path}: {kind}; give a trace file that `lcache trace -o` "
+                                   "or LCACHE_TRACE wrote")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
     lineno = 0
     try:
-        opener = gzip.open if magic == b"\x1f\x8b" else open
-        with opener(path, "rt", encoding="utf-8", errors="strict") as f:
-            for lineno, line in enumerate(f, 1):
+        with _open(path) as raw:
+            magic = raw.read(2)
+            raw.seek(0)
+            stream: BinaryIO | gzip.GzipFile = raw
+            if magic == b"\x1f\x8b":
+                stream = gzip.GzipFile(fileobj=raw)
+            text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict")
+            while line := text.readline(MAX_LINE + 1):
+                lineno += 1
+                if len(line) > MAX_LINE:
+                    raise TraceFormatError(f"{path}: line {lineno}: longer than {MAX_LINE} "
+                                           "characters, which no trace event is; the file is "
+                                           "damaged or not a trace")
                 yield lineno, line
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise TraceFormatError(f"{path}: line {lineno + 1}: compressed data is cut short or "
@@ -77,6 +115,11 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     except UnicodeDecodeError as exc:
         raise TraceFormatError(f"{path}: line {lineno + 1}: not UTF-8 text; is this a trace "
                                "file?") from exc
+    except TraceFormatError:
+        raise
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: line {lineno + 1}: cannot read the trace: "
+                               f"{exc.strerror or exc}") from exc
 
 
 def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | None:
@@ -93,10 +136,36 @@ def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | No
                                    "(the trace file is truncated)") from exc
         raise TraceFormatError(f"{path}: line {lineno}: not a JSON object ({exc.msg}); "
                                "is this a trace written by lcache?") from exc
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit number; [[[[...]]]]
+        raise TraceFormatError(f"{path}: line {lineno}: not a trace event (nested too deeply "
+                               "or a number too long)") from exc
     if not isinstance(obj, dict) or "ph" not in obj or "pid" not in obj:
         raise TraceFormatError(f"{path}: line {lineno}: not a Chrome trace event (an object "
                                "with 'ph' and 'pid'); is this a trace written by lcache?")
     return obj
+
+
+def _int(value: Any) -> int:
+    """An integer field, which must fit the int64 columns."""
+    n = int(value)
+    if not -(1 << 63) <= n < 1 << 63:
+        raise ValueError(f"{n:.3g} does not fit in 64 bits")
+    return n
+
+
+def _us(value: Any) -> float:
+    """A time in microseconds: finite and within 2^53."""
+    t = float(value)
+    if not abs(t) <= _MAX_US:  # also false for NaN
+        raise ValueError(f"{t} us is not a time")
+    return t
+
+
+def _dur(value: Any) -> float:
+    t = _us(value)
+    if t < 0:
+        raise ValueError(f"negative duration {t}")
+    return t
 
 
 class _Builder:
@@ -120,10 +189,10 @@ class _Builder:
 
     def add(self, source: int, path: str, lineno: int, ev: dict[str, Any]) -> None:
         ph = ev["ph"]
-        pid = int(ev["pid"])
         args = ev.get("args") or {}
         self.events += 1
         try:
+            pid = _int(ev["pid"])
             if ph == "X" and ("fid" in args or "file" in args):
                 if "file" in args:  # strace-derived events carry the path itself
                     name = str(args["file"])
@@ -131,26 +200,27 @@ class _Builder:
                     name = self.fid_names.get((source, pid, int(args["fid"])),
                                               f"fid {args['fid']} of pid {pid}")
                 self.rows.append((
-                    pid, int(ev.get("tid", pid)), self.index(self.ops, str(ev["name"])),
+                    pid, _int(ev.get("tid", pid)), self.index(self.ops, str(ev["name"])),
                     self.index(self.classes, str(ev.get("cat", "other"))),
-                    self.index(self.files, name), float(ev["ts"]), float(ev.get("dur", 0)),
-                    int(args.get("off", -1)), int(args.get("size", 0)),
-                    int(args.get("ret", 0))))
+                    self.index(self.files, name), _us(ev["ts"]), _dur(ev.get("dur", 0)),
+                    _int(args.get("off", -1)), _int(args.get("size", 0)),
+                    _int(args.get("ret", 0))))
             elif ph == "M" and ev.get("name") == "file_name":
-                self.fid_names[(source, pid, int(args["fid"]))] = str(args["name"])
+                self.fid_names[(source, pid, _int(args["fid"]))] = str(args["name"])
             elif ph == "M" and ev.get("name") == "process_name":
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
                 self.proc.setdefault(pid, []).append(
-                    (float(ev["ts"]), [int(args[k]) for k in PROC_FIELDS]))
+                    (_us(ev["ts"]), [_int(args[k]) for k in PROC_FIELDS]))
             elif ph == "C" and ev.get("cat") == DISKSTATS:
                 self.disks.setdefault(str(ev["name"]), []).append(
-                    (float(ev["ts"]), [int(args[k]) for k in DISK_FIELDS]))
+                    (_us(ev["ts"]), [_int(args[k]) for k in DISK_FIELDS]))
             else:
                 self.ignored += 1
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceFormatError(f"{path}: line {lineno}: a '{ph}' event with a missing or "
-                                   f"malformed field ({type(exc).__name__}: {exc})") from exc
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            detail = " ".join(f"{type(exc).__name__}: {exc}"[:200].split())
+            raise TraceFormatError(f"{path}: line {lineno}: a '{str(ph)[:40]}' event with a "
+                                   f"missing or malformed field ({detail})") from exc
 
 
 def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Trace:

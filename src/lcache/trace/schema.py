@@ -13,7 +13,7 @@ transferred or ``-errno``. Samples of ``/proc`` are counter events (``"ph": "C"`
 
 from __future__ import annotations
 
-from lcache.errors import LCacheError
+from lcache.errors import CorruptionError
 
 FORMAT_VERSION = 1
 
@@ -44,5 +44,7 @@ PROC_IO = "proc-io"
 DISKSTATS = "diskstats"
 
 
-class TraceFormatError(LCacheError, ValueError):
-    """A trace file is missing, truncated or not an lcache/Chrome trace; names file and line."""
+class TraceFormatError(CorruptionError):
+    """A trace file is missing, truncated or not an lcache/Chrome trace; names file and line.
+
+    A :class:`~lcache.errors.CorruptionError` (so an ``LCacheError`` and a ``ValueError``)."""

@@ -67,8 +67,12 @@ class TraceWriter:
 
 
 def process_metadata(pid: int, name: str, ppid: int | None = None) -> list[str]:
-    """The ``process_name`` line (with the clock offset that maps ``ts`` to Unix time)."""
-    args: dict[str, Any] = {"name": name, "lcache_trace": 1,
+    """The ``process_name`` line (with the clock offset that maps ``ts`` to Unix time).
+
+    ``name`` is cut to 4,096 characters: a command line can be megabytes long, and a loader
+    refuses lines longer than any event (``lcache.report.load.MAX_LINE``).
+    """
+    args: dict[str, Any] = {"name": name[:4096], "lcache_trace": 1,
                             "wall_minus_mono_us": round(wall_minus_mono_us(), 1)}
     if ppid is not None:
         args["ppid"] = ppid

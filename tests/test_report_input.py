@@ -1,0 +1,133 @@
+"""`lcache report` on bad input: exit status 2 and one line on stderr naming the file (and the
+line), in bounded time and memory: devices, FIFOs, lines longer than any event, gzip bombs,
+deep nesting, numbers out of range, an output directory that does not exist."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import resource
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+import lcache.trace
+from lcache.errors import CorruptionError, LCacheError
+from lcache.report import summarize
+from lcache.report.load import MAX_LINE
+
+from .conftest import subprocess_env
+
+
+def _limited() -> None:
+    # The old loader grew to 8 GB on /dev/zero: a failure must not take the machine.
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**subprocess_env(), "COLUMNS": "1000"}  # the one line must not be wrapped
+    env.pop("LCACHE_TRACE", None)
+    return subprocess.run([sys.executable, "-m", "lcache", "report", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60, preexec_fn=_limited)
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) -> None:
+    err = run.stderr
+    assert "Traceback" not in err + run.stdout, err
+    assert run.returncode == 2, (run.returncode, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _good(path: Path) -> Path:
+    lcache.trace.enable(str(path))
+    try:
+        for i in range(5):
+            lcache.trace.record("write", "/data/x.bin", i * 10, 10, "checkpoint", 1000 * i,
+                                500, 10)
+    finally:
+        lcache.trace.disable()
+    return path
+
+
+def _event(**fields: object) -> str:
+    ev = {"name": "read", "cat": "cache-read", "pid": 1, "tid": 1, "ts": 1.0, "dur": 1.0,
+          "ph": "X", "args": {"file": "/f", "off": 0, "size": 1, "ret": 1}}
+    ev.update(fields)
+    return json.dumps(ev)
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """A folder of bad traces; each appends its bad line after a good trace of n - 1 lines."""
+    tmp = tmp_path_factory.mktemp("bad")
+    good = _good(tmp / "good.trace").read_text()
+    (tmp / "long.trace").write_text(good + "x" * (MAX_LINE + 10) + "\n" + good)
+    (tmp / "zeros.bin").write_bytes(bytes(3 << 20))
+    (tmp / "bomb.trace.gz").write_bytes(gzip.compress(good.encode() + bytes(64 << 20), 9))
+    (tmp / "deep.trace").write_text(good + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp / "digits.trace").write_text(good + _event(pid=0).replace('"pid": 0', '"pid": '
+                                                                   + "9" * 5000) + "\n")
+    (tmp / "huge.trace").write_text(good + _event(pid=2**70) + "\n")
+    (tmp / "nan.trace").write_text(good + _event(ts=float("nan")) + "\n")
+    (tmp / "inf.trace").write_text(good + _event(dur=1e309) + "\n")
+    (tmp / "negative.trace").write_text(good + _event(dur=-5) + "\n")
+    (tmp / "span.trace").write_text(good + _event(ts=1e300) + "\n")
+    os.mkfifo(tmp / "fifo.trace")  # reading it would wait for a writer forever
+    return tmp, good.count("\n") + 1
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("/dev/zero", ["/dev/zero: not a regular file"]),
+    ("fifo.trace", ["fifo.trace: not a regular file"]),
+    ("long.trace", ["long.trace: line {n}: longer than 1048576 characters"]),
+    ("zeros.bin", ["zeros.bin: line 1: longer than"]),
+    ("bomb.trace.gz", ["bomb.trace.gz: line", "longer than"]),
+    ("deep.trace", ["deep.trace: line {n}: not a trace event (nested too deeply"]),
+    ("digits.trace", ["digits.trace: line {n}: not a trace event"]),
+    ("huge.trace", ["huge.trace: line {n}: a 'X' event", "does not fit in 64 bits"]),
+    ("nan.trace", ["nan.trace: line {n}: a 'X' event", "is not a time"]),
+    ("inf.trace", ["inf.trace: line {n}: a 'X' event", "is not a time"]),
+    ("negative.trace", ["negative.trace: line {n}: a 'X' event", "negative duration"]),
+    ("span.trace", ["span.trace: line {n}: a 'X' event", "is not a time"]),
+])
+def test_bad_trace_is_one_line_with_file_and_line(bad: tuple[Path, int], name: str,
+                                                  words: list[str]) -> None:
+    folder, n = bad
+    words = [w.format(n=n) for w in words]
+    assert_one_line_error(report(name, "-o", str(folder / "r.html"), cwd=folder), *words)
+    if name in ("/dev/zero", "fifo.trace"):
+        return
+    tracemalloc.start()  # the library raises the same error, in bounded memory
+    try:
+        with pytest.raises(CorruptionError) as info:
+            summarize(folder / name)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(info.value, LCacheError) and words[0] in str(info.value)
+    assert peak < 32 << 20, peak  # a line is at most 1 MiB of text
+
+
+def test_output_directory_that_does_not_exist(tmp_path: Path) -> None:
+    good = _good(tmp_path / "good.trace")
+    for option in ("-o", "--json", "--perfetto"):
+        run = report(str(good), option, "/missing/dir/x.out", cwd=tmp_path)
+        assert_one_line_error(run, "cannot write the", "/missing/dir/x.out: the directory "
+                              "/missing/dir does not exist")
+
+
+def test_a_long_command_line_stays_under_the_line_limit(tmp_path: Path) -> None:
+    """A process name is cut to 4 KiB, so a traced command line of megabytes still loads."""
+    from lcache.trace.writer import process_metadata
+
+    (line,) = process_metadata(1, "python train.py " + "--flag " * 500_000)
+    assert len(line) < 5000
+    trace = tmp_path / "t.trace"
+    trace.write_text(line + "\n" + _good(tmp_path / "g.trace").read_text())
+    assert summarize(trace)["total"]["ops"] == 5
