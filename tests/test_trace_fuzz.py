@@ -1,0 +1,154 @@
+"""Fuzzing the trace loader (report/load.py) and the statistics behind the report: random
+bytes, random JSON lines, huge and special numbers, deep nesting, every truncation and bit flip
+of a real trace in its three forms (JSON lines, gzip members, Perfetto's JSON array). Only
+LCacheError subclasses escape, in bounded time and memory."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lcache.trace
+from lcache.errors import CorruptionError
+from lcache.io import open_file, pread_full, pwrite_full
+from lcache.report import write_perfetto
+from lcache.report.load import load
+from lcache.report.stats import summarize_trace
+
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """A real trace of lcache.io reads and writes, as JSON lines, gzip and Perfetto array."""
+    tmp = tmp_path_factory.mktemp("real")
+    lines = tmp / "t.trace"
+    lcache.trace.enable(str(lines))
+    try:
+        fd = open_file(str(tmp / "data.bin"), os.O_RDWR | os.O_CREAT)
+        try:
+            for i in range(6):
+                pwrite_full(fd, i * 4096, [b"x" * 4096], "cache-write")
+            lcache.trace.flush()  # two flushes: two gzip members in the .gz form
+            for i in range(6):
+                pread_full(fd, i * 4096, memoryview(bytearray(4096)), "cache-read")
+        finally:
+            os.close(fd)
+    finally:
+        lcache.trace.disable()
+    wrapped = tmp / "t.json"
+    write_perfetto(lines, wrapped)
+    text = lines.read_bytes()
+    half = text.index(b"\n", len(text) // 2) + 1
+    return {"t.trace": text, "t.json": wrapped.read_bytes(),
+            "t.trace.gz": gzip.compress(text[:half]) + gzip.compress(text[half:])}
+
+
+def check(path: Path, data: bytes) -> None:
+    """Load (and summarize) ``data``: a trace or a CorruptionError, fast and in little memory."""
+    path.write_bytes(data)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        summarize_trace(load(path))
+    except CorruptionError as exc:  # TraceFormatError: names the file and the line
+        assert str(path) in str(exc) and "\n" not in str(exc), str(exc)[:300]
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 5.0
+    assert peak < 16 << 20, peak
+
+
+NUMBERS = (st.integers() | st.floats() | st.sampled_from(
+    [2**63, -(2**63) - 1, 2**64, 10**30, 1e308, -1e308, 1e-320, 2.0**53, -1, 0]))
+SCALARS = st.none() | st.booleans() | NUMBERS | st.text(max_size=10)
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=10)
+ARGS = st.fixed_dictionaries({}, optional={
+    k: JSON | NUMBERS for k in ("fid", "file", "name", "off", "size", "ret", *(
+        "rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes", "reads",
+        "read_sectors", "writes", "write_sectors", "io_ms"))})
+EVENT = st.fixed_dictionaries(
+    {"ph": st.sampled_from(["X", "M", "C", "B", "i"]) | JSON, "pid": NUMBERS | JSON},
+    optional={"name": st.sampled_from(["read", "write", "file_name", "process_name", "io",
+                                       "vda"]) | JSON,
+              "cat": st.sampled_from(["cache-read", "proc-io", "diskstats"]) | JSON,
+              "tid": NUMBERS | JSON, "ts": NUMBERS | JSON, "dur": NUMBERS | JSON,
+              "args": ARGS | JSON})
+
+
+@SETTINGS
+@given(st.binary(max_size=3000))
+def test_random_bytes(tmp_path: Path, data: bytes) -> None:
+    check(tmp_path / "r.trace", data)
+    check(tmp_path / "r.trace.gz", gzip.compress(data))
+
+
+# Well-formed I/O events with extreme values: they load, and the statistics must cope.
+INT64 = st.integers(-(2**63), 2**63 - 1) | st.sampled_from([0, -1, 2**63 - 1, -(2**63)])
+IO_EVENT = st.fixed_dictionaries({
+    "ph": st.just("X"), "name": st.sampled_from(["read", "write", "fsync"]),
+    "cat": st.sampled_from(["cache-read", "checkpoint", "syscall"]), "pid": INT64,
+    "tid": INT64, "ts": st.floats(-(2.0**53), 2.0**53), "dur": st.floats(0, 2.0**53),
+    "args": st.fixed_dictionaries({"file": st.text(max_size=5), "off": INT64, "size": INT64,
+                                   "ret": INT64})})
+
+
+@settings(SETTINGS, max_examples=80)
+@given(st.lists(EVENT | IO_EVENT, min_size=1, max_size=12), st.booleans())
+def test_random_json_events(tmp_path: Path, events: list[dict[str, Any]],
+                            wrapped: bool) -> None:
+    lines = [json.dumps(e) for e in events]  # NaN and Infinity literals included
+    text = ("[\n" + ",\n".join(lines) + "\n]\n") if wrapped else "\n".join(lines) + "\n"
+    check(tmp_path / "e.trace", text.encode())
+
+
+@SETTINGS
+@given(st.sampled_from(["t.trace", "t.json", "t.trace.gz"]), st.data())
+def test_truncations_and_bit_flips_of_a_real_trace(tmp_path: Path, real: dict[str, bytes],
+                                                   name: str, data: st.DataObject) -> None:
+    original = real[name]
+    cut = data.draw(st.integers(0, len(original)))
+    check(tmp_path / name, original[:cut])
+    at = data.draw(st.integers(0, len(original) - 1))
+    bit = data.draw(st.integers(0, 7))
+    flipped = bytearray(original)
+    flipped[at] ^= 1 << bit
+    check(tmp_path / name, bytes(flipped))
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 200_000), st.sampled_from(["[", "{\"a\":", "{\"ph\":\"X\",\"pid\":["]))
+def test_deep_nesting(tmp_path: Path, depth: int, opener: str) -> None:
+    closer = {"[": "]", "{\"a\":": "}", "{\"ph\":\"X\",\"pid\":[": "]"}[opener]
+    line = opener * depth + "1" + closer * depth
+    check(tmp_path / "d.trace", (line + "\n").encode())
+
+
+@pytest.mark.parametrize("digits", [18, 19, 20, 400, 4300, 4301, 100_000])
+def test_huge_numbers_in_every_field(tmp_path: Path, real: dict[str, bytes],
+                                     digits: int) -> None:
+    big = "9" * digits
+    events = [json.loads(line) for line in real["t.trace"].decode().splitlines()]
+    for i, ev in enumerate(events):
+        for key in ("pid", "tid", "ts", "dur"):
+            if key in ev:
+                text = json.dumps({**ev, key: 0}).replace(f'"{key}": 0', f'"{key}": {big}')
+                check(tmp_path / f"h{i}{key}.trace", (text + "\n").encode())
+        for key in ev.get("args", {}):
+            text = json.dumps({**ev, "args": {**ev["args"], key: 0}}).replace(
+                f'"{key}": 0', f'"{key}": {big}')
+            check(tmp_path / f"h{i}a{key}.trace", (text + "\n").encode())
