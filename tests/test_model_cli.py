@@ -91,11 +91,11 @@ def test_real_subprocess_json() -> None:
 
 def test_bad_input_is_one_clear_line() -> None:
     code, out = _run("llama3-8b", "--gpus", "12", "--tp", "8")
-    assert code == 1 and "multiple of tp x pp" in out and "Traceback" not in out
+    assert code == 2 and "multiple of tp x pp" in out and "Traceback" not in out
     code, out = _run()
-    assert code == 1 and "give a preset" in out
+    assert code == 2 and "give a preset" in out
     code, out = _run("nope")
-    assert code == 1 and "unknown model preset 'nope'" in out
+    assert code == 2 and "unknown model preset 'nope'" in out
 
 
 def test_list_presets() -> None:
@@ -147,7 +147,7 @@ def test_bad_model_file_names_the_key_and_the_file(tmp_path: Path, text: str,
         load_model_file(path)
     assert str(path) in str(info.value)
     code, out = _run("--model-file", str(path))
-    assert code == 1 and "bad.yaml" in out and "Traceback" not in out
+    assert code == 2 and "bad.yaml" in out and "Traceback" not in out
 
 
 def test_missing_model_file(tmp_path: Path) -> None:
