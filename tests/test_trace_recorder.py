@@ -66,14 +66,28 @@ def test_records_lcache_io_with_class_and_path(tmp_path: Path) -> None:
     assert any(e.get("name") == "process_name" for e in events)
 
 
-def test_record_is_a_no_op_when_off_and_checks_names(tmp_path: Path) -> None:
-    lcache.trace.record("read", "x", 0, 1, "other", 0, 1, 1)  # off: nothing happens
-    lcache.trace.enable(str(tmp_path / "t.trace"))
+def test_record_is_a_no_op_when_off_and_checks_names(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LCACHE_TRACE", raising=False)
+    assert not lcache.trace.enabled()
+    # Off: nothing is written, nothing is kept for later, nothing is even checked.
+    lcache.trace.record("read", "/off/x", 0, 1, "other", 0, 1, 1)
+    lcache.trace.record("read", "/off/x", 0, 1, 'bad"class', 0, 1, 1)
+    assert not lcache.trace.enabled() and get_tracer() is None
+    assert list(tmp_path.iterdir()) == []
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
     try:
+        lcache.trace.record("write", "/on/y", 7, 1, "other", 0, 1, 1)
         with pytest.raises(ValueError, match="class"):
-            lcache.trace.record("read", "x", 0, 1, 'bad"class', 0, 1, 1)
+            lcache.trace.record("read", "/on/y", 0, 1, 'bad"class', 0, 1, 1)
     finally:
         lcache.trace.disable()
+    events = _events(trace)
+    # only the event recorded while on: the calls made while off left nothing to flush
+    assert [(e["name"], e["args"]["off"]) for e in _io(events)] == [("write", 7)]
+    assert set(_files(events).values()) == {"/on/y"}
 
 
 def test_compressed_trace_from_two_flushes(tmp_path: Path) -> None:
