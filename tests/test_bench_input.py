@@ -124,6 +124,13 @@ def test_model_set_tag_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run, "--model-set gpus", "the tag !!python/name:os.system")
 
 
+@pytest.mark.parametrize("duration", ["nan", "inf", "-1"])
+def test_from_model_duration_is_a_positive_number(tmp_path: Path, duration: str) -> None:
+    run = lcache("bench", "from-model", "bert-large", "--duration", duration, "--dir",
+                 str(tmp_path), cwd=tmp_path)
+    assert_one_line_error(run, f"--duration {float(duration)} must be a positive number")
+
+
 def test_directory_device_and_fifo_are_not_workloads(tmp_path: Path) -> None:
     (tmp_path / "cfg").mkdir()
     assert_one_line_error(lcache("bench", "run", "cfg", cwd=tmp_path), "cfg is a directory")

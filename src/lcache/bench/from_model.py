@@ -17,6 +17,7 @@ the disk or never end); the summary says so, since such a demand is not met by a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -54,8 +55,8 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
         max_step_bytes: cap on one class's bytes per emulated step per node.
         restart: also read the checkpoint back (the ``checkpoint-read`` class).
     """
-    if duration <= 0:
-        raise ConfigError(f"--duration {duration} must be positive")
+    if not 0 < duration < math.inf:  # NaN too
+        raise ConfigError(f"--duration {duration} must be a positive number of seconds")
     if steps < 3:
         raise ConfigError(f"--steps {steps} must be at least 3 (AU skips the first step)")
     step_s = float(prediction["step_time_s"])
