@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lcache.bench import parse_workload
-from lcache.bench.config import _NESTED, _RANGES, _SCHEMA, _TOP, Workload, load_yaml
+from lcache.bench.config import _NESTED, _RANGES, _SCHEMA, _TOP, Workload
+from lcache.bench.yamlfile import load_yaml
 from lcache.errors import ConfigError
 
 SPECIAL: list[Any] = [

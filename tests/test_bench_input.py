@@ -92,8 +92,8 @@ BOMB = "\n".join(
     ("workflow: {profiling: maybe}\n", ["workflow.profiling must be a boolean"]),
     ("train: {seed: -1}\n", ["train.seed must be an integer in 0.."]),
     ("dataset: {data_folder: \"a\\0b\"}\n", ["dataset.data_folder must be a string", "NUL"]),
-    ("train: {epochs: " + "9" * 5000 + "}\n", ["not valid workload YAML"]),
-    ("train: {epochs: 2001-02-30}\n", ["not valid workload YAML"]),
+    ("train: {epochs: " + "9" * 5000 + "}\n", ["not valid YAML for a workload"]),
+    ("train: {epochs: 2001-02-30}\n", ["not valid YAML for a workload"]),
     ("a: " + "[" * 5000 + "]" * 5000 + "\n", ["nested deeper than 16 levels"]),
     ("train: !!python/object/apply:os.system [true]\n", ["the tag !!python/object/apply:os.system"
                                                          " is not allowed"]),
@@ -107,7 +107,7 @@ def test_bad_workload_file_is_one_line(tmp_path: Path, text: str, words: list[st
 @pytest.mark.parametrize(("override", "words"), [
     ('train.epochs=!!python/object/apply:os.system ["true"]',
      ["--set train.epochs", "the tag !!python/object/apply:os.system is not allowed"]),
-    ("train.epochs=[1", ["--set train.epochs: not valid workload YAML"]),
+    ("train.epochs=[1", ["--set train.epochs: not valid YAML for a workload"]),
     ("train.epochs=*a", ["--set train.epochs", "alias"]),
     ("dataset.record_length_bytes=.inf", ["record_length_bytes must be an integer"]),
 ])

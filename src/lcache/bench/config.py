@@ -9,9 +9,9 @@ Storage workload file runs here unchanged. Deliberate differences from DLIO:
 * a key DLIO knows but this emulator does not implement (``storage_type: s3``, ``format: hdf5``)
   is refused rather than ignored;
 * every number is checked against its range (``_RANGES``, wide enough for every published DLIO
-  and MLPerf Storage workload) and the totals against theirs, and the YAML is plain (no tags,
-  no aliases, bounded size and depth), so bad input is one ``ConfigError``, never a traceback,
-  a hang or a runaway allocation (docs/bench.md, "Allowed values").
+  and MLPerf Storage workload) and the totals against theirs, and the YAML is plain
+  (``yamlfile``: no tags, no aliases, bounded size and depth), so bad input is one
+  ``ConfigError``, never a traceback, a hang or a runaway allocation (docs/bench.md).
 
 DLIO versions spell the record size two ways: 2.0.0 reads ``dataset.record_length`` and ignores
 ``record_length_bytes``; newer DLIO reads the latter. Both are accepted (the same for ``_stdev``
@@ -24,12 +24,10 @@ import dataclasses
 import math
 import os
 import reprlib
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from lcache.bench.yamlfile import load_yaml, read_file
 from lcache.errors import ConfigError
 
 # Formats whose I/O this emulator reproduces (DLIO FormatType values).
@@ -334,109 +332,6 @@ def _check_keys(doc: dict[Any, Any], source: str) -> None:
                                    f"{', '.join(_NESTED[(top, key)])}")
 
 
-# --------------------------------------------------------------------------- YAML input
-_MAX_FILE_BYTES = 1 << 20  # DLIO workload files are a few KiB
-_MAX_DEPTH = 16  # sections hold keys, parallelism/transformer one level more
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's SafeLoader without aliases, explicit tags or deep nesting.
-
-    An alias (``*name``) makes a "billion laughs" document of a few lines that expands
-    exponentially when it is compared or printed; an explicit tag (``!!python/object``,
-    ``!!timestamp``, ``!!binary``) reaches constructors that fail in ways of their own; deep
-    nesting would exhaust the composer's recursion. DLIO and MLPerf Storage workloads use none.
-    """
-
-    def __init__(self, stream: bytes | str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()  # type: ignore[no-untyped-call]
-        problem = ""
-        if isinstance(event, yaml.AliasEvent):
-            problem = "YAML aliases (*name) are not allowed in a workload; write the value out"
-        elif getattr(event, "tag", None) not in (None, "!"):
-            tag = event.tag.replace("tag:yaml.org,2002:", "!!")
-            problem = (f"the tag {_show(tag)} is not allowed: a workload holds plain values "
-                       "(numbers, strings, booleans, lists, mappings)")
-        elif self._depth >= _MAX_DEPTH:
-            problem = f"nested deeper than {_MAX_DEPTH} levels; a workload is sections of keys"
-        if problem:
-            raise yaml.composer.ComposerError(None, None, problem, event.start_mark)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return " ".join(str(exc).split())
-    problem = exc.problem or exc.context or "invalid YAML"
-    mark = exc.problem_mark or exc.context_mark
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    return where + " ".join(problem.split())
-
-
-def load_yaml(text: bytes | str, where: str) -> Any:
-    """Parse YAML from a workload file or a ``--set`` value, safely.
-
-    Only plain values: no tags (``!!python/object``...), no aliases, at most 16 levels.
-
-    Raises:
-        ConfigError: anything that is not such a document; the message starts with ``where``.
-    """
-    try:
-        loader = _Loader(text)
-        try:
-            return loader.get_single_data()
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid workload YAML: {_yaml_problem(exc)}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply to be a workload") from None
-    except (ValueError, OverflowError) as exc:  # int() of 5,000 digits, a 30th of February
-        raise ConfigError(f"{where}: not valid workload YAML: {_show(str(exc))}") from None
-
-
-def _read_file(path: str) -> bytes:
-    """The bytes of a workload file: a regular file of at most 1 MiB (never a FIFO or a
-    device, which could block or never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ConfigError(f"workload file {path} does not exist; `lcache bench configs` lists "
-                          "the shipped ones") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the workload file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{path} is a directory; give a DLIO workload YAML file or a "
-                              "shipped name (`lcache bench configs`)")
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path} is not a regular file; give a DLIO workload YAML file")
-        chunks, total = [], 0
-        while total <= _MAX_FILE_BYTES:
-            chunk = os.read(fd, _MAX_FILE_BYTES + 1 - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the workload file {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if total > _MAX_FILE_BYTES:
-        raise ConfigError(f"{path} is over {_MAX_FILE_BYTES >> 20} MiB; a DLIO workload file "
-                          "is a few KiB of YAML")
-    return b"".join(chunks)
-
-
 def _apply_override(doc: dict[str, Any], item: str) -> None:
     """``section.key=value`` (DLIO's ``++workload.section.key=value`` without the prefix)."""
     path, sep, raw = item.partition("=")
@@ -658,7 +553,8 @@ def load_workload(path: str, overrides: tuple[str, ...] | list[str] = ()) -> Wor
         ConfigError: the file is missing, not a regular file, over 1 MiB, not plain YAML
             (tags, aliases), or its workload is invalid.
     """
-    doc = load_yaml(_read_file(path), path)
+    hint = "; `lcache bench configs` lists the shipped ones"
+    doc = load_yaml(read_file(path, "workload", hint), path)
     return parse_workload(doc, source=path, overrides=overrides)
 
 

@@ -139,7 +139,7 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
 
 
 def _parse_settings(items: tuple[str, ...], option: str = "--set") -> dict[str, Any]:
-    from lcache.bench.config import load_yaml
+    from lcache.bench.yamlfile import load_yaml
 
     out = {}
     for item in items:
