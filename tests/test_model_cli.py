@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +176,37 @@ def test_doc_yaml_example_loads(tmp_path: Path) -> None:
     path.write_text(blocks[0])
     cfg = load_model_file(path)
     assert cfg.model.name == "my-8b" and cfg.checkpoint_interval_steps == 50
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # /dev/zero grew without end
+
+
+BOMB = ("training:\n  gpus:\n    - &a [" + ", ".join(["lol"] * 9) + "]\n"
+        + "".join(f"    - &{chr(97 + i)} [" + ", ".join(["*" + chr(96 + i)] * 9) + "]\n"
+                  for i in range(1, 9)))
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (BOMB, "aliases (*name) are not allowed in a model file"),
+    ("layers: !!python/object/apply:os.system [true]\n", "the tag !!python/object/apply"),
+    ("/dev/zero", "/dev/zero is not a regular file"),
+    ("fifo", "fifo is not a regular file"),
+    ("# padding\n" * 200_000, "over 1 MiB"),
+])
+def test_model_file_that_is_not_plain_yaml_is_one_line(tmp_path: Path, text: str,
+                                                       words: str) -> None:
+    if text == "/dev/zero":
+        path = Path(text)
+    elif text == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)  # reading it would wait for a writer forever
+    else:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "lcache", "model", "--model-file", str(path)],
+                         capture_output=True, text=True, timeout=60, preexec_fn=_limited,
+                         env={**os.environ, "COLUMNS": "1000"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("\n") == 1 and words in run.stderr, run.stderr
+

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lcache.errors import ConfigError
 from lcache.model.formulas import RECOMPUTE, dtype_bytes
 from lcache.model.hardware import get_gpu
@@ -282,16 +280,16 @@ def load_model_file(path: str | Path, **overrides: Any) -> TrainingConfig:
     """Read a YAML model file (see the module docstring) into a :class:`TrainingConfig`.
 
     Raises:
-        ConfigError: the file is missing, not YAML, or has an unknown or invalid key; the
-            message names the key and the file.
+        ConfigError: the file is missing, not a regular file of at most 1 MiB of plain YAML
+            (no tags, no aliases), or has an unknown or invalid key; the message names the key
+            and the file.
     """
+    # The reader of every YAML file lcache is handed (no aliases, tags, devices; 1 MiB at
+    # most); imported here because lcache.bench imports lcache.model.
+    from lcache.bench.yamlfile import load_yaml, read_file
+
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"model file {path} is not valid YAML: {exc}") from None
+    doc = load_yaml(read_file(str(path), "model"), f"model file {path}", "model file")
     if not isinstance(doc, dict):
         raise ConfigError(f"model file {path} must hold a mapping of keys (layers, hidden, "
                           "...), not " + type(doc).__name__)
