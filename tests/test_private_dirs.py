@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lcache.errors import ConfigError, StorePermissionError
+from lcache.io import atomic_write
 from lcache.io.dirs import private_dir
 
 NOBODY = 65534
@@ -94,3 +95,21 @@ def test_parent_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> Non
     parent.chmod(0o1777)  # as /tmp: others cannot rename what is ours
     private_dir(parent / "mine")
     private_dir(parent / "new")
+
+
+def test_nothing_is_created_under_a_parent_others_can_replace(tmp_path: Path) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o777)
+    with pytest.raises(StorePermissionError, match="not sticky"):
+        private_dir(parent / "a" / "b")
+    assert os.listdir(parent) == []
+
+
+def test_atomic_write_never_follows_a_symlink_at_its_temp_name(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    (tmp_path / f"out.json.tmp{os.getpid()}").symlink_to(target)
+    with pytest.raises(OSError):
+        atomic_write(str(tmp_path / "out.json"), b"{}")
+    assert target.read_bytes() == b"keep"

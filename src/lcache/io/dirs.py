@@ -68,8 +68,10 @@ def check_private_dir(path: str, what: str = "directory") -> None:
     _check_ancestors(full, what, uid)
 
 
-def _check_ancestors(full: str, what: str, uid: int) -> None:
-    parent = os.path.dirname(os.path.realpath(full))
+def _check_ancestors(full: str, what: str, uid: int, parent: str | None = None) -> None:
+    """Refuse ``full`` if ``parent`` (default: its parent) or a directory above can be
+    replaced by another user."""
+    parent = os.path.realpath(parent or os.path.dirname(os.path.realpath(full)))
     while True:
         st = os.stat(parent)
         if st.st_uid not in (uid, 0):
@@ -95,6 +97,11 @@ def private_dir(path: str | os.PathLike[str], what: str = "directory",
     """
     full = os.path.abspath(os.fspath(path))
     if create and not os.path.lexists(full):
+        existing = os.path.dirname(full)
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if os.path.isdir(existing):  # refuse before creating anything under it
+            _check_ancestors(full, what, os.geteuid(), existing)
         try:
             make_private_dirs(full)
         except PermissionError as exc:

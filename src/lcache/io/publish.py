@@ -22,7 +22,8 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
     """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     mode)
         try:
             os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
             pwrite_full(fd, 0, [data], io_class)
