@@ -228,3 +228,14 @@ def test_spawned_children_trace_to_the_same_file(tmp_path: Path) -> None:
     names = _files(events)
     got = [(e["pid"], e["cat"], names[(e["pid"], e["args"]["fid"])]) for e in _io(events)]
     assert got == [(p.pid, "offload", str(data))]
+
+
+def test_trace_never_appends_through_a_planted_symlink(tmp_path: Path) -> None:
+    from lcache.trace.writer import TraceWriter
+
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    (tmp_path / "run.trace").symlink_to(target)
+    with pytest.raises(OSError):
+        TraceWriter(str(tmp_path / "run.trace"))
+    assert target.read_bytes() == b"keep"

@@ -45,8 +45,9 @@ class TraceWriter:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                          0o600)
+        # O_NOFOLLOW: a link planted at the trace's name (in /tmp, say) is refused, not appended to
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+                          | os.O_NOFOLLOW, 0o600)
 
     def write_lines(self, lines: Iterable[str]) -> None:
         text = "".join(line + "\n" for line in lines)
