@@ -52,6 +52,15 @@ def run_as_nobody(imports: str, body: str, arg: str) -> str:
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
+def gloo_env() -> dict[str, str]:
+    """The environment of a process that joins a gloo group on loopback, one thread."""
+    env = subprocess_env()
+    env.update(OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
 def run_torchrun(args: list[str], timeout: float, nproc: int = 2,
                  hint: str = "") -> tuple[str, str]:
     """``torchrun --standalone --nproc_per_node NPROC ARGS`` with gloo on loopback; returns
@@ -62,10 +71,7 @@ def run_torchrun(args: list[str], timeout: float, nproc: int = 2,
     path = Path(sys.executable).parent / "torchrun"
     if not path.exists():
         pytest.skip("torchrun is not installed next to this interpreter")
-    env = subprocess_env()
-    env.update(OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env = gloo_env()
     proc = subprocess.Popen([str(path), "--standalone", "--nproc_per_node", str(nproc), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

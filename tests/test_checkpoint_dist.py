@@ -20,7 +20,7 @@ from lcache import checkpoint as ck
 from lcache.errors import ConfigError
 
 from ._ckpt_child import rank_state
-from .conftest import run_torchrun, subprocess_env
+from .conftest import gloo_env, run_torchrun
 from .test_checkpoint_crash import assert_state_equal, read_line
 
 torch = pytest.importorskip("torch")
@@ -70,10 +70,7 @@ def test_kill_minus_9_of_every_rank_after_done_keeps_that_checkpoint(tmp_path: P
     the kill landed), and every listed one must load bit-exact for both ranks. A publish left
     to wait() or the next save lost up to two saves here."""
     root, elements = tmp_path / "ckpts", 1 << 16
-    env = subprocess_env()
-    env.update(OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env = gloo_env()
     procs = [subprocess.Popen([sys.executable, CHILD, "--dist", str(root), str(rank), "2",
                                str(tmp_path / "rendezvous"), str(elements)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
