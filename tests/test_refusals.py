@@ -102,14 +102,26 @@ def test_changeable_settings_on_reopen(open_store: Any, store_dir: Path) -> None
     store.close()
 
 
-def test_sizes_parse() -> None:
-    assert parse_size("64MiB") == 64 << 20
-    assert parse_size("50GB") == 50 * 10**9
-    assert parse_size("4096") == 4096
-    assert parse_size(123) == 123
-    for bad in ("", "MiB", "1.2.3KB", True, None):
-        with pytest.raises(ConfigError):
-            parse_size(bad)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("text", "size"), [
+    ("64MiB", 64 << 20), ("50GB", 50 * 10**9), ("4096", 4096), ("4096B", 4096),
+    ("1.5GiB", 3 << 29), ("0.5KiB", 512), ("0.4GB", 4 * 10**8), (" 2 MiB ", 2 << 20),
+    ("64k", 64_000), (123, 123), (1, 1),
+])
+def test_sizes_parse(text: int | str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad", [
+    "0.4", "4096.0", "1.5B", "0", "0KiB", "0.0001KB", "-5", "-5MiB", "nan", "inf", "", " ",
+    "MiB", "1.2.3KB", "1e9", "5i", "ten", True, False, None, 0, -1, 1.5, 4096.0, [4096],
+])
+def test_what_is_not_a_size_is_refused(bad: object) -> None:
+    """Regression: parse_size("0.4") was 0 bytes (found by a new user: capacity="0.4")."""
+    with pytest.raises(ConfigError) as info:
+        parse_size(bad)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert repr(bad) in message and "whole number of bytes" in message, message
+    assert "1.5GiB" in message  # says what is allowed
 
 
 def test_missing_store_without_create(tmp_path: Path) -> None:

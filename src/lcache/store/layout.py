@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import mmap
+import numbers
 import os
 import re
 import stat
 import struct
 import tempfile
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 from lcache.errors import (
@@ -34,24 +36,42 @@ from lcache.io.publish import atomic_write
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
+_SIZES_ALLOWED = ("a size is a whole number of bytes (4096) or a number with a unit (512KiB, "
+                  "1.5GiB, 50GB; KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)")
 
 
 def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"64MiB"``, ``"50GB"`` or ``"4096"``.
+    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5GiB"``, ``"50GB"`` or ``"4096"``.
 
-    ``KiB/MiB/GiB`` are powers of 1024; ``KB/MB/GB`` powers of 1000.
+    ``KiB/MiB/GiB`` are powers of 1024; ``KB/MB/GB`` powers of 1000. A bare number is a whole
+    number of bytes; a fraction needs a unit. At least one byte.
+
+    Raises:
+        ConfigError: anything else (``"0.4"``, 0, negatives, ``"nan"``, ``""``, ``True``...).
     """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral | str):
+        raise ConfigError(f"cannot read {value!r} as a size: {_SIZES_ALLOWED}")
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
-        if m:
-            number, unit, binary = m.groups()
-            base = 1024 if binary or not unit else 1000
-            power = " kmgtp".index(unit.lower() or " ")
-            return int(float(number) * base**power)
-    raise ConfigError(f"cannot read {value!r} as a size; write e.g. 4096, '64MiB' or '50GB'")
+        if not m:
+            raise ConfigError(f"cannot read {value!r} as a size: {_SIZES_ALLOWED}")
+        number, unit, binary = m.groups()
+        if unit is None:
+            if "." in number:
+                raise ConfigError(f"cannot read {value!r} as a size: a bare number is a whole "
+                                  f"number of bytes, and a fraction needs a unit; "
+                                  f"{_SIZES_ALLOWED}")
+            size = int(number)
+        else:
+            base = 1024 if binary else 1000
+            size = int(Fraction(number) * base ** " kmgtp".index(unit.lower()))
+    else:
+        size = int(value)
+    if size < 1:
+        raise ConfigError(f"{value!r} is not a size: a size is at least one byte; "
+                          f"{_SIZES_ALLOWED}")
+    return size
 
 
 def format_size(n: float) -> str:
