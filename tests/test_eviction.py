@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lcache.store import EvictionPolicy, make_policy, register_policy
@@ -110,24 +111,45 @@ def test_gc_compacts_mostly_dead_segments_without_evicting(open_store: Any) -> N
     assert present(store, range(4 * PER_SEG)) == list(range(0, 4 * PER_SEG, 4))
 
 
-def test_policy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_policy_registry(open_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered policy is the one a store opened with its name evicts by.
+
+    Regression (of the test): it only called the registered policy itself, never through a
+    store. This one evicts the newest sealed segment first, the opposite of FIFO, so what
+    survives shows whose order the store followed.
+    """
     monkeypatch.setattr(policy_module, "_REGISTRY", dict(policy_module._REGISTRY))
     assert make_policy("fifo").name == "fifo"
     assert make_policy("lru").tracks_references
+    asked: list[list[int]] = []
 
-    class KeepAll:
-        name = "keep-all-test"
+    class NewestFirst:
+        name = "newest-first-test"
         tracks_references = False
+        greedy = False
 
-        def victim_order(self, sealed: Any) -> list[int]:
+        def victim_order(self, sealed: Sequence[int]) -> list[int]:
+            asked.append(list(sealed))
             return sorted(sealed, reverse=True)
 
         def keep(self, keys: Any, kinds: Any, referenced: Any) -> Any:
-            return referenced | True
+            return np.zeros(len(keys), dtype=bool)
 
-    register_policy("keep-all-test", KeepAll)
-    policy: EvictionPolicy = make_policy("keep-all-test")
+    register_policy("newest-first-test", NewestFirst)
+    policy: EvictionPolicy = make_policy("newest-first-test")
     assert policy.victim_order([1, 3, 2]) == [3, 2, 1]
+    asked.clear()
+
+    store = open_store(policy="newest-first-test", capacity=6 * SEG, max_writers=1)
+    n = 8 * PER_SEG  # far more than fits
+    fill(store, range(n))
+    assert asked, "the store never asked the registered policy for victims"
+    assert store.counters.evictions > 0
+    alive = present(store, range(n))
+    # FIFO would have evicted the oldest first; this policy keeps them and evicts the newest
+    assert alive[: 2 * PER_SEG] == list(range(2 * PER_SEG)), alive
+    assert n - 1 in alive  # the record just put sits in the active segment
+    assert len(alive) < n - PER_SEG
 
 
 @pytest.mark.parametrize("policy", ["fifo", "lru"])
