@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lcache.store import Store
 
 LCACHE = [sys.executable, "-m", "lcache"]
@@ -48,6 +50,28 @@ def test_stats_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "no lcache store" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def listing(root: Path) -> list[tuple[str, int, int]]:
+    return [(str(p.relative_to(root)), p.lstat().st_mode, p.lstat().st_mtime_ns)
+            for p in [root, *sorted(root.rglob("*"))]]
+
+
+@pytest.mark.parametrize("args", [("stats",), ("stats", "--json"), ("fsck",),
+                                  ("fsck", "--repair"), ("fsck", "--repair", "--json")])
+def test_an_ordinary_directory_is_refused_and_left_alone(tmp_path: Path,
+                                                         args: tuple[str, ...]) -> None:
+    """Regression: `lcache stats DIR` and `lcache fsck [--repair] DIR` exited 0 on an ordinary
+    directory and made it a store (store.json, lock, index files, segments/)."""
+    plain = tmp_path / ("a-directory-with-a-long-name-so-the-message-passes-80-columns" * 2)
+    plain.mkdir(mode=0o700)
+    (plain / "notes.txt").write_text("mine")
+    before = listing(plain)
+    out = run(*args, str(plain))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.splitlines() == [f"error: no lcache store in {plain}"], out.stderr
+    assert out.stdout == ""
+    assert listing(plain) == before
 
 
 def test_fsck_clean_then_damaged_then_repaired(tmp_path: Path) -> None:

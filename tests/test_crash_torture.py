@@ -11,8 +11,8 @@ random moment (now and then during start-up, i.e. inside its own recovery), then
 * every key reads as exactly one of the values that may be there, or a miss
   (``CrashModel.verify``): never bytes that were not written, never a deleted value back;
 * every value flushed before the kill whose key was not touched afterwards is present if
-  less than capacity - (max_writers + 3) x segment_size - index bytes were appended after it
-  (what FIFO and CLOCK, both oldest-segment-first, guarantee);
+  less than capacity - (max_writers + 3) x segment_size - index and delete journal bytes were
+  appended after it (what FIFO and CLOCK, both oldest-segment-first, guarantee);
 * afterwards fsck is clean, the bytes on disk are within the capacity and no segment is longer
   than segment_size.
 """
@@ -44,11 +44,13 @@ MAX_WRITERS = 2
 INT_KEYS = 600
 BYTE_KEYS = 200
 CRASH_LEFTOVERS = ("left unsealed by a crashed writer", "leftover temp file",
-                   "summary without a log")
+                   "summary without a log", "of a replaced index or journal")
 
 
 def _index_bytes(root: Path) -> int:
-    return sum(os.stat(p).st_blocks * 512 for p in root.glob("index-*.bin"))
+    """The indexes and the delete journal: the capacity counts them too."""
+    return sum(os.stat(p).st_blocks * 512 for p in [*root.glob("index-*.bin"),
+                                                     *root.glob("deletes-*.bin")])
 
 
 def _wait_ready(child: subprocess.Popen[bytes], timeout: float) -> None:

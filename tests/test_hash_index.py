@@ -9,13 +9,18 @@ import numpy as np
 import pytest
 
 from lcache import IndexFullError
-from lcache.store.index import EMPTY, HashIndex
+from lcache.store.hashindex import EMPTY, HashIndex
+from lcache.store.layout import MetaPage
+
+
+def new_index(tmp_path: Path, slots: int) -> HashIndex:
+    return HashIndex(str(tmp_path), MetaPage(str(tmp_path / "lock")), slots)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_random_operations_match_a_dict(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
-    index = HashIndex(str(tmp_path / "h.bin"), 64)
+    index = new_index(tmp_path, 64)
     model: dict[int, tuple[int, int]] = {}
     # few distinct home slots, so probe runs are long and wrap around the table's end
     keys = [rng.randrange(1 << 64) | 0x3F for _ in range(30)] + [rng.randrange(1 << 64)
@@ -35,27 +40,28 @@ def test_random_operations_match_a_dict(tmp_path: Path, seed: int) -> None:
     assert index.live_count() == len(model)
     for h in list(model):
         assert index.remove(h)
-    assert (index._state == EMPTY).all()  # nothing left behind: no tombstones
+    assert (index._t.state == EMPTY).all()  # nothing left behind: no tombstones
     index.close()
 
 
 def test_a_duplicate_left_by_a_crash_mid_shift_is_removed_too(tmp_path: Path) -> None:
-    index = HashIndex(str(tmp_path / "h.bin"), 16)
+    index = new_index(tmp_path, 16)
     h = 5
     index.set(h, 1 << 32, 40)
     # what a crash between copying an entry back and clearing its old slot leaves behind
-    i = index._find(h)
-    j = (i + 1) & index._mask
-    for column in (index._hash, index._loc, index._len, index._state):
+    t = index._t
+    i = t.find(h)
+    j = (i + 1) & t.mask
+    for column in (t.hash, t.loc, t.length, t.state):
         column[j] = column[i]
     assert index.remove(h)
     assert index.lookup(h) is None
-    assert np.count_nonzero(index._state) == 0
+    assert np.count_nonzero(t.state) == 0
     index.close()
 
 
 def test_full_table_is_a_clear_error(tmp_path: Path) -> None:
-    index = HashIndex(str(tmp_path / "h.bin"), 16)
+    index = new_index(tmp_path, 16)
     for h in range(16):
         index.set(h, (h + 1) << 32, 40)
     with pytest.raises(IndexFullError, match="max_byte_keys"):

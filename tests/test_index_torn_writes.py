@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from lcache.store.index import USED, HashIndex, IntIndex
+from lcache.store.hashindex import USED, HashIndex
+from lcache.store.index import IntIndex
+from lcache.store.layout import MetaPage
 
 
 class _Watched(np.ndarray):  # type: ignore[type-arg]
@@ -38,7 +40,7 @@ def _int_entries(index: IntIndex) -> set[tuple[int, int, int]]:
 
 
 def test_int_index_overwrite_is_never_a_mix(tmp_path: Path) -> None:
-    index = IntIndex(str(tmp_path / "i.bin"), 64)
+    index = IntIndex(str(tmp_path), MetaPage(str(tmp_path / "lock")), 64)
     keys = np.arange(10, dtype=np.uint64)
     index.set_many(keys, (keys + np.uint64(1)) << np.uint64(32), np.full(10, 100, np.uint32))
     before = _int_entries(index)
@@ -51,7 +53,7 @@ def test_int_index_overwrite_is_never_a_mix(tmp_path: Path) -> None:
         assert now <= whole, f"a torn entry: {sorted(now - whole)[:3]}"
         seen.append(now)
 
-    _watch(index, ["_loc", "_len", "_ref"], check)
+    _watch(index._t, ["loc", "length", "ref"], check)
     index.set_many(keys, (keys + np.uint64(50)) << np.uint64(32),
                    (keys + np.uint64(300)).astype(np.uint32))
     assert seen and seen[-1] == after
@@ -63,7 +65,7 @@ def _hash_entries(index: HashIndex) -> set[tuple[int, int, int]]:
 
 
 def test_hash_index_set_and_shift_are_never_a_mix(tmp_path: Path) -> None:
-    index = HashIndex(str(tmp_path / "h.bin"), 16)
+    index = HashIndex(str(tmp_path), MetaPage(str(tmp_path / "lock")), 16)
     # one home slot for all: a long probe run, so a delete shifts every later entry back
     hashes = [(n << 8) | 3 for n in range(1, 8)]
     for n, h in enumerate(hashes):
@@ -80,12 +82,12 @@ def test_hash_index_set_and_shift_are_never_a_mix(tmp_path: Path) -> None:
         for h, _, _ in now:
             assert index.lookup(h) is not None
 
-    _watch(index, ["_hash", "_loc", "_len", "_ref", "_state"], check)
+    _watch(index._t, ["hash", "loc", "length", "ref", "state"], check)
     index.set(hashes[2], 99 << 32, 7)
     assert index.lookup(hashes[2]) == (99 << 32, 7)
     index.remove(hashes[0])  # shifts the six others back one by one
     assert len(stores) > 20
     for h in hashes[1:]:
         assert index.lookup(h) is not None
-    assert int(np.count_nonzero(index._state == USED)) == 6
+    assert int(np.count_nonzero(index._t.state == USED)) == 6
     index.close()

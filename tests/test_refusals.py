@@ -19,7 +19,7 @@ from lcache import (
     StoreNotFoundError,
     StorePermissionError,
 )
-from lcache.store import Store, parse_size
+from lcache.store import Store, fsck, parse_size
 
 from .conftest import KIB, SEG, run_as_nobody
 
@@ -77,8 +77,7 @@ def test_unknown_policy_on_reopen(open_store: Any, store_dir: Path) -> None:
     assert Store.open(store_dir).config.policy == "lru"  # the stored config is unchanged
 
 
-@pytest.mark.parametrize(("setting", "value"), [("segment_size", 2 * SEG),
-                                                ("max_byte_keys", 4096)])
+@pytest.mark.parametrize(("setting", "value"), [("segment_size", 2 * SEG)])
 def test_fixed_settings_cannot_change_on_reopen(open_store: Any, store_dir: Path,
                                                 setting: str, value: int) -> None:
     store = open_store()
@@ -124,10 +123,38 @@ def test_what_is_not_a_size_is_refused(bad: object) -> None:
     assert "1.5GiB" in message  # says what is allowed
 
 
+def test_a_fraction_without_a_unit_says_so(store_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="a fraction needs a unit"):
+        Store.open(store_dir, capacity="0.4")
+    assert not store_dir.exists()
+
+
 def test_missing_store_without_create(tmp_path: Path) -> None:
     with pytest.raises(StoreNotFoundError, match="no lcache store"):
         Store.open(tmp_path / "nothing-here", create=False)
     assert not (tmp_path / "nothing-here").exists()
+
+
+def listing(root: Path) -> list[tuple[str, int, int]]:
+    """Every entry under ``root`` (itself included) with its mode and mtime."""
+    return [(str(p.relative_to(root)), p.lstat().st_mode, p.lstat().st_mtime_ns)
+            for p in [root, *sorted(root.rglob("*"))]]
+
+
+def test_an_ordinary_directory_is_not_made_a_store(tmp_path: Path) -> None:
+    """Regression: Store.open(create=False) and fsck turned any directory into a store
+    (store.json, lock, index files, segments/)."""
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    (plain / "notes.txt").write_text("mine")
+    (plain / "sub").mkdir()
+    before = listing(plain)
+    with pytest.raises(StoreNotFoundError, match=f"no lcache store in {plain}"):
+        Store.open(plain, create=False)
+    for repair in (False, True):
+        with pytest.raises(StoreNotFoundError, match=f"no lcache store in {plain}"):
+            fsck(plain, repair=repair)
+    assert listing(plain) == before
 
 
 def test_corrupt_config_file(open_store: Any, store_dir: Path) -> None:

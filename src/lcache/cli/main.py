@@ -51,7 +51,9 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except (LCacheError, OSError) as exc:
-            err_console.print(f"[bold red]error:[/] {_one_line(exc)}", highlight=False)
+            # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
+            err_console.print(f"[bold red]error:[/] {_one_line(exc)}", highlight=False,
+                              soft_wrap=True)
             sys.exit(2)
 
 

@@ -10,7 +10,9 @@ import numpy.typing as npt
 
 from lcache.io import pread_full
 from lcache.store import record
-from lcache.store.index import HashIndex, IntIndex, pack_loc
+from lcache.store.files import open_in_store
+from lcache.store.hashindex import HashIndex
+from lcache.store.index import IntIndex, pack_loc
 from lcache.store.segment import SegmentWriter, Summary, log_path
 
 
@@ -45,14 +47,16 @@ def referenced_records(summary: Summary, ints: IntIndex,
 
 
 def evict_records(summary: Summary, evict: npt.NDArray[np.bool_], ints: IntIndex,
-                  hashes: HashIndex) -> int:
+                  hashes: HashIndex) -> list[tuple[int, int]]:
     """Remove the index entries of the records ``evict`` marks, unless a key was written
-    again meanwhile (its entry then points elsewhere). Returns how many were removed."""
+    again meanwhile (its entry then points elsewhere). Returns the (kind, key64) removed."""
     old = _old_locs(summary)
     is_int = summary.kinds == record.KIND_INT
-    removed = ints.remove_many(summary.keys[evict & is_int], old[evict & is_int])
+    gone = ints.remove_many(summary.keys[evict & is_int], old[evict & is_int])
+    removed = [(record.KIND_INT, k) for k in gone.tolist()]
     for i in np.flatnonzero(evict & ~is_int):
-        removed += hashes.remove(int(summary.keys[i]), int(old[i]))
+        if hashes.remove(int(summary.keys[i]), int(old[i])):
+            removed.append((record.KIND_BYTES, int(summary.keys[i])))
     return removed
 
 
@@ -64,7 +68,7 @@ def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest:
     fit in ``dest.room - reserve`` or fail the check get ``keep[i] = False`` (the caller evicts
     them). A key overwritten meanwhile keeps its new value. Returns the bytes copied.
     """
-    fd = os.open(log_path(root, summary.segment), os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_in_store(log_path(root, summary.segment), os.O_RDONLY)
     try:
         data = bytearray(summary.data_len)
         got = pread_full(fd, 0, memoryview(data), "cache-gc")

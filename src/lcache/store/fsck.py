@@ -1,26 +1,52 @@
 """``lcache fsck``: check a store's consistency, and repair what can be repaired.
 
-Checked: every sealed segment's summary and every record it lists (header, key, checksum);
-segments left unsealed by a crashed writer; index entries that point at missing segments,
-past a segment's end or at damaged records; leftover temp files. Repair seals orphans (cutting
-torn tails), rebuilds bad summaries by a scan, drops index entries that cannot be served
-(those keys become misses), truncates trailing garbage, deletes temp files, and rebuilds an
-index file whose header is damaged. Segments held by a live writer are skipped.
+Checked: the configuration (``store.json``); symbolic links among the store's files (never
+followed); every sealed segment's summary and every record it lists (header, key, checksum);
+segments left unsealed by a crashed writer; the index files (header, size) and every entry
+(pointing at a missing segment, past a segment's end or at a damaged record); the delete
+journal; leftover temp files and files of a replaced generation.
+
+Repair removes the links, rewrites a damaged or missing ``store.json`` (``layout.salvage_config``
+says from what), seals orphans (cutting torn tails), rebuilds bad summaries by a scan, drops
+index entries that cannot be served (those keys become misses), truncates trailing garbage,
+deletes leftovers, rewrites a damaged journal with its intact entries, and rebuilds a damaged
+or missing index from the intact records of the segments and the delete journal (see
+``_rebuild``). Segments held by a live writer are not judged.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Callable
+import stat
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
 
 from lcache.errors import CorruptionError, StoreNotFoundError
 from lcache.io import pread_full, sync_fd
 from lcache.store import record
-from lcache.store.index import HashIndex, IntIndex, pack_loc
-from lcache.store.layout import MetaPage, load_config, prepare_dir
+from lcache.store.deletes import DeleteJournal, decode, encode, journal_body, write_journal
+from lcache.store.files import (
+    current_generation,
+    generation_path,
+    open_in_store,
+    stale_generation_files,
+)
+from lcache.store.hashindex import HashIndex, initial_slots
+from lcache.store.index import IntIndex, pack_loc
+from lcache.store.layout import (
+    CONFIG_NAME,
+    MetaPage,
+    StoreConfig,
+    has_store,
+    load_config,
+    prepare_dir,
+    salvage_config,
+    save_config,
+)
 from lcache.store.segment import (
     Summary,
     list_segments,
@@ -56,54 +82,85 @@ class FsckReport:
 
 
 def fsck(path: str, repair: bool = False) -> FsckReport:
-    """Check the store at ``path``; with ``repair``, fix what was found and check again."""
+    """Check the store at ``path``; with ``repair``, fix what was found and check again.
+
+    Raises:
+        StoreNotFoundError: ``path`` holds no store (nothing is created there).
+        CorruptionError: the ``lock`` file is not a regular file and ``repair`` is false.
+    """
     root = os.path.abspath(path)
+    if not has_store(root):
+        raise StoreNotFoundError(f"no lcache store in {root}")
     prepare_dir(root, create=False)
-    config = load_config(root)
-    if config is None:
-        raise StoreNotFoundError(f"no lcache store at {root} (no store.json)")
+    fixed_lock = _check_lock_file(root, repair)
     meta = MetaPage(os.path.join(root, "lock"))
     try:
         fcntl.flock(meta.fd, fcntl.LOCK_EX)
         if not repair:
-            return _Checker(root, config.max_byte_keys, fix=False).run()
-        first = _Checker(root, config.max_byte_keys, fix=True).run()
-        final = _Checker(root, config.max_byte_keys, fix=False).run()
-        final.repaired = first.problems
+            return _Checker(root, meta, fix=False).run()
+        first = _Checker(root, meta, fix=True).run()
+        final = _Checker(root, meta, fix=False).run()
+        final.repaired = fixed_lock + first.problems
         return final
     finally:
         meta.close()
 
 
+def _check_lock_file(root: str, repair: bool) -> list[str]:
+    """The ``lock`` file must be a regular file (never followed); repair replaces it."""
+    path = os.path.join(root, "lock")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return []
+    if stat.S_ISREG(mode):
+        return []
+    what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+    if not repair or stat.S_ISDIR(mode):
+        raise CorruptionError(f"{path} is {what}; " + (
+            "remove it by hand" if stat.S_ISDIR(mode) else
+            f"run `lcache fsck --repair {root}` to replace it"))
+    os.unlink(path)
+    return [f"{path} was {what}"]
+
+
 class _Checker:
-    def __init__(self, root: str, byte_slots: int, fix: bool) -> None:
+    def __init__(self, root: str, meta: MetaPage, fix: bool) -> None:
         self.root = root
+        self.meta = meta
         self.fix = fix
-        self.byte_slots = byte_slots
         self.report = FsckReport(root)
+        self.config = StoreConfig()
         self.ints: IntIndex | None = None
         self.hashes: HashIndex | None = None
-        # (kind, key64) -> length, for every intact record, by location
+        # loc -> (kind, key64, length) of every intact record of a sealed segment
         self.good: dict[int, tuple[int, int, int]] = {}
         self.bad: set[int] = set()
         self.bad_indexed: set[int] = set()
         self.sizes: dict[int, int] = {}
         self.active: set[int] = set()
+        self.active_keys: set[tuple[int, int]] = set()  # (kind, key64) in live writers' segments
+        self.links: set[str] = set()
 
     def problem(self, text: str) -> None:
         self.report.problems.append(text)
 
     def run(self) -> FsckReport:
-        self._open_indexes()
-        self._check_temp_files()
+        self._check_links()
+        self._check_config()
+        self._check_leftovers()
         logs, sums = list_segments(self.root)
         self.report.segments = len(logs)
         for seg in logs:
-            self._check_segment(seg, seg in sums)
+            if log_path(self.root, seg) not in self.links:
+                self._check_segment(seg, seg in sums)
         for seg in sums - set(logs):
             self.problem(f"segment {seg}: summary without a log")
             if self.fix:
                 os.unlink(sum_path(self.root, seg))
+        floors = self._check_journal()
+        self.ints = self._open_index(IntIndex, record.KIND_INT, floors)
+        self.hashes = self._open_index(HashIndex, record.KIND_BYTES, floors)
         self._check_index()
         for index in (self.ints, self.hashes):
             if index is not None:
@@ -112,79 +169,67 @@ class _Checker:
                 index.close()
         return self.report
 
-    def _open_indexes(self) -> None:
-        int_path = os.path.join(self.root, "index-int.bin")
-        if os.path.exists(int_path):
-            self.ints = self._open_index(int_path, lambda: IntIndex(int_path))
-        bytes_path = os.path.join(self.root, "index-bytes.bin")
-        if os.path.exists(bytes_path):
-            self.hashes = self._open_index(
-                bytes_path, lambda: HashIndex(bytes_path, self.byte_slots))
+    # ------------------------------------------------------------------ files
+    def _check_links(self) -> None:
+        """Nothing inside a store is a symbolic link; repair removes them (not their targets)."""
+        for folder in (self.root, segments_dir(self.root)):
+            for name in sorted(os.listdir(folder)):
+                path = os.path.join(folder, name)
+                if os.path.islink(path):
+                    self.problem(f"{path} is a symbolic link (never followed)")
+                    self.links.add(path)
+                    if self.fix:
+                        os.unlink(path)
 
-    def _open_index(self, path: str, opener: Callable[[], _Index]) -> _Index | None:
+    def _check_config(self) -> None:
+        cfg_path = os.path.join(self.root, CONFIG_NAME)
+        config: StoreConfig | None
         try:
-            return opener()
+            config = None if cfg_path in self.links else load_config(self.root)
+            if config is None and cfg_path not in self.links:
+                self.problem(f"{cfg_path} is missing")
         except CorruptionError as exc:
-            self.problem(str(exc))
-            if not self.fix:
-                return None
-            os.unlink(path)  # rebuilt from the segment summaries
-            index = opener()
-            self._rebuild(index)
-            return index
+            self.problem(str(exc).split("; run `lcache fsck")[0])
+            config = None
+        if config is None:
+            logs, _ = list_segments(self.root)
+            largest = max((os.lstat(log_path(self.root, s)).st_size for s in logs), default=0)
+            config = salvage_config(self.root, largest)
+            if self.fix:
+                save_config(self.root, config)
+        self.config = config
 
-    def _rebuild(self, index: IntIndex | HashIndex) -> None:
-        """Index every key that has exactly one record in the sealed segments.
-
-        The log does not say which of two records of one key was written last (writers
-        interleave across segments), so such keys are left out: a miss, never a stale value.
-        Deletes leave no trace in the log, so a deleted key comes back with its last value.
-        """
-        kind = record.KIND_INT if isinstance(index, IntIndex) else record.KIND_BYTES
-        found: dict[int, tuple[int, int] | None] = {}
-        logs, sums = list_segments(self.root)
-        for seg in logs:
-            if seg not in sums:
-                continue
-            try:
-                summary = read_summary(self.root, seg)
-            except CorruptionError:
-                continue
-            mine = summary.kinds == kind
-            for key, off, length in zip(summary.keys[mine].tolist(),
-                                        summary.offsets[mine].tolist(),
-                                        summary.lengths[mine].tolist(), strict=True):
-                found[key] = None if key in found else (pack_loc(seg, off), length)
-        for key, entry in found.items():
-            if entry is None:
-                continue
-            if isinstance(index, IntIndex):
-                index.grow(key)
-            index.set(key, *entry)
-
-    def _check_temp_files(self) -> None:
+    def _check_leftovers(self) -> None:
         for folder in (self.root, segments_dir(self.root)):
             for name in os.listdir(folder):
                 if ".tmp" in name:
                     self.problem(f"leftover temp file {os.path.join(folder, name)}")
                     if self.fix:
                         os.unlink(os.path.join(folder, name))
+        for path in stale_generation_files(self.root, self.meta):
+            self.problem(f"leftover {path} of a replaced index or journal")
+            if self.fix:
+                os.unlink(path)
 
+    # ------------------------------------------------------------------ segments
     def _check_segment(self, seg: int, sealed: bool) -> None:
         path = log_path(self.root, seg)
-        fd = os.open(path, os.O_RDWR if self.fix else os.O_RDONLY)
+        fd = open_in_store(path, os.O_RDWR if self.fix else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if not sealed:
                 if not try_lock(fd):
                     self.active.add(seg)
                     self.report.active_segments += 1
+                    live = scan_log(fd, seg, size)  # its keys: a rebuild must not pick others
+                    self.active_keys.update(zip(live.kinds.tolist(), live.keys.tolist(),
+                                                strict=True))
                     return
                 summary = scan_log(fd, seg, size)
                 self.problem(f"segment {seg}: left unsealed by a crashed writer"
                              f" ({size - summary.data_len} torn bytes)")
                 if self.fix:
-                    self._truncate(fd, seg, size, summary.data_len)
+                    self._truncate(fd, size, summary.data_len)
                     write_summary(self.root, summary, durable=True)
             else:
                 try:
@@ -193,18 +238,18 @@ class _Checker:
                     self.problem(str(exc))
                     summary = scan_log(fd, seg, size)
                     if self.fix:
-                        self._truncate(fd, seg, size, summary.data_len)
+                        self._truncate(fd, size, summary.data_len)
                         write_summary(self.root, summary, durable=True)
                 if size > summary.data_len:
                     self.problem(f"segment {seg}: {size - summary.data_len} bytes past its end")
                     if self.fix:
-                        self._truncate(fd, seg, size, summary.data_len)
+                        self._truncate(fd, size, summary.data_len)
             self.sizes[seg] = summary.data_len
             self._check_records(fd, summary)
         finally:
             os.close(fd)
 
-    def _truncate(self, fd: int, seg: int, size: int, data_len: int) -> None:
+    def _truncate(self, fd: int, size: int, data_len: int) -> None:
         if size > data_len:
             os.ftruncate(fd, data_len)
             sync_fd(fd, False, "cache-fsck")
@@ -224,10 +269,88 @@ class _Checker:
                 self.good[loc] = (kind, key, length)
             self.report.records += 1
 
+    # ------------------------------------------------------------------ journal and indexes
+    def _check_journal(self) -> dict[int, dict[int, int]]:
+        """The delete journal's entries, as {kind: {key64: highest floor}}."""
+        gen = current_generation(self.root, self.meta, DeleteJournal.STEM)
+        path = generation_path(self.root, DeleteJournal.STEM, gen)
+        floors: dict[int, dict[int, int]] = {record.KIND_INT: {}, record.KIND_BYTES: {}}
+        if path in self.links or not os.path.lexists(path):
+            self.problem(f"{path} (the delete journal) is missing")
+            body, broken = b"", True
+        else:
+            body = journal_body(path)
+            try:
+                DeleteJournal(self.root, self.meta).close()
+                broken = False
+            except CorruptionError as exc:
+                self.problem(str(exc).split("; run `lcache fsck")[0])
+                broken = True
+        kinds, keys, entry_floors, bad = decode(body)
+        if bad:
+            self.problem(f"{path}: {bad} bytes of damaged entries")
+        if self.fix and (broken or bad):
+            write_journal(self.root, self.meta, gen + 1, encode(kinds, keys, entry_floors))
+        for kind, key, floor in zip(kinds.tolist(), keys.tolist(), entry_floors.tolist(),
+                                    strict=True):
+            mine = floors[kind]
+            mine[key] = max(mine.get(key, 0), floor)
+        return floors
+
+    def _open_index(self, cls: type[_Index], kind: int,
+                    floors: dict[int, dict[int, int]]) -> _Index | None:
+        try:
+            return cls(self.root, self.meta, create=False)
+        except CorruptionError as exc:
+            self.problem(str(exc).split("; run `lcache fsck")[0])
+            if not self.fix:
+                return None
+        self._rebuild(kind, floors[kind])
+        return cls(self.root, self.meta, create=False)
+
+    def _rebuild(self, kind: int, floors: dict[int, int]) -> None:
+        """Publish an index of ``kind`` holding every key that has exactly one intact record
+        in the sealed segments, unless that record lies below the floor of a delete of the key.
+
+        The log does not say which of two records of one key was written last (writers
+        interleave across segments), so such keys are left out, and so are keys with a record
+        in a live writer's segment: a miss, never a stale value; they are journaled like a
+        delete, so a later rebuild, once the older record is gone, does not serve the other
+        either. A record below a delete's floor may predate the delete (``deletes.py``): left
+        out, so a deleted key stays deleted.
+        """
+        found: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for loc, (k, key, length) in self.good.items():
+            if k == kind:
+                found[key].append((loc, length))
+        keys, locs, lens = [], [], []
+        ambiguous: list[tuple[int, int]] = []
+        for key, recs in found.items():
+            if len(recs) != 1 or (kind, key) in self.active_keys:
+                ambiguous.append((kind, key))
+                continue
+            loc, length = recs[0]
+            if loc >> 32 < floors.get(key, 0):
+                continue
+            keys.append(key)
+            locs.append(loc)
+            lens.append(length)
+        self._journal(ambiguous)
+        arrays = (np.array(keys, np.uint64), np.array(locs, np.uint64),
+                  np.array(lens, np.uint32))
+        if kind == record.KIND_INT:
+            IntIndex.rebuild(self.root, self.meta, *arrays)
+        else:
+            HashIndex.rebuild(self.root, self.meta, *arrays,
+                              min_slots=initial_slots(self.config.capacity))
+
     def _check_index(self) -> None:
+        dropped: list[tuple[int, int]] = []
         for index, kind in ((self.ints, record.KIND_INT), (self.hashes, record.KIND_BYTES)):
             if index is None:
                 continue
+            if self.fix and isinstance(index, HashIndex):
+                index.recount()  # its count of used slots may be off after a crash
             for key, loc, length in list(index.items()):
                 seg, off = loc >> 32, loc & 0xFFFFFFFF
                 if seg in self.active:
@@ -238,9 +361,20 @@ class _Checker:
                     self.report.indexed_keys += 1
                     continue
                 self.problem(f"index entry for key {key}: {reason}")
-                if self.fix:
-                    index.remove(key, loc)
+                if self.fix and index.remove(key, loc):
+                    dropped.append((kind, key))
         self.report.dead_bad_records = len(self.bad - self.bad_indexed)
+        self._journal(dropped)  # an older record of the key may be in the log
+
+    def _journal(self, keys: list[tuple[int, int]]) -> None:
+        """Journal keys that leave the index while records of them stay in the log."""
+        if keys:
+            journal = DeleteJournal(self.root, self.meta)
+            try:
+                journal.append(keys, self.meta.next_segment)
+                journal.sync()
+            finally:
+                journal.close()
 
     def _entry_problem(self, kind: int, key: int, loc: int, length: int, seg: int,
                        off: int) -> str | None:

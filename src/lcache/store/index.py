@@ -1,16 +1,24 @@
 """The node-wide index: key -> (segment, offset, record length), shared through ``mmap``.
 
-Two memory-mapped files sit in the store directory:
+Two memory-mapped files sit in the store directory, each replaced whole by a new generation
+when ``fsck --repair`` rebuilds it (see ``files.py``):
 
-* ``index-int.bin``: a flat array for dense integer keys, 16 bytes per key, no hashing, no
-  Python object per entry. It grows (sparse file) when a larger key is put.
-* ``index-bytes.bin``: an open-addressing hash table (linear probing) for byte-string keys,
-  keyed by xxh3-64 of the key; 24 bytes per slot, fixed number of slots.
+* ``index-int-G.bin`` (this module): a flat array for dense integer keys, 16 bytes per key, no
+  hashing, no Python object per entry. It grows in place (a sparse file) when a larger key is
+  put; readers notice the longer file.
+* ``index-bytes-G.bin`` (``hashindex.py``): a hash table for byte-string keys, fully allocated,
+  grown into a new generation when it gets crowded.
 
 Readers never lock. An entry is two 8-byte words written separately, so a reader can see a torn
 entry; the record header check at the read turns that into a miss (see ``record.py``). Writers
 of either index serialize with ``flock`` on its file, which the kernel drops if the process
 dies, so two writers of one key never leave a torn entry behind.
+
+The int index is sparse, and no page of it is touched through the map before it has blocks:
+writers allocate a page (``posix_fallocate``) before storing into it, readers ask the file
+(``SEEK_DATA``) before reading a page not known to have blocks, and scans read only the data
+extents. On tmpfs even a read of a hole needs a new page, which a full filesystem answers
+with SIGBUS.
 
 A location is packed into one u64: ``segment_id << 32 | offset``; 0 means empty (segment ids
 start at 1).
@@ -25,25 +33,34 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import numpy as np
 import numpy.typing as npt
 
-from lcache.errors import ConfigError, CorruptionError, DiskFullError, IndexFullError
+from lcache.errors import ConfigError, CorruptionError
+from lcache.io import sync_fd
+from lcache.store.files import (
+    Generations,
+    allocate,
+    current_generation,
+    generation_path,
+    open_in_store,
+    publish_generation,
+)
 
 INDEX_HEADER = 4096
-_HDR = struct.Struct("<4sIQ")  # magic, version, slots (hash table) or 0
+VERSION = 2
+HDR = struct.Struct("<4sIQQ")  # magic, version, entries (int) or slots (hash), used (hash)
+USED_FIELD = struct.Struct("<Q")
+USED_OFFSET = 16
 
 INT_ENTRY = np.dtype([("loc", "<u8"), ("length", "<u4"), ("ref", "u1"), ("pad", "u1", (3,))])
-HASH_ENTRY = np.dtype(
-    [("hash", "<u8"), ("loc", "<u8"), ("length", "<u4"), ("ref", "u1"), ("state", "u1"),
-     ("pad", "u1", (2,))]
-)
 MAX_INT_KEYS = 1 << 36  # a 1 TiB sparse index; larger keys should be byte keys
-EMPTY, USED = 0, 1
+INITIAL_INT_KEYS = 1 << 16
 
 U64Array = npt.NDArray[np.uint64]
+_PAGE = mmap.PAGESIZE
 
 
 def pack_loc(segment: int, offset: int) -> int:
@@ -54,52 +71,78 @@ def unpack_loc(loc: int) -> tuple[int, int]:
     return loc >> 32, loc & 0xFFFFFFFF
 
 
-_PAGE = mmap.PAGESIZE
+def damaged(root: str, path: str, why: str) -> CorruptionError:
+    return CorruptionError(f"{path} is damaged ({why}); run `lcache fsck --repair {root}` to "
+                           "rebuild it from the segments")
 
 
-def _back(fd: int, path: str, start: int, end: int) -> None:
-    """Give the file blocks under bytes [start, end) before they are stored to through the map.
+def missing(root: str, path: str) -> CorruptionError:
+    return CorruptionError(f"{path} is missing while segments hold records; run "
+                           f"`lcache fsck --repair {root}` to rebuild it from the segments")
 
-    Why: the index files are sparse, and a store into a hole of a shared mapping needs a new
-    block; on a full filesystem the kernel answers with SIGBUS, which kills the process instead
-    of raising DiskFullError. ``posix_fallocate`` asks for the block first, where it can fail.
+
+def new_index_file(path: str, magic: bytes, count: int, data_bytes: int,
+                   dense: bool) -> tuple[str, int]:
+    """A complete empty index under a temp name beside ``path``: (temp path, open fd).
+
+    ``dense``: every block allocated now (the hash table); otherwise only the header page is,
+    and pages get blocks as entries are stored (the int array).
     """
-    start = start // _PAGE * _PAGE
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"no space left on the device for the index {path}") from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-
-
-def _create(path: str, magic: bytes, slots: int, data_bytes: int) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    if os.path.lexists(tmp):  # a killed process of the same pid left it
+        os.unlink(tmp)
+    fd = open_in_store(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        os.pwrite(fd, _HDR.pack(magic, 1, slots), 0)
+        allocate(fd, tmp, 0, INDEX_HEADER + data_bytes if dense else INDEX_HEADER)
+        os.pwrite(fd, HDR.pack(magic, VERSION, count, 0), 0)
         os.ftruncate(fd, INDEX_HEADER + data_bytes)
-        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return tmp, fd
+
+
+def finish_index_file(root: str, meta: Generations, stem: str, tmp: str, fd: int,
+                      gen: int) -> str:
+    """Sync a built index and publish it as generation ``gen`` (meta lock held)."""
+    try:
+        sync_fd(fd, False, "cache-meta")
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    return publish_generation(root, meta, stem, tmp, gen)
 
 
-def _open_checked(path: str, magic: bytes) -> tuple[int, int]:
-    """Open an index file, check its header; returns (fd, slots field)."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    head = os.pread(fd, _HDR.size, 0)
-    if len(head) < _HDR.size or _HDR.unpack(head)[0] != magic or _HDR.unpack(head)[1] != 1:
+def open_index_file(root: str, path: str, magic: bytes) -> tuple[int, int, int]:
+    """Open an index file and check its header: (fd, entries or slots, size)."""
+    fd = open_in_store(path, os.O_RDWR)
+    try:
+        # The header before the size: the int index is extended before its header says so.
+        head = os.pread(fd, HDR.size, 0)
+        size = os.fstat(fd).st_size
+        if size < INDEX_HEADER or len(head) < HDR.size:
+            raise damaged(root, path, f"bad header: {size} bytes, shorter than its header")
+        got_magic, version, count, _ = HDR.unpack(head)
+        if got_magic != magic or version != VERSION:
+            raise damaged(root, path, "bad header: not an lcache index of this version")
+    except BaseException:
         os.close(fd)
-        raise CorruptionError(
-            f"{path} is not an lcache index (bad header); run 'lcache fsck --repair' to rebuild it"
-        )
-    return fd, _HDR.unpack(head)[2]
+        raise
+    return fd, count, size
+
+
+def _has_blocks(fd: int, page: int) -> bool:
+    """Whether a page of the file has blocks (so reading it through the map is safe)."""
+    try:
+        return os.lseek(fd, page * _PAGE, os.SEEK_DATA) == page * _PAGE
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no data at or after it
+            return False
+        raise
 
 
 @contextmanager
-def _file_locked(fd: int, tlock: threading.Lock) -> Iterator[None]:
+def file_locked(fd: int, tlock: threading.Lock) -> Iterator[None]:
     """Exclusive against other threads (``tlock``) and processes (``flock``; the kernel drops
     it if the holder dies)."""
     with tlock:
@@ -110,309 +153,305 @@ def _file_locked(fd: int, tlock: threading.Lock) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-class IntIndex:
-    """Flat array index for integer keys."""
+class _IntMap:
+    """One mapping of one generation of the int index file."""
 
-    MAGIC = b"LCII"
-
-    def __init__(self, path: str, initial_keys: int = 1 << 16) -> None:
-        self.path = path
-        if not os.path.exists(path):
-            _create(path, self.MAGIC, 0, initial_keys * INT_ENTRY.itemsize)
-        self._fd, _ = _open_checked(path, self.MAGIC)
-        self._tlock = threading.Lock()
-        self._map()
-
-    def _map(self) -> None:
-        size = os.fstat(self._fd).st_size
-        self._mm = mmap.mmap(self._fd, size)
-        arr = np.frombuffer(self._mm, dtype=INT_ENTRY, offset=INDEX_HEADER)
-        self._arr = arr
-        self._loc: U64Array = arr["loc"]
-        self._len = arr["length"]
-        self._ref = arr["ref"]
+    def __init__(self, gen: int, path: str, fd: int, backed: npt.NDArray[np.uint8]) -> None:
+        self.gen, self.path, self.fd = gen, path, fd
+        size = os.fstat(fd).st_size
+        self.mm = mmap.mmap(fd, size)
+        arr = np.frombuffer(self.mm, dtype=INT_ENTRY, offset=INDEX_HEADER)
+        self.loc: U64Array = arr["loc"]
+        self.length = arr["length"]
+        self.ref = arr["ref"]
         self.capacity = len(arr)
         pages = (size + _PAGE - 1) // _PAGE
-        old = getattr(self, "_backed", bytearray())
-        # 1 = the page is known to have blocks (allocation never shrinks); a bytearray so
-        # the hot path checks a range with one C-level find().
-        self._backed = old[:pages] + bytearray(max(0, pages - len(old)))
+        # 1 = the page is known to have blocks (allocation never shrinks in a generation)
+        self.backed = np.zeros(pages, np.uint8)
+        self.backed[: min(pages, len(backed))] = backed[:pages]
+        self.backed[0] = 1  # the header page: its magic was read, so it has blocks
 
-    def _back_keys(self, keys: U64Array) -> None:
-        """Allocate the pages holding these keys' entries (see ``_back``)."""
+    def pages(self, keys: U64Array) -> npt.NDArray[np.int64]:
         item = INT_ENTRY.itemsize  # divides the page size: an entry never straddles pages
-        first, last = (int(keys[0]),) * 2 if len(keys) == 1 else (int(keys.min()),
-                                                                  int(keys.max()))
-        lo = (INDEX_HEADER + first * item) // _PAGE
-        hi = (INDEX_HEADER + last * item) // _PAGE
-        if self._backed.find(0, lo, hi + 1) < 0:
-            return
-        pages = np.unique((INDEX_HEADER + keys.astype(np.uint64) * np.uint64(item)) // _PAGE)
-        for page in pages.tolist():
-            if not self._backed[page]:
-                _back(self._fd, self.path, page * _PAGE, min((page + 1) * _PAGE, len(self._mm)))
-                self._backed[page] = 1
+        return ((INDEX_HEADER + keys.astype(np.int64) * item) // _PAGE).astype(np.int64)
 
-    def _refresh(self) -> None:
+    def present(self, keys: U64Array) -> npt.NDArray[np.bool_]:
+        """Which of ``keys`` (all < capacity) lie in pages with blocks."""
+        pages = self.pages(keys)
+        known: npt.NDArray[np.bool_] = self.backed[pages] != 0
+        if not known.all():
+            for page in np.unique(pages[~known]).tolist():
+                if _has_blocks(self.fd, page):
+                    self.backed[page] = 1
+            known = self.backed[pages] != 0
+        return known
+
+    def page_ok(self, key: int) -> bool:
+        page = (INDEX_HEADER + key * INT_ENTRY.itemsize) // _PAGE
+        if self.backed[page]:
+            return True
+        if _has_blocks(self.fd, page):
+            self.backed[page] = 1
+            return True
+        return False
+
+    def back(self, keys: U64Array) -> None:
+        """Allocate the pages holding these keys' entries before storing into them."""
+        pages = self.pages(keys)
+        for page in np.unique(pages[self.backed[pages] == 0]).tolist():
+            allocate(self.fd, self.path, page * _PAGE, min(_PAGE, len(self.mm) - page * _PAGE))
+            self.backed[page] = 1
+
+    def extents(self) -> Iterator[tuple[int, int]]:
+        """[first, end) key ranges of the file's data extents (the holes are all empty)."""
+        item = INT_ENTRY.itemsize
+        pos, size = INDEX_HEADER, INDEX_HEADER + self.capacity * item
+        while pos < size:
+            try:
+                start = os.lseek(self.fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    return
+                raise
+            if start >= size:
+                return
+            end = min(os.lseek(self.fd, start, os.SEEK_HOLE), size)
+            self.backed[start // _PAGE : (end + _PAGE - 1) // _PAGE] = 1
+            yield (start - INDEX_HEADER) // item, (end - INDEX_HEADER) // item
+            pos = end
+
+
+class IntIndex:
+    """Flat array index for integer keys (a sparse file)."""
+
+    MAGIC = b"LCII"
+    STEM = "index-int"
+
+    def __init__(self, root: str, meta: Generations, initial_keys: int = INITIAL_INT_KEYS,
+                 create: bool = True) -> None:
+        """Open the current generation; the caller holds the store's meta lock.
+
+        Raises:
+            CorruptionError: the file is damaged, or missing and ``create`` is false.
+        """
+        self.root = root
+        self._meta = meta
+        self._tlock = threading.Lock()
+        self._switch = threading.Lock()
+        self._dirty = False  # this process changed entries since its last flush
+        gen = current_generation(root, meta, self.STEM)
+        path = generation_path(root, self.STEM, gen)
+        if not os.path.lexists(path):
+            if not create:
+                raise missing(root, path)
+            tmp, fd = new_index_file(path, self.MAGIC, initial_keys,
+                                     initial_keys * INT_ENTRY.itemsize, dense=False)
+            finish_index_file(root, meta, self.STEM, tmp, fd, gen)
+        self._t = self._open(gen)
+
+    def _open(self, gen: int) -> _IntMap:
+        path = generation_path(self.root, self.STEM, gen)
+        if not os.path.lexists(path):
+            raise missing(self.root, path)
+        fd, count, size = open_index_file(self.root, path, self.MAGIC)
+        data = size - INDEX_HEADER
+        item = INT_ENTRY.itemsize
+        # Longer than the header says is a growth cut short by a crash (the file is extended
+        # first): usable. Shorter, or not whole entries, is damage.
+        if data % item or data < count * item:
+            os.close(fd)
+            raise damaged(self.root, path, f"{size} bytes, but the header says "
+                          f"{INDEX_HEADER} + {count} x {item}")
+        return _IntMap(gen, path, fd, np.zeros(0, np.uint8))
+
+    # ------------------------------------------------------------------ the current mapping
+    def _map(self) -> _IntMap:
+        t = self._t
+        if self._meta.generation(self.STEM) != t.gen:  # fsck --repair published a rebuild
+            with self._switch:
+                t = self._t
+                if self._meta.generation(self.STEM) != t.gen:
+                    new = self._open(self._meta.generation(self.STEM))
+                    os.close(t.fd)
+                    self._t = t = new
+        return t
+
+    def _refresh(self, t: _IntMap) -> _IntMap:
         """Another process may have grown the file: map it again if so."""
-        if os.fstat(self._fd).st_size > INDEX_HEADER + self.capacity * INT_ENTRY.itemsize:
-            self._map()
+        if os.fstat(t.fd).st_size > INDEX_HEADER + t.capacity * INT_ENTRY.itemsize:
+            with self._switch:
+                if self._t is t:
+                    self._t = _IntMap(t.gen, t.path, t.fd, t.backed)
+                t = self._t
+        return t
 
+    @property
+    def capacity(self) -> int:
+        return self._map().capacity
+
+    # ------------------------------------------------------------------ growth
     def grow(self, key: int) -> None:
         """Make room for ``key``; the caller holds the store's meta lock."""
         if key >= MAX_INT_KEYS:
             raise ConfigError(f"int key {key} is too large for the flat index; use byte keys")
-        self._refresh()
-        if key < self.capacity:
+        t = self._refresh(self._map())
+        if key < t.capacity:
             return
-        new = max(key + 1, self.capacity * 2)
-        os.ftruncate(self._fd, INDEX_HEADER + new * INT_ENTRY.itemsize)
-        self._map()
+        new = max(key + 1, t.capacity * 2)
+        os.ftruncate(t.fd, INDEX_HEADER + new * INT_ENTRY.itemsize)
+        os.pwrite(t.fd, HDR.pack(self.MAGIC, VERSION, new, 0), 0)
+        self._refresh(t)
 
+    # ------------------------------------------------------------------ reads
     def lookup(self, key: int) -> tuple[int, int] | None:
-        if key >= self.capacity:
-            self._refresh()
-            if key >= self.capacity:
+        t = self._map()
+        if key >= t.capacity:
+            t = self._refresh(t)
+            if key >= t.capacity:
                 return None
-        loc = int(self._loc[key])
-        return (loc, int(self._len[key])) if loc else None
+        if not t.page_ok(key):
+            return None
+        loc = int(t.loc[key])
+        return (loc, int(t.length[key])) if loc else None
 
     def lookup_many(self, keys: U64Array) -> tuple[U64Array, npt.NDArray[np.uint32]]:
-        if len(keys) and int(keys.max()) >= self.capacity:
-            self._refresh()
-        inside = keys < self.capacity
+        t = self._map()
+        if len(keys) and int(keys.max()) >= t.capacity:
+            t = self._refresh(t)
+        inside = keys < t.capacity
         safe = np.where(inside, keys, 0)
-        locs = np.where(inside, self._loc[safe], 0).astype(np.uint64)
-        lens = np.where(inside, self._len[safe], 0).astype(np.uint32)
+        ok = inside & t.present(safe)
+        safe = np.where(ok, safe, 0)
+        locs = np.where(ok, t.loc[safe], 0).astype(np.uint64)
+        lens = np.where(ok, t.length[safe], 0).astype(np.uint32)
         return locs, lens
 
+    def referenced(self, keys: U64Array) -> npt.NDArray[np.bool_]:
+        t = self._map()
+        inside = keys < t.capacity
+        safe = np.where(inside, keys, 0)
+        ok = inside & t.present(safe)
+        return np.where(ok, t.ref[np.where(ok, safe, 0)] != 0, False)
+
+    def items(self) -> Iterator[tuple[int, int, int]]:
+        """(key, loc, length) of every used entry."""
+        t = self._map()
+        for first, end in t.extents():
+            for k in (first + np.flatnonzero(t.loc[first:end])).tolist():
+                yield k, int(t.loc[k]), int(t.length[k])
+
+    def live_count(self) -> int:
+        t = self._map()
+        return sum(int(np.count_nonzero(t.loc[a:b])) for a, b in t.extents())
+
+    # ------------------------------------------------------------------ writes
     def set(self, key: int, loc: int, length: int) -> None:
         self.set_many(np.array([key], np.uint64), np.array([loc], np.uint64),
                       np.array([length], np.uint32))
 
     def set_many(self, keys: U64Array, locs: U64Array, lens: npt.NDArray[np.uint32]) -> None:
+        t = self._map()
         if len(keys):
-            self._back_keys(keys)
+            t.back(keys)
         # Why the lock: two processes putting one key would otherwise interleave their two
         # words and leave an entry that no record matches (a permanent miss).
         # Why loc = 0 first: a process killed between the two words would otherwise leave the
         # old location with the new length, an entry no record matches; now it is a miss.
-        with _file_locked(self._fd, self._tlock):
-            self._loc[keys] = 0
-            self._len[keys] = lens
-            self._ref[keys] = 0
-            self._loc[keys] = locs
+        self._dirty = True
+        with file_locked(t.fd, self._tlock):
+            t.loc[keys] = 0
+            t.length[keys] = lens
+            t.ref[keys] = 0
+            t.loc[keys] = locs
 
     def remove(self, key: int, expected_loc: int | None = None) -> bool:
-        if key >= self.capacity:
-            self._refresh()
-            if key >= self.capacity:
+        t = self._map()
+        if key >= t.capacity:
+            t = self._refresh(t)
+            if key >= t.capacity:
                 return False
-        with _file_locked(self._fd, self._tlock):
-            loc = int(self._loc[key])
+        if not t.page_ok(key):
+            return False
+        with file_locked(t.fd, self._tlock):
+            loc = int(t.loc[key])
             if loc == 0 or (expected_loc is not None and loc != expected_loc):
                 return False
-            self._loc[key] = 0
+            t.loc[key] = 0
+            self._dirty = True
             return True
 
-    def remove_many(self, keys: U64Array, expected_locs: U64Array) -> int:
-        """Remove the entries of ``keys`` that still hold ``expected_locs``; returns how many."""
-        inside = keys < self.capacity
+    def remove_many(self, keys: U64Array, expected_locs: U64Array) -> U64Array:
+        """Remove the entries of ``keys`` that still hold ``expected_locs``; returns their
+        keys."""
+        t = self._map()
+        inside = keys < t.capacity
         keys, expected_locs = keys[inside], expected_locs[inside]
-        with _file_locked(self._fd, self._tlock):
-            hit = self._loc[keys] == expected_locs
-            self._loc[keys[hit]] = 0
-        return int(np.count_nonzero(hit))
-
-    def touch_many(self, keys: U64Array) -> None:
-        self._ref[keys[keys < self.capacity]] = 1
-
-    def referenced(self, keys: U64Array) -> npt.NDArray[np.bool_]:
-        inside = keys < self.capacity
-        safe = np.where(inside, keys, 0)
-        return np.where(inside, self._ref[safe] != 0, False)
-
-    def items(self) -> Iterator[tuple[int, int, int]]:
-        """(key, loc, length) of every used entry."""
-        keys = np.flatnonzero(self._loc)
-        for k in keys:
-            yield int(k), int(self._loc[k]), int(self._len[k])
-
-    def clear_segment(self, segment: int, from_offset: int = 0) -> int:
-        """Remove entries pointing into ``segment`` at or past ``from_offset``; returns count."""
-        lo, hi = pack_loc(segment, from_offset), pack_loc(segment + 1, 0)
-        hit = (self._loc >= lo) & (self._loc < hi)
-        n = int(np.count_nonzero(hit))
-        if n:
-            self._loc[hit] = 0
-        return n
-
-    def live_count(self) -> int:
-        return int(np.count_nonzero(self._loc))
-
-    def bytes_on_disk(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512
-
-    def flush(self) -> None:
-        self._mm.flush()
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-class HashIndex:
-    """Open-addressing hash table for byte keys (by their xxh3-64), fixed slot count."""
-
-    MAGIC = b"LCIH"
-
-    def __init__(self, path: str, slots: int) -> None:
-        self.path = path
-        if not os.path.exists(path):
-            slots = 1 << max(4, (slots - 1).bit_length())  # a power of two
-            _create(path, self.MAGIC, slots, slots * HASH_ENTRY.itemsize)
-        self._fd, slots = _open_checked(path, self.MAGIC)
-        if slots <= 0 or slots & (slots - 1):
-            raise CorruptionError(f"{path}: bad slot count {slots}; run 'lcache fsck --repair'")
-        self._mm = mmap.mmap(self._fd, INDEX_HEADER + slots * HASH_ENTRY.itemsize)
-        arr = np.frombuffer(self._mm, dtype=HASH_ENTRY, offset=INDEX_HEADER)
-        self._hash: U64Array = arr["hash"]
-        self._loc: U64Array = arr["loc"]
-        self._len = arr["length"]
-        self._ref = arr["ref"]
-        self._state = arr["state"]
-        self.slots = slots
-        self._backed = bytearray((len(self._mm) + _PAGE - 1) // _PAGE)  # as in IntIndex
-        self._mask = slots - 1
-        self._tlock = threading.Lock()
-
-    def _locked(self) -> AbstractContextManager[None]:
-        return _file_locked(self._fd, self._tlock)
-
-    def _find(self, h: int) -> int:
-        """Slot holding ``h``, or -1.
-
-        A slot whose loc is 0 is being written (or was, by a killed process) and is stepped
-        over: writers clear loc first and set it last, so a slot with a loc is whole.
-        """
-        i = h & self._mask
-        for _ in range(self.slots):
-            if self._state[i] == EMPTY:
-                return -1
-            if self._hash[i] == h and self._loc[i]:
-                return i
-            i = (i + 1) & self._mask
-        return -1
-
-    def lookup(self, h: int) -> tuple[int, int] | None:
-        i = self._find(h)
-        if i < 0:
-            return None
-        loc = int(self._loc[i])
-        return (loc, int(self._len[i])) if loc else None
-
-    def set(self, h: int, loc: int, length: int) -> None:
-        with self._locked():
-            i = self._find(h)
-            if i < 0:
-                i = self._free_slot(h)
-            self._back_slot(i)
-            self._loc[i] = 0
-            self._hash[i] = h
-            self._len[i] = length
-            self._ref[i] = 0
-            self._loc[i] = loc
-            self._state[i] = USED
-
-    def _back_slot(self, i: int) -> None:
-        """Allocate the page(s) holding slot ``i`` (see ``_back``)."""
-        start = INDEX_HEADER + i * HASH_ENTRY.itemsize
-        end = start + HASH_ENTRY.itemsize
-        lo, hi = start // _PAGE, (end - 1) // _PAGE
-        if self._backed.find(0, lo, hi + 1) >= 0:
-            _back(self._fd, self.path, start, end)
-            self._backed[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
-
-    def _free_slot(self, h: int) -> int:
-        i = h & self._mask
-        for _ in range(self.slots):
-            if self._state[i] != USED or not self._loc[i]:  # empty, or a dead copy
-                return i
-            i = (i + 1) & self._mask
-        raise IndexFullError(
-            f"the byte-key index {self.path} is full ({self.slots} slots); "
-            "create the store with a larger max_byte_keys"
-        )
-
-    def _delete_slot(self, i: int) -> None:
-        """Empty slot ``i`` by backward-shift deletion (the caller holds the lock).
-
-        Later entries of the probe run that may live at ``i`` move back, so no tombstones pile
-        up and probes stay short. Each move copies before it clears, so a crash part-way leaves
-        at worst a duplicate of an entry (``remove`` removes all copies), never loses one; the
-        slot being overwritten has its loc cleared first, so it is never a mix of two entries.
-        Concurrent readers may miss a moving entry; a miss is always allowed.
-        """
-        mask = self._mask
-        j = i
-        for _ in range(self.slots - 1):  # bounded: a full table has no empty slot to stop at
-            j = (j + 1) & mask
-            if self._state[j] != USED:
-                break
-            home = int(self._hash[j]) & mask
-            stays = (i < home <= j) if i <= j else (home > i or home <= j)
-            if stays:
-                continue
-            self._loc[i] = 0
-            self._hash[i] = self._hash[j]
-            self._len[i] = self._len[j]
-            self._ref[i] = self._ref[j]
-            self._loc[i] = self._loc[j]
-            i = j
-        self._loc[i] = 0
-        self._state[i] = EMPTY
-
-    def remove(self, h: int, expected_loc: int | None = None) -> bool:
-        with self._locked():
-            return self._remove(h, expected_loc)
-
-    def _remove(self, h: int, expected_loc: int | None) -> bool:
-        removed = False
-        while (i := self._find(h)) >= 0:
-            if expected_loc is not None and int(self._loc[i]) != expected_loc:
-                break
-            self._delete_slot(i)
-            removed = True
+        ok = t.present(keys)
+        keys, expected_locs = keys[ok], expected_locs[ok]
+        with file_locked(t.fd, self._tlock):
+            hit = t.loc[keys] == expected_locs
+            removed: U64Array = keys[hit]
+            t.loc[removed] = 0
+        self._dirty |= len(removed) > 0
         return removed
 
-    def touch(self, h: int) -> None:
-        i = self._find(h)
-        if i >= 0:
-            self._ref[i] = 1
+    def touch_many(self, keys: U64Array) -> None:
+        t = self._map()
+        keys = keys[keys < t.capacity]
+        t.ref[keys[t.present(keys)]] = 1
 
-    def referenced(self, h: int) -> bool:
-        i = self._find(h)
-        return bool(i >= 0 and self._ref[i])
-
-    def items(self) -> Iterator[tuple[int, int, int]]:
-        """(hash, loc, length) of every used slot."""
-        for i in np.flatnonzero((self._state == USED) & (self._loc != 0)):
-            yield int(self._hash[i]), int(self._loc[i]), int(self._len[i])
-
-    def clear_segment(self, segment: int, from_offset: int = 0) -> int:
+    def clear_segment(self, segment: int, from_offset: int = 0) -> list[int]:
+        """Remove entries pointing into ``segment`` at or past ``from_offset``; returns their
+        keys."""
         lo, hi = pack_loc(segment, from_offset), pack_loc(segment + 1, 0)
-        with self._locked():
-            hit = np.flatnonzero((self._state == USED) & (self._loc >= lo) & (self._loc < hi))
-            doomed = [(int(self._hash[i]), int(self._loc[i])) for i in hit]
-            return sum(self._remove(h, loc) for h, loc in doomed)
+        t = self._map()
+        removed: list[int] = []
+        for first, end in list(t.extents()):
+            part = t.loc[first:end]
+            hit = (part >= lo) & (part < hi)
+            if hit.any():
+                part[hit] = 0
+                removed += (first + np.flatnonzero(hit)).tolist()
+        self._dirty |= bool(removed)
+        return removed
 
-    def live_count(self) -> int:
-        return int(np.count_nonzero((self._state == USED) & (self._loc != 0)))
+    # ------------------------------------------------------------------ rebuilding
+    @classmethod
+    def rebuild(cls, root: str, meta: Generations, keys: U64Array, locs: U64Array,
+                lens: npt.NDArray[np.uint32]) -> None:
+        """Publish a new generation holding exactly these entries (meta lock held)."""
+        stem = cls.STEM
+        gen = current_generation(root, meta, stem) + 1
+        count = max(INITIAL_INT_KEYS, int(keys.max()) + 1 if len(keys) else 0)
+        tmp, fd = new_index_file(generation_path(root, stem, gen), cls.MAGIC, count,
+                                 count * INT_ENTRY.itemsize, dense=False)
+        try:
+            t = _IntMap(gen, tmp, fd, np.zeros(0, np.uint8))
+            if len(keys):
+                t.back(keys)
+                t.loc[keys] = locs
+                t.length[keys] = lens
+            t.mm.flush()
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        finish_index_file(root, meta, stem, tmp, fd, gen)
 
+    # ------------------------------------------------------------------ housekeeping
     def bytes_on_disk(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512
+        return os.fstat(self._map().fd).st_blocks * 512
 
     def flush(self) -> None:
-        self._mm.flush()
+        """Make this process's changes durable (msync; skipped when it made none)."""
+        if self._dirty:
+            self._dirty = False
+            self._t.mm.flush()
 
     def close(self) -> None:
-        os.close(self._fd)
+        os.close(self._t.fd)
+
+    @property
+    def fd(self) -> int:
+        """The descriptor of the file in use (a forked child closes the parent's)."""
+        return self._t.fd

@@ -5,8 +5,9 @@
     DIR/store.json           configuration (atomic publish)
     DIR/lock                 flock target; its first page holds shared counters (see MetaPage)
     DIR/stats.json           counters summed over processes at flush/close
-    DIR/index-int.bin        flat index for int keys
-    DIR/index-bytes.bin      hash index for byte keys
+    DIR/index-int-G.bin      flat index for int keys (generation G, see files.py)
+    DIR/index-bytes-G.bin    hash index for byte keys
+    DIR/deletes-G.bin        delete journal (see deletes.py)
     DIR/segments/NNNNNNNNNN.log   records
     DIR/segments/NNNNNNNNNN.sum   summary of a sealed segment (its existence = sealed)
 """
@@ -21,7 +22,7 @@ import re
 import stat
 import struct
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
 
@@ -33,6 +34,9 @@ from lcache.errors import (
 )
 from lcache.io.dirs import check_private_dir, private_dir
 from lcache.io.publish import atomic_write
+from lcache.store.files import STEMS, allocate, open_in_store
+from lcache.store.hashindex import initial_slots, table_bytes
+from lcache.store.index import INDEX_HEADER
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -82,52 +86,92 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def index_floor(capacity: int) -> int:
+    """Bytes on disk of a new store's indexes and delete journal: the int index's header
+    page, the first hash table (sized from the capacity), the journal's first block."""
+    return INDEX_HEADER + table_bytes(initial_slots(capacity)) + 4096
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """What a store is, fixed at creation except where noted.
 
     Attributes:
-        capacity: hard bound on bytes on disk (segments, summaries, indexes); may change on reopen.
+        capacity: hard bound on bytes on disk (segments, summaries, indexes, delete journal);
+            may change on reopen.
         segment_size: bytes per segment file before it is sealed.
         max_writers: processes that may hold an active segment at once; may change on reopen.
-        policy: eviction policy name (``fifo`` or ``lru``); may change on reopen.
-        max_byte_keys: slots of the byte-key hash index.
+        policy: eviction policy name (``fifo``, ``lru`` or ``planned``); may change on reopen.
+        max_byte_keys: most byte keys the byte-key index grows to hold (``None``: as many as
+            the capacity allows); may change on reopen.
     """
 
     capacity: int = 8 << 30
     segment_size: int = 64 << 20
     max_writers: int = 8
     policy: str = "lru"
-    max_byte_keys: int = 1 << 20
+    max_byte_keys: int | None = None
+
+    def check_types(self) -> None:
+        for name in ("capacity", "segment_size", "max_writers", "max_byte_keys"):
+            value = getattr(self, name)
+            if name == "max_byte_keys" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"policy must be a name, got {self.policy!r}")
+
+    def minimum_capacity(self) -> int:
+        return self.segment_size * (self.max_writers + 1) + index_floor(self.capacity)
 
     def validate(self) -> None:
+        self.check_types()
         if not 4096 <= self.segment_size <= 1 << 32:
             raise ConfigError(
                 f"segment_size {format_size(self.segment_size)} must be between 4 KiB and 4 GiB"
             )
         if self.max_writers < 1:
             raise ConfigError(f"max_writers must be >= 1, got {self.max_writers}")
-        if self.max_byte_keys < 16:
+        if self.max_byte_keys is not None and self.max_byte_keys < 16:
             raise ConfigError(f"max_byte_keys must be >= 16, got {self.max_byte_keys}")
-        minimum = self.segment_size * (self.max_writers + 1)
-        if self.capacity < minimum:
+        segments = self.segment_size * (self.max_writers + 1)
+        if self.capacity < self.minimum_capacity():
             raise ConfigError(
                 f"cache capacity {format_size(self.capacity)} is smaller than one segment "
                 f"({format_size(self.segment_size)}) x (writers ({self.max_writers}) + 1 for "
-                f"compaction) = {format_size(minimum)}; raise capacity, or lower segment_size "
-                "or max_writers"
+                f"compaction) = {format_size(segments)}, plus "
+                f"{format_size(index_floor(self.capacity))} for the indexes; raise capacity, "
+                "or lower segment_size or max_writers"
             )
+
+
+def has_store(path: str) -> bool:
+    """Whether ``path`` holds a store: its ``store.json``, or segments (a store whose
+    configuration was lost, for ``fsck --repair``). Creates nothing."""
+    if os.path.lexists(os.path.join(path, CONFIG_NAME)):
+        return True
+    segments = os.path.join(path, "segments")
+    try:
+        return os.path.isdir(segments) and any(
+            name.endswith((".log", ".sum")) for name in os.listdir(segments))
+    except OSError:
+        return False
 
 
 def prepare_dir(path: str, create: bool) -> None:
     """Check (or create, owner-only) the store directory.
 
+    Without ``create``, nothing is created or changed unless the directory already holds a
+    store (``has_store``).
+
     Raises:
         StoreNotFoundError: no store there and ``create`` is false.
-        StorePermissionError: not private to you (see ``lcache.io.dirs``), or not writable.
+        StorePermissionError: not private to you (see ``lcache.io.dirs``), not writable, or
+            its ``segments`` is a symbolic link.
     """
-    if not os.path.lexists(path) and not create:
-        raise StoreNotFoundError(f"no lcache store at {path}")
+    if not create and not has_store(path):
+        raise StoreNotFoundError(f"no lcache store in {path}")
     private_dir(path, "cache directory", create=create)
     try:
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
@@ -139,28 +183,46 @@ def prepare_dir(path: str, create: bool) -> None:
             "fix its permissions or choose another directory"
         ) from exc
     segments = os.path.join(path, "segments")
+    if os.path.islink(segments):  # even one of ours: nothing inside a store is followed
+        raise StorePermissionError(
+            f"the segment directory {segments} is a symbolic link, and a store never follows "
+            "one; remove the link (its target is not touched)")
     if not os.path.lexists(segments):
-        os.makedirs(segments, mode=0o700, exist_ok=True)
+        os.mkdir(segments, 0o700)
     check_private_dir(segments, "segment directory")
 
 
+def _config_error(cfg_path: str, why: str) -> CorruptionError:
+    root = os.path.dirname(cfg_path)
+    return CorruptionError(f"{cfg_path} {why}; run `lcache fsck --repair {root}` to rewrite it "
+                           "from what the store holds")
+
+
 def load_config(path: str) -> StoreConfig | None:
-    """The stored configuration, or ``None`` if the directory has none yet."""
+    """The stored configuration, or ``None`` if the directory has none yet.
+
+    Raises:
+        CorruptionError: it is unreadable, not a configuration, or a symbolic link.
+    """
     cfg_path = os.path.join(path, CONFIG_NAME)
     try:
-        with open(cfg_path, "rb") as f:
-            raw = json.loads(f.read())
+        fd = open_in_store(cfg_path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
-        raise CorruptionError(f"{cfg_path} is unreadable: {exc}") from exc
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise CorruptionError(f"{cfg_path} is not an lcache store configuration (format {FORMAT})")
-    fields = {k: raw[k] for k in StoreConfig.__dataclass_fields__ if k in raw}
     try:
-        return StoreConfig(**fields)
-    except TypeError as exc:
-        raise CorruptionError(f"{cfg_path}: {exc}") from exc
+        with os.fdopen(fd, "rb") as f:
+            raw = json.loads(f.read(1 << 20))
+    except (OSError, ValueError) as exc:
+        raise _config_error(cfg_path, f"is unreadable ({exc})") from exc
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise _config_error(cfg_path, f"is not an lcache store configuration (format {FORMAT})")
+    known = {f.name for f in fields(StoreConfig)}
+    try:
+        config = StoreConfig(**{k: raw[k] for k in known if k in raw})
+        config.check_types()
+    except (TypeError, ConfigError) as exc:
+        raise _config_error(cfg_path, f"is damaged ({exc})") from exc
+    return config
 
 
 def save_config(path: str, config: StoreConfig) -> None:
@@ -178,54 +240,128 @@ def merge_config(stored: StoreConfig | None, overrides: dict[str, Any]) -> Store
     if stored is None:
         config = StoreConfig(**given)
     else:
-        for fixed in ("segment_size", "max_byte_keys"):
-            if fixed in given and given[fixed] != getattr(stored, fixed):
-                raise ConfigError(
-                    f"{fixed} is fixed when a store is created ({getattr(stored, fixed)}); "
-                    f"got {given[fixed]}: use a new directory to change it"
-                )
+        if "segment_size" in given and given["segment_size"] != stored.segment_size:
+            raise ConfigError(
+                f"segment_size is fixed when a store is created ({stored.segment_size}); "
+                f"got {given['segment_size']}: use a new directory to change it"
+            )
         config = replace(stored, **given)
     config.validate()
     return config
 
 
+_FIELD_RE = re.compile(r'"(\w+)"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+|null)')
+
+
+def salvage_config(root: str, largest_segment: int) -> StoreConfig:
+    """A configuration for a store whose ``store.json`` is damaged or missing (fsck --repair).
+
+    Each setting still readable in the damaged file and valid is kept (a file cut short keeps
+    the settings before the cut); the others get their defaults, except ``segment_size``: the
+    smallest power of two (at least 4 KiB) that holds the largest segment file found, or the
+    default when there is none. The capacity is raised to the minimum if it is below.
+    """
+    try:
+        fd = open_in_store(os.path.join(root, CONFIG_NAME), os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, CorruptionError):
+        text = ""
+    try:
+        doc = json.loads(text)
+        found = doc if isinstance(doc, dict) else {}
+    except ValueError:
+        found = {m.group(1): json.loads(m.group(2)) for m in _FIELD_RE.finditer(text)}
+    defaults = StoreConfig()
+    kept: dict[str, Any] = {}
+    for setting in fields(StoreConfig):
+        name = setting.name
+        if name in found:
+            try:
+                replace(defaults, **{name: found[name]}).check_types()
+                kept[name] = found[name]
+            except (ConfigError, TypeError):
+                pass
+    seg = kept.get("segment_size")
+    if not isinstance(seg, int) or not 4096 <= seg <= 1 << 32 or seg < largest_segment:
+        seg = defaults.segment_size if not largest_segment else \
+            max(4096, 1 << (largest_segment - 1).bit_length())
+    kept["segment_size"] = seg
+    if kept.get("max_writers", 1) < 1:
+        del kept["max_writers"]
+    if (kept.get("max_byte_keys") or 16) < 16:
+        del kept["max_byte_keys"]
+    config = replace(defaults, **kept)
+    if config.capacity < config.minimum_capacity():
+        config = replace(config, capacity=config.minimum_capacity())
+    config.validate()
+    return config
+
+
 class MetaPage:
-    """The ``lock`` file: an ``flock`` target whose first page holds two shared u64 counters.
+    """The ``lock`` file: an ``flock`` target whose first page holds shared u64 words.
 
     ``next_segment`` makes segment ids unique forever (a reader's cached descriptor of a deleted
     segment can never be confused with a new one); ``gc_generation`` tells readers that
-    segments were deleted so they drop descriptors of unlinked files.
+    segments were deleted so they drop descriptors of unlinked files; one word per file that is
+    replaced by generations (``files.py``) holds its current generation. The page is allocated
+    for real when the file is opened, so it is never a hole of the mapping (see
+    ``files.allocate``).
     """
 
-    _FIELDS = struct.Struct("<QQ")
+    _WORD = struct.Struct("<Q")
+    _WORDS = {"next_segment": 0, "gc_generation": 1} | {s: 2 + i for i, s in enumerate(STEMS)}
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if os.fstat(self.fd).st_size < mmap.PAGESIZE:
-            os.ftruncate(self.fd, mmap.PAGESIZE)
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            raise CorruptionError(f"{path} is not a regular file")
-        self._mm = mmap.mmap(self.fd, mmap.PAGESIZE)
+        self.fd = open_in_store(path, os.O_RDWR | os.O_CREAT)
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise CorruptionError(f"{path} is not a regular file; remove it (run "
+                                      f"`lcache fsck --repair {os.path.dirname(path)}`)")
+            allocate(self.fd, path, 0, mmap.PAGESIZE)
+            if os.fstat(self.fd).st_size < mmap.PAGESIZE:  # where fallocate is not supported
+                os.ftruncate(self.fd, mmap.PAGESIZE)
+            self._mm = mmap.mmap(self.fd, mmap.PAGESIZE)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
-    def _get(self) -> tuple[int, int]:
-        values: tuple[int, int] = self._FIELDS.unpack_from(self._mm, 0)
-        return values
+    def _get(self, word: str) -> int:
+        value: int = self._WORD.unpack_from(self._mm, 8 * self._WORDS[word])[0]
+        return value
+
+    def _set(self, word: str, value: int) -> None:
+        self._WORD.pack_into(self._mm, 8 * self._WORDS[word], value)
 
     def take_segment_id(self, at_least: int) -> int:
         """A new segment id; the caller holds the lock."""
-        nxt, gen = self._get()
-        seg = max(nxt, at_least, 1)
-        self._FIELDS.pack_into(self._mm, 0, seg + 1, gen)
+        seg = max(self._get("next_segment"), at_least, 1)
+        self._set("next_segment", seg + 1)
         return seg
 
     @property
+    def next_segment(self) -> int:
+        """The id the next new segment gets (at least)."""
+        return max(self._get("next_segment"), 1)
+
+    def ensure_next_segment(self, at_least: int) -> None:
+        """After a lost ``lock``: ids continue above the segments on disk (lock held)."""
+        if self._get("next_segment") < at_least:
+            self._set("next_segment", at_least)
+
+    @property
     def gc_generation(self) -> int:
-        return self._get()[1]
+        return self._get("gc_generation")
 
     def bump_gc_generation(self) -> None:
-        nxt, gen = self._get()
-        self._FIELDS.pack_into(self._mm, 0, nxt, gen + 1)
+        self._set("gc_generation", self._get("gc_generation") + 1)
+
+    def generation(self, stem: str) -> int:
+        return self._get(stem)
+
+    def set_generation(self, stem: str, gen: int) -> None:
+        self._set(stem, gen)
 
     def close(self) -> None:
         self._mm.close()

@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.io import ReadRequest, aligned_empty, open_file, pread_full
+from lcache.io import ReadRequest, aligned_empty, pread_full
 from lcache.store import record
+from lcache.store.files import open_in_store
 from lcache.store.readplan import Run, plan_reads
 from lcache.store.segment import log_path
 
 if TYPE_CHECKING:
     from lcache.io import IOEngine
     from lcache.store.counters import Counters, RateLimitedWarning
-    from lcache.store.index import HashIndex, IntIndex
+    from lcache.store.hashindex import HashIndex
+    from lcache.store.index import IntIndex
     from lcache.store.layout import MetaPage
     from lcache.store.policy import EvictionPolicy
     from lcache.store.store import Key
@@ -62,7 +64,7 @@ class Reader:
         fd = self._fds.get(seg)
         if fd is None:
             try:
-                fd = open_file(log_path(self.root, seg), os.O_RDONLY, self.direct_io)
+                fd = open_in_store(log_path(self.root, seg), os.O_RDONLY, self.direct_io)
             except FileNotFoundError:
                 return None
             self._fds[seg] = fd

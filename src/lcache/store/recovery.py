@@ -9,7 +9,9 @@ from contextlib import suppress
 
 from lcache.io import pread_full, sync_fd
 from lcache.store import record
-from lcache.store.index import HashIndex, IntIndex, pack_loc
+from lcache.store.files import open_in_store
+from lcache.store.hashindex import HashIndex
+from lcache.store.index import IntIndex, pack_loc
 from lcache.store.segment import (
     Summary,
     list_segments,
@@ -40,30 +42,32 @@ def remove_leftovers(root: str) -> None:
 
 
 def seal_if_orphan(root: str, seg: int, ints: IntIndex, hashes: HashIndex,
-                   durable: bool) -> Summary | bool:
+                   durable: bool, dropped: list[tuple[int, int]]) -> Summary | bool:
     """Recover ``seg`` if its writer is dead: its summary, or True if the segment is gone;
-    False if a live writer holds it."""
+    False if a live writer holds it. The (kind, key64) whose index entries recovery removed
+    are appended to ``dropped``."""
     try:
-        fd = os.open(log_path(root, seg), os.O_RDWR | os.O_CLOEXEC)
+        fd = open_in_store(log_path(root, seg), os.O_RDWR)
     except FileNotFoundError:
         return True
     try:
         if not try_lock(fd):
             return False
-        return recover_segment(root, seg, fd, ints, hashes, durable)
+        return recover_segment(root, seg, fd, ints, hashes, durable, dropped)
     finally:
         os.close(fd)
 
 
 def recover_segment(root: str, seg: int, fd: int, ints: IntIndex, hashes: HashIndex,
-                    durable: bool) -> Summary:
+                    durable: bool, dropped: list[tuple[int, int]]) -> Summary:
     """Scan an orphaned segment, cut its torn tail, drop index entries past it, seal it."""
     size = os.fstat(fd).st_size
     damaged: list[tuple[int, int, int]] = []
     summary = scan_log(fd, seg, size, damaged)
     for kind, key64, offset in damaged:  # skipped by the scan: no index entry may stay
         index: IntIndex | HashIndex = ints if kind == record.KIND_INT else hashes
-        index.remove(key64, pack_loc(seg, offset))
+        if index.remove(key64, pack_loc(seg, offset)):
+            dropped.append((kind, key64))
     if summary.data_len < size:
         tail = bytearray(min(size - summary.data_len, 1 << 20))
         pread_full(fd, summary.data_len, memoryview(tail), "cache-recovery")
@@ -73,8 +77,8 @@ def recover_segment(root: str, seg: int, fd: int, ints: IntIndex, hashes: HashIn
         os.ftruncate(fd, summary.data_len)
     # Why outside the if: the file may already be shorter than what the index points at
     # (a torn write or lost tail, not cut by us); those entries must go too.
-    ints.clear_segment(seg, summary.data_len)
-    hashes.clear_segment(seg, summary.data_len)
+    dropped += [(record.KIND_INT, k) for k in ints.clear_segment(seg, summary.data_len)]
+    dropped += [(record.KIND_BYTES, h) for h in hashes.clear_segment(seg, summary.data_len)]
     if durable:
         sync_fd(fd, True, "cache-recovery")
     write_summary(root, summary, durable)

@@ -35,13 +35,13 @@ from lcache.io import (
     aligned_buffer,
     fsync_dir,
     logical_block_size,
-    open_file,
     pread_full,
     pwrite_full,
     sync_fd,
 )
 from lcache.io.publish import atomic_write
 from lcache.store import record
+from lcache.store.files import open_in_store
 
 _SUM_HDR = struct.Struct("<4sIQQQQ")  # magic, version, segment, count, data_len, checksum
 _SUM_MAGIC = b"LCSM"
@@ -138,7 +138,7 @@ class Summary:
 
 def read_summary(root: str, seg: int) -> Summary:
     path = sum_path(root, seg)
-    with open(path, "rb") as f:
+    with os.fdopen(open_in_store(path, os.O_RDONLY), "rb") as f:
         summary = Summary.decode(f.read(), path)
     if summary.segment != seg:
         raise CorruptionError(f"{path}: summary names segment {summary.segment}")
@@ -258,9 +258,7 @@ class SegmentWriter:
         self.segment = seg
         self.segment_size = segment_size
         self.path = log_path(root, seg)
-        self.fd = os.open(
-            self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-        )
+        self.fd = open_in_store(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         if not try_lock(self.fd):  # cannot happen: the id is new and we hold the meta lock
             os.close(self.fd)
             raise CorruptionError(f"{self.path} is locked by another process")
@@ -269,7 +267,7 @@ class SegmentWriter:
         self._block = 1
         if direct:
             try:
-                self._direct_fd = open_file(self.path, os.O_WRONLY, direct=True)
+                self._direct_fd = open_in_store(self.path, os.O_WRONLY, direct=True)
                 self._block = logical_block_size(root)
             except (ConfigError, OSError):
                 self._direct_fd = -1  # e.g. tmpfs: fall back to buffered writes

@@ -5,9 +5,10 @@ share a directory: each appends to its own active segment, all share the memory-
 and everything else (allocating segments, eviction, compaction, recovery) happens under an
 ``flock`` on ``DIR/lock`` that the kernel releases if the holder dies.
 
-Space: ``capacity`` bounds the bytes on disk. Each active segment reserves a whole segment, and
-one more segment is kept free for compaction, so copying live records forward never pushes the
-directory past the bound.
+Space: ``capacity`` bounds the bytes on disk (segments, indexes, delete journal). Each active
+segment reserves a whole segment, and one more segment is kept free for compaction, so copying
+live records forward never pushes the directory past the bound; the byte-key index grows only
+into what is left beside them (``_reserve_byte_slots``).
 
 Reading (lookups, planned batch reads, the single-key path) lives in ``reading.py``.
 """
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lcache.errors import CorruptionError, DiskFullError, StoreFullError
+from lcache.errors import CorruptionError, DiskFullError, IndexFullError, StoreFullError
 from lcache.io import (
     BufferPool,
     IOEngine,
@@ -40,13 +41,25 @@ from lcache.store.compaction import (
     referenced_records,
 )
 from lcache.store.counters import Counters, RateLimitedWarning, add_to_totals
-from lcache.store.index import HashIndex, IntIndex, pack_loc
+from lcache.store.deletes import DeleteJournal
+from lcache.store.files import open_in_store, stale_generation_files
+from lcache.store.hashindex import (
+    FULL_LOAD,
+    MAX_LOAD,
+    HashIndex,
+    initial_slots,
+    largest_table,
+    slots_for,
+    table_bytes,
+)
+from lcache.store.index import IntIndex, pack_loc
 from lcache.store.layout import (
     MetaPage,
     StoreConfig,
     format_size,
     load_config,
     merge_config,
+    parse_size,
     prepare_dir,
     save_config,
 )
@@ -103,6 +116,7 @@ class Store(Reader):
         self._warn_verify = RateLimitedWarning()
         self._start_process()
         with self._meta_lock():
+            self._open_indexes()
             self._recover_orphans()
 
     # ----------------------------------------------------------------- opening and closing
@@ -140,14 +154,24 @@ class Store(Reader):
 
         Raises:
             ConfigError: a setting is invalid or conflicts with the existing store.
-            StoreNotFoundError, StorePermissionError: see ``prepare_dir``.
+            StoreNotFoundError, StorePermissionError: see ``prepare_dir``; without ``create``
+                nothing is created in a directory that holds no store.
+            CorruptionError: a file of the store is damaged (the message names it and says to
+                run ``lcache fsck --repair DIR``).
         """
         root = os.path.abspath(os.fspath(path))
+        # sizes that are not sizes fail before anything is created
+        capacity = None if capacity is None else parse_size(capacity)
+        segment_size = None if segment_size is None else parse_size(segment_size)
         prepare_dir(root, create)
         lock = MetaPage(os.path.join(root, "lock"))
         try:
             fcntl.flock(lock.fd, fcntl.LOCK_EX)
             stored = load_config(root)
+            if stored is None and not create:
+                raise CorruptionError(
+                    f"{os.path.join(root, 'store.json')} is missing from a store that holds "
+                    f"segments; run `lcache fsck --repair {root}` to rewrite it")
             config = merge_config(
                 stored,
                 {"capacity": capacity, "segment_size": segment_size, "max_writers": max_writers,
@@ -168,6 +192,9 @@ class Store(Reader):
         self._lock_depth = 0
         self._int_index: IntIndex | None = None
         self._hash_index: HashIndex | None = None
+        self._deletes: DeleteJournal | None = None
+        self._journal_checked = 0  # journal bytes when its size was last weighed
+        self._byte_slots_cap = 1 << 62  # the largest byte-key table allowed, as last computed
         self._writer: SegmentWriter | None = None
         self._fds: dict[int, int] = {}
         self._gc_seen = self._meta.gc_generation
@@ -188,9 +215,9 @@ class Store(Reader):
             inherited = [self._meta.fd, *self._fds.values()]
             if self._writer is not None:
                 inherited += [self._writer.fd, self._writer._direct_fd]
-            for index in (self._int_index, self._hash_index):
-                if index is not None:
-                    inherited.append(index._fd)
+            for held in (self._int_index, self._hash_index, self._deletes):
+                if held is not None:
+                    inherited.append(held.fd)
             for fd in inherited:
                 if fd >= 0:
                     with suppress(OSError):
@@ -224,9 +251,9 @@ class Store(Reader):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        for index in (self._int_index, self._hash_index):
-            if index is not None:
-                index.close()
+        for held in (self._int_index, self._hash_index, self._deletes):
+            if held is not None:
+                held.close()
         if self._writer is not None:
             self._writer.close()
         self._meta.close()
@@ -252,19 +279,62 @@ class Store(Reader):
                     fcntl.flock(self._meta.fd, fcntl.LOCK_UN)
 
     # ----------------------------------------------------------------------- indexes
+    def _open_indexes(self) -> None:
+        """Open (or create, in a store without segments yet) both indexes and the delete
+        journal, so that a damaged one fails the open, not a later get."""
+        fresh = not list_segments(self.root)[0]
+        self._int_index = IntIndex(self.root, self._meta, create=fresh)
+        self._hash_index = HashIndex(self.root, self._meta, initial_slots(self.config.capacity),
+                                     create=fresh)
+        self._deletes = DeleteJournal(self.root, self._meta)
+
     def _ints(self) -> IntIndex:
-        if self._int_index is None:
+        if self._int_index is None:  # a forked child opens its own
             with self._meta_lock():
-                self._int_index = IntIndex(os.path.join(self.root, "index-int.bin"))
+                self._int_index = IntIndex(self.root, self._meta)
         return self._int_index
 
     def _hashes(self) -> HashIndex:
         if self._hash_index is None:
             with self._meta_lock():
-                self._hash_index = HashIndex(
-                    os.path.join(self.root, "index-bytes.bin"), self.config.max_byte_keys
-                )
+                self._hash_index = HashIndex(self.root, self._meta)
         return self._hash_index
+
+    def _journal(self) -> DeleteJournal:
+        if self._deletes is None:
+            with self._meta_lock():
+                self._deletes = DeleteJournal(self.root, self._meta)
+        return self._deletes
+
+    def _reserve_byte_slots(self, more: int) -> None:
+        """Before ``more`` byte keys are written: grow the byte-key table while it is more
+        than half full and the capacity allows, else evict keys (the policy's oldest segments
+        first) to keep it under ``FULL_LOAD``."""
+        hashes = self._hashes()
+        at_cap = hashes.slots >= self._byte_slots_cap
+        if not hashes.crowded(more, FULL_LOAD if at_cap else MAX_LOAD):
+            return
+        with self._meta_lock():
+            # room beside a segment per writer and the compaction spare: writers always get
+            # segments, and an empty store always takes a record that fits
+            room = (self.config.capacity - self._ints().bytes_on_disk()
+                    - self.config.segment_size * (self.config.max_writers + 1))
+            self._byte_slots_cap = largest_table(hashes.slots, room, self.config.max_byte_keys)
+            want = slots_for(hashes.recount() + more)
+            if want > hashes.slots:
+                new = min(want, self._byte_slots_cap)
+                if new > hashes.slots:
+                    sealed, used, actives = self._survey()
+                    self._evict_to_fit(sealed, used + table_bytes(new), actives, self._writer)
+                    hashes.grow(new)
+            while hashes.recount() + more > hashes.slots * FULL_LOAD:
+                sealed, _, _ = self._survey()
+                if not sealed:
+                    raise IndexFullError(
+                        f"the byte-key index of {self.root} cannot hold {more} more keys: it "
+                        f"has {hashes.slots} slots, as many as the capacity and max_byte_keys "
+                        "allow, and no sealed segment is left to evict; raise them")
+                self._clean_segment(self.policy.victim_order(sealed)[0], None)
 
     def _index(self, kind: int) -> IntIndex | HashIndex:
         return self._ints() if kind == record.KIND_INT else self._hashes()
@@ -297,6 +367,9 @@ class Store(Reader):
         room = -1  # the writer's room, read again only when the writer's end moves
         inflight: _Inflight | None = None
         with self._tlock:
+            byte_keys = sum(type(k) is not int for k in keys)
+            if byte_keys:
+                self._reserve_byte_slots(byte_keys)
             try:
                 for key, value in zip(keys, values, strict=True):
                     if type(key) is int and 0 <= key <= record.MAX_INT_KEY:  # the common case
@@ -434,10 +507,10 @@ class Store(Reader):
                 continue
             sealed.append(seg)
         used = sum(self._segment_bytes(s) for s in sealed)
-        for index in (self._int_index, self._hash_index):
-            if index is not None:
-                used += index.bytes_on_disk()
-        return sealed, used, actives
+        used += self._ints().bytes_on_disk() + self._hashes().bytes_on_disk()
+        journal = self._journal().size()
+        self._journal_checked = journal
+        return sealed, used + journal, actives
 
     def _allocate_writer(self, need: int = 0) -> SegmentWriter:
         """A new active segment, after evicting what the capacity bound requires.
@@ -453,37 +526,70 @@ class Store(Reader):
         seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
         writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes,
                                self._buffers)
+        try:
+            self._evict_to_fit(sealed, used, actives + 1, writer, need)
+        except BaseException:
+            writer.close()
+            os.unlink(writer.path)
+            raise
+        return writer
+
+    def _evict_to_fit(self, sealed: list[int], used: int, segments: int,
+                      dest: SegmentWriter | None, need: int = 0) -> None:
+        """Clean sealed segments in the policy's order until ``used`` bytes and ``segments``
+        whole segments fit the capacity with one segment kept free for compaction; records
+        the policy keeps are copied into ``dest``. The caller holds the meta lock.
+
+        Raises:
+            StoreFullError: nothing is left to clean and it still does not fit.
+        """
         size = self.config.segment_size
-        budget = self.config.capacity - size  # one segment is kept free for compaction
-        if used + size * (actives + 1) > budget:
+        budget = self.config.capacity - size
+        if used + size * segments > budget:
             victims = self.policy.victim_order(sealed)
             if self.policy.greedy:  # the deadest of the oldest (bounded work per allocation)
                 victims[:GREEDY_WINDOW] = sorted(victims[:GREEDY_WINDOW], key=self._live_bytes)
             for victim in victims:
-                used -= self._clean_segment(victim, writer, need=need)
-                if used + size * (actives + 1) <= budget:
+                used -= self._clean_segment(victim, dest, need=need)
+                used -= self._compact_journal()  # older segments gone: entries may go too
+                if used + size * segments <= budget:
                     break
             else:
-                writer.close()
-                os.unlink(writer.path)
                 raise StoreFullError(
                     f"cannot free space in {self.root}: {format_size(used)} in use, capacity "
                     f"{format_size(self.config.capacity)}; raise the capacity"
                 )
-        return writer
+        self._compact_journal()
+
+    def _compact_journal(self) -> int:
+        """Drop the delete entries no segment still needs, when the journal has grown;
+        returns the bytes freed."""
+        journal = self._journal()
+        if not journal.wants_compaction():
+            return 0
+        before = journal.size()
+        logs, _ = list_segments(self.root)
+        journal.compact(min(logs, default=self._meta.next_segment))
+        return before - journal.size()
 
     # ----------------------------------------------------------------------- recovery
     def _recover_orphans(self) -> None:
         logs, sums = list_segments(self.root)
+        if logs:  # a lost ``lock`` restarts its counter: ids must stay above the segments
+            self._meta.ensure_next_segment(max(logs) + 1)
         for seg in logs:
             if seg not in sums:
                 self._recover_if_orphan(seg)
         remove_leftovers(self.root)
+        for path in stale_generation_files(self.root, self._meta):
+            os.unlink(path)
 
     def _recover_if_orphan(self, seg: int) -> bool:
         """Seal ``seg`` if its writer is dead; False if a live writer holds it."""
+        dropped: list[tuple[int, int]] = []
         result = seal_if_orphan(self.root, seg, self._ints(), self._hashes(),
-                                self.sync is not SyncPolicy.NEVER)
+                                self.sync is not SyncPolicy.NEVER, dropped)
+        self._journal().append(dropped, self._meta.next_segment)  # see deletes.py
         if isinstance(result, Summary):
             self._summaries[seg] = result
             self.counters.recovered_segments += 1
@@ -498,7 +604,7 @@ class Store(Reader):
                 summary = read_summary(self.root, seg)
             except (CorruptionError, FileNotFoundError):
                 log.warning("segment %d: summary unreadable, rebuilding it by a scan", seg)
-                fd = os.open(log_path(self.root, seg), os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_in_store(log_path(self.root, seg), os.O_RDONLY)
                 try:
                     summary = scan_log(fd, seg, os.fstat(fd).st_size)
                 finally:
@@ -541,7 +647,11 @@ class Store(Reader):
             copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes)
         else:
             keep[:] = False
-        self.counters.evictions += evict_records(summary, live & ~keep, ints, hashes)
+        evicted = evict_records(summary, live & ~keep, ints, hashes)
+        # Why journal evictions: another writer's segment may hold an older record of the key,
+        # which an index rebuilt from the segments would otherwise serve (see deletes.py).
+        self._journal().append(evicted, self._meta.next_segment)
+        self.counters.evictions += len(evicted)
         if copied and dest is not None and self.sync is not SyncPolicy.NEVER:
             dest.sync()
         freed = self._segment_bytes(seg)
@@ -583,16 +693,44 @@ class Store(Reader):
                 if not os.path.exists(log_path(self.root, seg)):
                     continue
                 freed += self._clean_segment(seg, dest, keep_all=True)
+            self._compact_journal()
         return freed
 
     # ----------------------------------------------------------------------- other ops
     def delete(self, key: Key) -> bool:
-        """Remove ``key``; True if it was there. Its bytes are reclaimed by compaction."""
+        """Remove ``key``; True if it was there. Its bytes are reclaimed by compaction.
+
+        The delete is journaled (``deletes.py``), so an index rebuilt from the segments does
+        not bring the key back; like a put, it is durable once ``flush()`` returns.
+        """
         self._check_process()
         kind, key64, _ = record.key_parts(key)
         removed = self._index(kind).remove(key64)
-        self.counters.deletes += int(removed)
+        if removed:
+            journal = self._journal()
+            # Why read after the removal: a compaction that copies this key's record forward
+            # took its segment's id before it saw the record live, so below this floor.
+            journal.append([(kind, key64)], self._meta.next_segment)
+            if self.sync is SyncPolicy.ALWAYS:
+                journal.sync()
+            self.counters.deletes += 1
+            if self.counters.deletes % 256 == 0:
+                self._weigh_journal()
         return removed
+
+    def _weigh_journal(self) -> None:
+        """Deletes without puts grow the journal between segment allocations, which is when
+        the capacity is checked: check it once the journal grew by half a segment."""
+        if self._journal().size() - self._journal_checked > self.config.segment_size // 2:
+            with self._meta_lock():
+                self._compact_journal()
+                sealed, used, actives = self._survey()
+                try:
+                    self._evict_to_fit(sealed, used, actives, None)
+                except StoreFullError:  # the delete itself is done: do not fail it
+                    log.warning("the delete journal of %s (%s) does not fit the capacity; "
+                                "raise the capacity", self.root,
+                                format_size(self._journal().size()))
 
     def flush(self) -> None:
         """The durability point: every put before it survives a crash or power loss."""
@@ -609,6 +747,8 @@ class Store(Reader):
         for index in (self._int_index, self._hash_index):
             if index is not None:
                 index.flush()
+        if self._deletes is not None:
+            self._deletes.sync()
 
     def _persist_counters(self) -> None:
         delta = self.counters.minus(self._persisted)
@@ -627,7 +767,7 @@ class Store(Reader):
         logs, _ = list_segments(self.root)
         for seg in logs:
             try:
-                fd = os.open(log_path(self.root, seg), os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_in_store(log_path(self.root, seg), os.O_RDONLY)
             except FileNotFoundError:
                 continue
             try:

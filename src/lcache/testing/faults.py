@@ -10,11 +10,10 @@ import os
 from dataclasses import dataclass
 
 from lcache.store import record
+from lcache.store.files import STEMS, existing_generations, generation_path
 from lcache.store.index import unpack_loc
 from lcache.store.segment import list_segments, log_path, sum_path
 from lcache.store.store import Store
-
-INDEX_FILES = ("index-int.bin", "index-bytes.bin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +84,21 @@ def segment_sum(root: str | os.PathLike[str], seg: int) -> str:
 
 
 def index_path(root: str | os.PathLike[str], kind: str = "int") -> str:
-    """Path of the ``int`` or ``bytes`` index file."""
-    name = INDEX_FILES[0] if kind == "int" else INDEX_FILES[1]
-    return os.path.join(os.fspath(root), name)
+    """Path of the ``int`` or ``bytes`` index file (its newest generation), or of the delete
+    journal (``kind="deletes"``)."""
+    stem = {"int": "index-int", "bytes": "index-bytes", "deletes": "deletes"}[kind]
+    gens = existing_generations(os.fspath(root), stem)
+    if not gens:
+        raise FileNotFoundError(f"no {stem} file in {root}")
+    return generation_path(os.fspath(root), stem, gens[-1])
 
 
 def disk_usage(root: str | os.PathLike[str]) -> int:
-    """Bytes the store's capacity bounds: segment files (apparent size) plus index files.
+    """Bytes the store's capacity bounds: segment files (apparent size) plus the index files
+    and the delete journal.
 
-    Index files are sparse memory-mapped arrays, so they count by allocated blocks, as the
-    store itself counts them; segment files count by their length.
+    Index files are memory-mapped arrays (the int one sparse), so they count by allocated
+    blocks, as the store itself counts them; segment files count by their length.
     """
     root = os.fspath(root)
     total = 0
@@ -102,9 +106,10 @@ def disk_usage(root: str | os.PathLike[str]) -> int:
     for name in os.listdir(seg_dir):
         with contextlib.suppress(FileNotFoundError):  # removed by a concurrent clean-up
             total += os.stat(os.path.join(seg_dir, name)).st_size
-    for name in INDEX_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    for stem in STEMS:
+        for gen in existing_generations(root, stem):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(generation_path(root, stem, gen)).st_blocks * 512
     return total
 
 

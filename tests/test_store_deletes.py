@@ -1,0 +1,97 @@
+"""Deletes survive an index rebuilt from the segments (issue 10, finding 5).
+
+A delete clears the key's index entry; its record stays in the log until its segment is
+cleaned. The delete journal (``lcache.store.deletes``) keeps what the rebuild needs to leave
+such records out, and compaction of the journal keeps an entry while a segment that may hold
+an older record of the key exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lcache.store import Store, fsck
+from lcache.store.files import existing_generations
+from lcache.testing import faults, flip_bit, locate, pattern_bytes
+
+from .conftest import KIB, SEG
+
+VALUE = 4 * KIB
+PER_SEG = SEG // (VALUE + 32)
+
+
+def rebuild_indexes(root: Path) -> None:
+    """Damage both index headers and let fsck --repair rebuild them from the segments."""
+    for kind in ("int", "bytes"):
+        flip_bit(faults.index_path(root, kind), 1, 2)
+    repaired = fsck(root, repair=True)
+    assert repaired.clean, repaired.problems
+
+
+def test_a_delete_flushed_before_a_crash_stays_deleted(open_store: Any, store_dir: Path) -> None:
+    store = open_store()
+    store.put_many(list(range(20)), [pattern_bytes(100, k) for k in range(20)])
+    store.put(b"name", b"value")
+    store.flush()
+    assert store.delete(7) and store.delete(b"name")
+    store.flush()
+    store._abandon()  # kill -9: no close, no seal
+    rebuild_indexes(store_dir)
+    with Store.open(store_dir) as again:
+        assert again.get(7) is None and again.get(b"name") is None
+        assert again.get(8) == pattern_bytes(100, 8)
+
+
+def test_a_key_put_again_after_its_delete_is_not_hidden(open_store: Any,
+                                                        store_dir: Path) -> None:
+    """The old record (below the delete's floor) is cleaned; the new one, written in a later
+    segment, is the key's only record and above the floor: the rebuild serves it."""
+    store = open_store(policy="fifo", capacity=8 * SEG, max_writers=1)
+    store.put(0, b"old")
+    store.put_many(list(range(1, PER_SEG + 1)), [pattern_bytes(VALUE, k)
+                                                 for k in range(1, PER_SEG + 1)])
+    assert store.delete(0)
+    store.put_many(list(range(1000, 1000 + 2 * PER_SEG)), [pattern_bytes(VALUE, k)
+                                                          for k in range(2 * PER_SEG)])
+    store.put(0, b"new")
+    store.gc(0.0)  # the old record's segment is cleaned
+    store.close()
+    rebuild_indexes(store_dir)
+    with Store.open(store_dir) as again:
+        assert again.get(0) == b"new"
+
+
+def test_journal_compaction_keeps_entries_an_old_segment_still_needs(open_store: Any,
+                                                                    store_dir: Path) -> None:
+    """Regression guard: compacting the journal while the segment holding a deleted key's
+    record still exists must keep the key's entry; once that segment is gone, it may go."""
+    store = open_store(policy="fifo", capacity=64 * SEG, max_writers=1)
+    keys = list(range(600))
+    store.put_many(keys, [pattern_bytes(200, k) for k in keys])  # segments 1, 2, 3...
+    victim = locate(store, 3)
+    assert victim is not None
+    for k in keys[1::2]:  # 300 deletes: the journal outgrows its compaction threshold
+        assert store.delete(k)
+    assert existing_generations(str(store_dir), "deletes") == [0]
+    store.gc(1.0)  # compacts the journal; no segment is fully dead, so none is cleaned
+    assert existing_generations(str(store_dir), "deletes") == [1], "no compaction happened"
+    assert faults.segment_ids(store_dir)[0][0] == victim.segment
+    store.close()
+    rebuild_indexes(store_dir)
+    with Store.open(store_dir) as again:
+        assert again.get(3) is None, "a deleted key came back after the rebuild"
+        assert all(again.get(k) == pattern_bytes(200, k) for k in keys[0::2])
+
+
+def test_many_deletes_stay_within_the_capacity(open_store: Any, store_dir: Path) -> None:
+    capacity = 16 * SEG
+    store = open_store(policy="fifo", capacity=capacity, max_writers=1)
+    for rnd in range(6):
+        keys = list(range(rnd * 3000, (rnd + 1) * 3000))
+        store.put_many(keys, [b"x"] * len(keys))
+        for k in keys:
+            store.delete(k)
+        assert faults.disk_usage(store_dir) <= capacity, f"round {rnd}"
+    store.close()
+    assert fsck(store_dir).clean
