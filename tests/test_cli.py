@@ -120,3 +120,11 @@ def test_demo_json(tmp_path: Path) -> None:
     # the dataset is larger than the cache: some samples were evicted, the rest hit
     assert figures["evictions"] > 0
     assert 0.3 < figures["hit_ratio"] < 1.0
+
+
+def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> None:
+    """Regression: the demo sized the store at segment x (writers + 1), which the minimum
+    capacity (it counts the indexes now) refuses."""
+    out = run("store-demo", "--dir", str(tmp_path), "--samples", "100", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["wrong_bytes_served"] == 0

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
-from lcache.store import Store, fsck, parse_size
+from lcache.store import Store, StoreConfig, fsck, parse_size
 
 SEGMENT_SIZE = 8 << 20
 MAX_WRITERS = 2
@@ -123,7 +123,9 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
         root = os.path.join(directory or tmp, "store")
         os.makedirs(os.path.dirname(root), exist_ok=True)
         dataset = samples * size
-        capacity = max(SEGMENT_SIZE * (MAX_WRITERS + 1), int(dataset * 0.75))
+        capacity = int(dataset * 0.75)
+        capacity = max(capacity, StoreConfig(capacity=capacity, segment_size=SEGMENT_SIZE,
+                                             max_writers=MAX_WRITERS).minimum_capacity())
         store = Store.open(root, capacity=capacity, segment_size=SEGMENT_SIZE,
                            max_writers=MAX_WRITERS)
         with _progress(show_progress, "making samples", samples) as advance:
