@@ -397,6 +397,11 @@ class IntIndex:
 
     def touch_many(self, keys: U64Array) -> None:
         t = self._map()
+        if len(keys) == 1:  # the DataLoader's one sample at a time: no array work
+            key = int(keys[0])
+            if key < t.capacity and t.page_ok(key):
+                t.ref[key] = 1
+            return
         keys = keys[keys < t.capacity]
         t.ref[keys[t.present(keys)]] = 1
 
