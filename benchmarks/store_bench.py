@@ -34,10 +34,13 @@ from rich.console import Console
 from rich.table import Table
 
 from lcache.store import Store, parse_size
+from lcache.store.layout import StoreConfig
 
 SEGMENT_BYTES = 64 * 1024**2
 MAX_WRITERS = 8
-MIN_CAPACITY = SEGMENT_BYTES * (MAX_WRITERS + 1)  # the store's floor: a segment per writer + 1
+# The store's floor: a segment per writer + 1, and its indexes.
+MIN_CAPACITY = StoreConfig(capacity=SEGMENT_BYTES * (MAX_WRITERS + 1), segment_size=SEGMENT_BYTES,
+                           max_writers=MAX_WRITERS).minimum_capacity()
 PUT_BATCH_BYTES = 64 * 1024**2
 GET_BATCH_KEYS = 256
 GET_BATCH_BYTES = 32 * 1024**2
@@ -180,6 +183,7 @@ def bench_get(store: Store, data: Dataset, concurrency: int, seed: int) -> dict[
 _CRASH_CHILD = """
 import json, os, signal, sys
 from lcache.store import Store, parse_size
+from lcache.store.layout import StoreConfig
 path, size, n, kwargs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 store = Store.open(path, **kwargs)
 store.put_many(list(range(n)), [bytes([k % 251]) * size for k in range(n)])

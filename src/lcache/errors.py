@@ -44,4 +44,5 @@ class StoreFullError(LCacheError, RuntimeError):
 
 
 class IndexFullError(LCacheError, RuntimeError):
-    """The byte-key hash index has no free slot; reopen with a larger ``max_byte_keys``."""
+    """The byte-key hash index cannot grow: it reached ``max_byte_keys`` or the room the
+    capacity leaves it; reopen with a larger ``max_byte_keys`` or capacity."""
