@@ -11,7 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from lcache.store import Store, fsck
+from lcache.store.deletes import decode, encode, encode_few
 from lcache.store.files import existing_generations
 from lcache.testing import faults, flip_bit, locate, pattern_bytes
 
@@ -95,3 +100,18 @@ def test_many_deletes_stay_within_the_capacity(open_store: Any, store_dir: Path)
         assert faults.disk_usage(store_dir) <= capacity, f"round {rnd}"
     store.close()
     assert fsck(store_dir).clean
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 2**64 - 1)), max_size=20),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=200, deadline=None)
+def test_one_at_a_time_encoder_matches_the_batch_encoder(keys: list[tuple[int, int]],
+                                                        floor: int) -> None:
+    few = encode_few(keys, floor)
+    batch = encode(np.array([k for k, _ in keys], np.uint8),
+                   np.array([key for _, key in keys], np.uint64),
+                   np.full(len(keys), floor, np.uint32))
+    assert few == batch
+    kinds, keys64, floors, bad = decode(few)
+    assert bad == 0 and list(zip(kinds.tolist(), keys64.tolist(), strict=True)) == keys
+    assert (floors == floor).all()
