@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,30 @@ def run_as_nobody(imports: str, body: str, arg: str) -> str:
                           timeout=120, env=subprocess_env(), check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+def _bounded_memory() -> None:
+    # A failing input must not take the machine (old code grew to 8 GB on some of them).
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def run_lcache(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The real ``lcache`` CLI in a child process, untraced, with at most 4 GiB of memory."""
+    env = subprocess_env()
+    env.pop("LCACHE_TRACE", None)
+    return subprocess.run([sys.executable, "-m", "lcache", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60, preexec_fn=_bounded_memory)
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) -> str:
+    """Exit status 2 and one line on stderr naming each of ``words``; no traceback."""
+    err = run.stderr
+    assert "Traceback" not in err + run.stdout, err
+    assert run.returncode == 2, (run.returncode, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
 
 def gloo_env() -> dict[str, str]:
     """The environment of a process that joins a gloo group on loopback, one thread."""

@@ -6,9 +6,6 @@ files). The ranges still hold every published DLIO and MLPerf Storage workload."
 from __future__ import annotations
 
 import os
-import resource
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,32 +16,9 @@ from lcache.bench import BenchOptions, datagen, load_workload, parse_workload, r
 from lcache.bench.config import resolve_config, shipped_configs
 from lcache.errors import ConfigError
 
-from .conftest import mounted_tmpfs, subprocess_env
+from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache
 
 MIB = 1 << 20
-
-
-def _limited() -> None:
-    # The old code took 5.7 GB on `num_files_train: 1e12`: a failure must not take the machine.
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-
-def lcache(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI (COLUMNS: the terminal width must not split the one line)."""
-    env = {**subprocess_env(), "COLUMNS": "1000"}
-    env.pop("LCACHE_TRACE", None)
-    return subprocess.run([sys.executable, "-m", "lcache", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60, preexec_fn=_limited)
-
-
-def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) -> str:
-    err = run.stderr
-    assert "Traceback" not in err + run.stdout, err
-    assert run.returncode == 2, (run.returncode, err)
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    for w in words:
-        assert w in err, (w, err)
-    return err
 
 
 def tiny(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +75,7 @@ BOMB = "\n".join(
 def test_bad_workload_file_is_one_line(tmp_path: Path, text: str, words: list[str]) -> None:
     path = tmp_path / "w.yaml"
     path.write_text(text)
-    assert_one_line_error(lcache("bench", "run", str(path), cwd=tmp_path), "w.yaml", *words)
+    assert_one_line_error(run_lcache("bench", "run", str(path), cwd=tmp_path), "w.yaml", *words)
 
 
 @pytest.mark.parametrize(("override", "words"), [
@@ -112,36 +86,36 @@ def test_bad_workload_file_is_one_line(tmp_path: Path, text: str, words: list[st
     ("dataset.record_length_bytes=.inf", ["record_length_bytes must be an integer"]),
 ])
 def test_bad_set_value_is_one_line(tmp_path: Path, override: str, words: list[str]) -> None:
-    run = lcache("bench", "run", "unet3d_h100", "--set", override, cwd=tmp_path)
+    run = run_lcache("bench", "run", "unet3d_h100", "--set", override, cwd=tmp_path)
     assert_one_line_error(run, *words)
 
 
 def test_model_set_tag_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump(tiny(tmp_path)))
-    run = lcache("bench", "run", str(path), "--offload-from", "bert-large", "--model-set",
+    run = run_lcache("bench", "run", str(path), "--offload-from", "bert-large", "--model-set",
                  "gpus=!!python/name:os.system", cwd=tmp_path)
     assert_one_line_error(run, "--model-set gpus", "the tag !!python/name:os.system")
 
 
 @pytest.mark.parametrize("duration", ["nan", "inf", "-1"])
 def test_from_model_duration_is_a_positive_number(tmp_path: Path, duration: str) -> None:
-    run = lcache("bench", "from-model", "bert-large", "--duration", duration, "--dir",
+    run = run_lcache("bench", "from-model", "bert-large", "--duration", duration, "--dir",
                  str(tmp_path), cwd=tmp_path)
     assert_one_line_error(run, f"--duration {float(duration)} must be a positive number")
 
 
 def test_directory_device_and_fifo_are_not_workloads(tmp_path: Path) -> None:
     (tmp_path / "cfg").mkdir()
-    assert_one_line_error(lcache("bench", "run", "cfg", cwd=tmp_path), "cfg is a directory")
-    assert_one_line_error(lcache("bench", "run", "/dev/zero", cwd=tmp_path),
+    assert_one_line_error(run_lcache("bench", "run", "cfg", cwd=tmp_path), "cfg is a directory")
+    assert_one_line_error(run_lcache("bench", "run", "/dev/zero", cwd=tmp_path),
                           "/dev/zero is not a regular file")
     os.mkfifo(tmp_path / "fifo")  # opening it for reading would wait for a writer forever
-    assert_one_line_error(lcache("bench", "run", "fifo", cwd=tmp_path),
+    assert_one_line_error(run_lcache("bench", "run", "fifo", cwd=tmp_path),
                           "fifo is not a regular file")
     big = tmp_path / "big.yaml"
     big.write_text("# padding\n" * 200_000)
-    assert_one_line_error(lcache("bench", "run", str(big), cwd=tmp_path), "over 1 MiB")
+    assert_one_line_error(run_lcache("bench", "run", str(big), cwd=tmp_path), "over 1 MiB")
 
 
 def test_checkpoint_folder_that_cannot_hold_files(tmp_path: Path) -> None:
@@ -150,7 +124,7 @@ def test_checkpoint_folder_that_cannot_hold_files(tmp_path: Path) -> None:
                                                        "num_checkpoints_write": 1})
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump(doc))
-    assert_one_line_error(lcache("bench", "run", str(path), cwd=tmp_path), "/proc/self")
+    assert_one_line_error(run_lcache("bench", "run", str(path), cwd=tmp_path), "/proc/self")
     with pytest.raises(ConfigError, match="/proc/self cannot hold files"):
         run_workload(load_workload(str(path)), BenchOptions(show_progress=False))
 

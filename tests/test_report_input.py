@@ -7,9 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import resource
 import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -20,28 +18,7 @@ from lcache.errors import CorruptionError, LCacheError
 from lcache.report import summarize
 from lcache.report.load import MAX_LINE
 
-from .conftest import subprocess_env
-
-
-def _limited() -> None:
-    # The old loader grew to 8 GB on /dev/zero: a failure must not take the machine.
-    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-
-
-def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**subprocess_env(), "COLUMNS": "1000"}  # the one line must not be wrapped
-    env.pop("LCACHE_TRACE", None)
-    return subprocess.run([sys.executable, "-m", "lcache", "report", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60, preexec_fn=_limited)
-
-
-def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) -> None:
-    err = run.stderr
-    assert "Traceback" not in err + run.stdout, err
-    assert run.returncode == 2, (run.returncode, err)
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    for w in words:
-        assert w in err, (w, err)
+from .conftest import assert_one_line_error, run_lcache
 
 
 def _good(path: Path) -> Path:
@@ -80,6 +57,10 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     (tmp / "span.trace").write_text(good + _event(ts=1e300) + "\n")
     os.mkfifo(tmp / "fifo.trace")  # reading it would wait for a writer forever
     return tmp, good.count("\n") + 1
+
+
+def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return run_lcache("report", *args, cwd=cwd)
 
 
 @pytest.mark.parametrize(("name", "words"), [
