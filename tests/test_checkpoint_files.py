@@ -32,15 +32,20 @@ LOADS: dict[str, Callable[[Path], Any]] = {
 }
 
 
+def link_to_a_copy_outside(member: Path) -> None:
+    """Replace ``member`` by a symlink to a true copy of it outside the checkpoint."""
+    outside = member.parent.parent.parent / f"outside-{member.name}"
+    shutil.copy(member, outside)
+    member.unlink()
+    member.symlink_to(outside)
+
+
 @pytest.mark.parametrize("how", sorted(LOADS))
 def test_a_data_file_that_is_a_symlink_is_refused(tmp_path: Path, how: str) -> None:
     """rank00000.data -> a file outside the checkpoint (here a true copy, so only the link
     itself can be the reason for the refusal)."""
     path = saved(tmp_path)
-    outside = tmp_path / "outside.data"
-    shutil.copy(path / "rank00000.data", outside)
-    (path / "rank00000.data").unlink()
-    (path / "rank00000.data").symlink_to(outside)
+    link_to_a_copy_outside(path / "rank00000.data")
     with pytest.raises(CorruptionError, match=r"rank00000\.data is a symbolic link"):
         LOADS[how](path)
     (problem,) = ck.verify(path).problems
@@ -49,10 +54,7 @@ def test_a_data_file_that_is_a_symlink_is_refused(tmp_path: Path, how: str) -> N
 
 def test_a_manifest_that_is_a_symlink_is_refused_and_listed_as_damaged(tmp_path: Path) -> None:
     path = saved(tmp_path)
-    outside = tmp_path / "outside.json"
-    shutil.copy(path / "manifest.json", outside)
-    (path / "manifest.json").unlink()
-    (path / "manifest.json").symlink_to(outside)
+    link_to_a_copy_outside(path / "manifest.json")
     with pytest.raises(CorruptionError, match=r"manifest\.json is a symbolic link"):
         ck.load(path)
     assert ck.list_checkpoints(path.parent) == ([], ["s"])

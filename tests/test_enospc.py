@@ -97,24 +97,26 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
 
 
+def _run_child(target: Any, args: tuple[Any, ...], what: str, sigbus: str) -> None:
+    """Run ``target`` in a spawned process: a SIGBUS or a hang fails the test, not pytest."""
+    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail(f"{what} hung")
+    assert child.exitcode == 0, (f"{what}: the process died with exit code {child.exitcode}"
+                                 + (f" (SIGBUS: {sigbus})" if child.exitcode == -7 else ""))
+
+
 @pytest.mark.root
 def test_disk_full_on_a_small_tmpfs(small_tmpfs: Path, tmp_path: Path) -> None:
     filler = small_tmpfs / "filler"
     filler.write_bytes(b"\0" * (1536 * KIB))  # freed later to make room again
     out = tmp_path / "seen.json"
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_disk_full_scenario,
-                        args=(str(small_tmpfs / "store"), str(filler), str(out)))
-    child.start()
-    child.join(120)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the disk-full scenario hung")
-    assert child.exitcode == 0, (
-        f"the store's process died with exit code {child.exitcode}"
-        + (" (SIGBUS: a store into an index page the full filesystem could not back)"
-           if child.exitcode == -7 else "")
-    )
+    _run_child(_disk_full_scenario, (str(small_tmpfs / "store"), str(filler), str(out)),
+               "the disk-full scenario",
+               "a store into an index page the full filesystem could not back")
     seen = json.loads(out.read_text())
     assert seen["error"] == "DiskFullError", seen
     assert seen["errno"] == errno.ENOSPC and seen["is_oserror"] and seen["is_lcache"]
@@ -170,17 +172,8 @@ def test_no_read_touches_an_unallocated_index_page_on_a_full_tmpfs(tmp_path: Pat
             s.put(b"name", b"value")
         _fill(mnt / "filler")
         out = tmp_path / "seen.json"
-        child = multiprocessing.get_context("spawn").Process(
-            target=_read_a_full_store, args=(root, str(out)))
-        child.start()
-        child.join(120)
-        if child.is_alive():
-            child.kill()
-            pytest.fail("reading a store on a full filesystem hung")
-        assert child.exitcode == 0, (
-            f"the reading process died with exit code {child.exitcode}"
-            + (" (SIGBUS: a read through an index page that has no blocks)"
-               if child.exitcode == -7 else ""))
+        _run_child(_read_a_full_store, (root, str(out)), "reading a store on a full filesystem",
+                   "a read through an index page that has no blocks")
     seen = json.loads(out.read_text())
     assert seen["fsck"] == [] and seen["fsck_repair"] in ([], "disk full"), seen
     assert seen["holes"] == [None] * 4 + [False] * 4
