@@ -315,6 +315,15 @@ class DatasetSource:
         return codec.decode(data)
 
 
+def fetch_many(source: Source, indices: Sequence[int]) -> list[bytes]:
+    """The bytes of several samples, in order: the source's own ``fetch_many`` (concurrent or
+    coalesced requests) where it has one, else one ``fetch`` each."""
+    batch = getattr(source, "fetch_many", None)
+    if batch is not None:
+        return list(batch(indices))
+    return [source.fetch(int(i)) for i in indices]
+
+
 def as_source(source: Any, **options: Any) -> Source:
     """A Source from a Source, a URL or local path (one object per sample) or a dataset."""
     if isinstance(source, (FileSource, RangeSource, DatasetSource)):
