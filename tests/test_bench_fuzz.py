@@ -13,7 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lcache.bench import parse_workload
-from lcache.bench.config import _NESTED, _RANGES, _SCHEMA, _TOP, Workload
+from lcache.bench.config import Workload
+from lcache.bench.schema import NESTED as _NESTED
+from lcache.bench.schema import RANGES as _RANGES
+from lcache.bench.schema import SCHEMA as _SCHEMA
+from lcache.bench.schema import TOP as _TOP
 from lcache.bench.yamlfile import load_yaml
 from lcache.errors import ConfigError
 

@@ -19,7 +19,8 @@ from lcache.bench.config import (
     resolve_config,
     shipped_configs,
 )
-from lcache.bench.run import BenchOptions, StepIO, run_workload
+from lcache.bench.run import BenchOptions, run_workload
+from lcache.bench.traffic import StepIO
 
 __all__ = [
     "BenchOptions",

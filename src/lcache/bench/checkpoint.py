@@ -1,22 +1,36 @@
-"""Per-rank checkpoint files of DLIO's size and layout: write with fsync, read back.
+"""Per-rank checkpoint files of DLIO's sizes, layout and names: write with fsync, read back.
 
-Sizes follow DLIO's ``checkpointing/base_checkpointing.py`` (argonne-lcf/dlio_benchmark):
+Everything follows DLIO's ``checkpointing/base_checkpointing.py`` (argonne-lcf/dlio_benchmark at
+commit e1919d7b); ranks are laid out ``rank = dp * (tp*pp) + pp_rank * tp + tp_rank``:
 
-* parameters ``P = 2*V*h + L*(2h + h*(h + 2*kv_dim) + h*h + 3*h*ffn) + h`` (embedding and LM
-  head, per layer two norms, QKV with grouped-query K/V of ``kv_dim = h * kv_heads / heads``,
-  the attention output, a gated MLP of three ``h x ffn`` matrices; the final norm). With
-  grouped-query attention this gives Llama 3 8B = 8.03e9 parameters, so 14 B/param makes the
-  MLPerf Storage v2.0 sizes (105 GiB for 8B). Older DLIO used ``3*h*h`` for QKV.
-* model weights in ``model_datatype`` (2 B for fp16): per pipeline stage, per tensor-parallel
-  rank (``/tp``, the embedding and LM head included), and with ZeRO-3 sharded over
-  data-parallel ranks; below ZeRO-3 only data-parallel rank 0 writes them, one file per layer;
-* optimizer state: three fp32 tensors (master weights, Adam m and v) of ``P / ranks``
-  parameters each with ZeRO >= 1 (``P / (tp*pp)`` without ZeRO), plus DLIO's ``5*h`` extra
-  elements per tensor: 12 B/param in all;
-* ``model.model_size`` bytes (CNN workloads such as unet3d) in one file per rank.
+* **who writes**: with ZeRO 0 only the ranks below ``tp * pp`` (data-parallel rank 0); with
+  ZeRO >= 1 every rank. ``checkpoint.type: rank_zero`` (DLIO 2.0.0's meaning; newer DLIO
+  ignores the key) has rank 0 alone write;
+* **parameters** ``P = 2*V*h + L*(2h + h*(h + 2*kv_dim) + h*h + 3*h*ffn) + h`` with
+  ``kv_dim = (h // heads) * kv_heads`` (Llama 3 8B: 8,030,261,248);
+* **model weights** in ``model_datatype`` (fp16: 2 B), layers ``0..L+2`` (embedding, the
+  transformer layers, LM head, final norm) split over pipeline stages, each tensor over tensor-
+  parallel ranks:
 
-``checkpoint.type: rank_zero`` (DLIO 2.0.0's default) has rank 0 alone write; ``all_ranks``
-(newer DLIO's behaviour, the default here) has every rank write its share.
+  - ZeRO 1 and 2: data-parallel rank 0 writes them, one file per layer
+    ``layer_{i}-model_{mp}_model_states`` with pipeline parallelism, else one
+    ``model_{mp}_model_states`` holding its layers;
+  - ZeRO 0 and 3: ``zero_pp_rank_{dp}_mp_rank_{mp}_model_states``, sharded over the
+    data-parallel ranks with ZeRO 3;
+
+* **optimizer state**: ``zero_pp_rank_{dp}_mp_rank_{mp}_optim_states``, three
+  ``optimizer_datatype`` tensors of ``P / (dp * tp * pp)`` parameters (ZeRO >= 1) or
+  ``P / (tp * pp)`` (ZeRO 0), each plus ``5h`` elements: 12 B/param with fp32;
+* **model state** ``model_states-{rank}`` of ``model.model_size_bytes`` (default 10,240) for
+  models whose ``model.type`` is not ``transformer`` (the CNN workloads);
+* DLIO's legacy lists: ``model.layer_parameters`` (elements per tensor of every layer, split
+  by tp, 1 byte each; pipeline stages hold layers ``1..L`` only) and
+  ``model.optimization_groups`` (two tensors per group plus one of their sum, 1 byte each).
+
+Names end in ``.pt`` (``framework: pytorch``) or ``.pb`` (tensorflow), inside
+``CKPT/global_epoch{e}_step{s}/``. In ``checkpoint.mode: subset`` (MLPerf Storage's mode for a
+job larger than the machine) the data-parallel width is ``model.parallelism.data`` and the
+run's ranks are the first ranks of that job: each writes its share of the whole job.
 
 Files are raw bytes, never pickles: a checkpoint's I/O is what is measured, not its encoding.
 Each file is written to a temp name, fsynced (``checkpoint.fsync``) and renamed.
@@ -25,7 +39,6 @@ Each file is written to a temp name, fsynced (``checkpoint.fsync``) and renamed.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +53,12 @@ _CHUNK = 64 << 20
 
 
 def num_parameters(w: Workload) -> int:
-    """Parameters of the transformer described by the workload (formula in the module doc)."""
+    """Parameters of the transformer described by the workload (DLIO's count)."""
+    if w.num_layers <= 0:
+        return 0
     h, n_layers, ffn, voc = w.hidden_size, w.num_layers, w.ffn_hidden_size, w.vocab_size
-    kv_dim = h * w.num_kv_heads // w.num_attention_heads \
-        if w.num_attention_heads and w.num_kv_heads else h
-    per_layer = h + (h * h + 2 * h * kv_dim) + h * h + h + 3 * h * ffn
+    kv_dim = h // w.num_attention_heads * w.num_kv_heads
+    per_layer = h + h * (h + 2 * kv_dim) + h * h + h + 2 * h * ffn + h * ffn
     return 2 * voc * h + n_layers * per_layer + h
 
 
@@ -56,89 +70,142 @@ class CheckpointFile:
     nbytes: int
 
 
-def _layer_bytes(w: Workload, layer: int, shard: int, dtype: int) -> int:
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """A rank's coordinates in the (possibly larger, subset-mode) job."""
+
+    dp: int  # data-parallel width of the job
+    dp_rank: int
+    pp_rank: int
+    mp_rank: int
+
+
+def _place(w: Workload, rank: int, world: int) -> _Place:
+    tp, pp = w.tensor_parallelism, w.pipeline_parallelism
+    mp = tp * pp
+    if w.checkpoint_mode == "subset":
+        if w.data_parallelism * mp < world:
+            raise ConfigError(f"{w.source}: {world} ranks are more than the whole job "
+                              f"(data x tensor x pipeline = {w.data_parallelism} x {tp} x "
+                              f"{pp}); lower --nproc_per_node or raise model.parallelism.data")
+        dp = w.data_parallelism
+    else:
+        if world % mp:
+            raise ConfigError(
+                f"{w.source}: {world} rank(s) cannot hold tensor x pipeline parallelism "
+                f"{tp} x {pp}; run with a multiple of {mp} ranks (torchrun --nproc_per_node), "
+                "or run a subset of the job: --set checkpoint.mode=subset --set "
+                "model.parallelism.data=N")
+        dp = world // mp
+    return _Place(dp, rank // mp, (rank // tp) % pp, rank % mp)
+
+
+def _layer_elements(w: Workload, layer: int, shard: int) -> list[int]:
+    """Elements of each tensor of ``layer`` on one rank (DLIO ``get_layer_parameters``)."""
     h, n_layers, ffn, voc, tp = (w.hidden_size, w.num_layers, w.ffn_hidden_size,
                                  w.vocab_size, w.tensor_parallelism)
     if layer in (0, n_layers + 1):
-        # Embedding, LM head: split by tp (vocabulary-parallel), which reproduces MLPerf's
-        # published 912 GiB for 70B; DLIO's base_checkpointing.py writes them whole per tp rank.
-        return h * voc // tp // shard * dtype
+        return [h * voc // tp // shard]  # embedding, LM head (vocabulary-parallel)
     if layer == n_layers + 2:
-        return h // shard * dtype  # final norm
-    kv_dim = h * w.num_kv_heads // w.num_attention_heads \
-        if w.num_attention_heads and w.num_kv_heads else h
-    parts = (h, (h * h + 2 * h * kv_dim) // tp, h * h // tp, h, 2 * h * ffn // tp,
-             h * ffn // tp)
-    return sum(p // shard * dtype for p in parts)
+        return [h // shard]  # final norm
+    kv_dim = h // w.num_attention_heads * w.num_kv_heads
+    return [h // shard, h * (h + 2 * kv_dim) // tp // shard, h * h // tp // shard, h // shard,
+            h * 2 * ffn // tp // shard, h * ffn // tp // shard]
 
 
 def _layer_range(w: Workload, pp_rank: int) -> tuple[int, int]:
-    """DLIO ``get_layer_index``: layers 1..L over pipeline stages; 0 first, L+1, L+2 last."""
+    """DLIO ``get_layer_index``: layers 1..L over pipeline stages; 0 first, L+1, L+2 last
+    (not with the legacy ``layer_parameters``)."""
     pp = w.pipeline_parallelism
     nl, rem = divmod(w.num_layers, pp)
     if pp_rank < rem:
         start = pp_rank * (nl + 1) + 1
-        end = start + nl + 1
+        end = start + nl
     else:
         start = rem * (nl + 1) + (pp_rank - rem) * nl + 1
-        end = start + nl
-    if pp_rank == pp - 1:
-        end = w.num_layers + 2
-    if pp_rank == 0:
-        start = 0
+        end = start + nl - 1
+    if not w.layer_parameters:
+        if pp_rank == pp - 1:
+            end = w.num_layers + 2
+        if pp_rank == 0:
+            start = 0
     return start, end
+
+
+def _layer_bytes(w: Workload, layer: int, shard: int) -> int:
+    if w.layer_parameters:  # DLIO's get_tensor(state // tp): int8 elements
+        return sum(p // w.tensor_parallelism for p in w.layer_parameters if p > 0)
+    return sum(_layer_elements(w, layer, shard)) * DTYPE_BYTES[w.model_datatype]
+
+
+def _optimizer_bytes(w: Workload, place: _Place) -> int:
+    if w.optimization_groups:  # a, b per group and one tensor of their sum, int8
+        return 3 * sum(g for g in w.optimization_groups if g > 0)
+    if w.num_layers <= 0:
+        return 0
+    mp = w.tensor_parallelism * w.pipeline_parallelism
+    share = num_parameters(w) // (place.dp * mp if w.zero_stage > 0 else mp)
+    if share <= 0:
+        return 0
+    return 3 * (share + 5 * w.hidden_size) * DTYPE_BYTES[w.optimizer_datatype]
 
 
 def rank_files(w: Workload, rank: int, world: int) -> list[CheckpointFile]:
     """The files ``rank`` of ``world`` writes per checkpoint (DLIO's names and sizes).
 
     Raises:
-        ConfigError: fewer ranks than tensor x pipeline parallelism need.
+        ConfigError: a rank count that the parallelism (or the subset) cannot hold.
     """
+    place = _place(w, rank, world)
+    mp = w.tensor_parallelism * w.pipeline_parallelism
+    # DLIO's rank_to_checkpoint; rank_zero is DLIO 2.0.0's meaning of checkpoint.type
+    writes = rank == 0 if w.checkpoint_type == "rank_zero" else w.zero_stage != 0 or rank < mp
+    if not writes:
+        return []
+    ext = "pt" if w.framework == "pytorch" else "pb"
     files: list[CheckpointFile] = []
-    if w.checkpoint_type == "rank_zero" and rank != 0:
-        return files  # DLIO 2.0.0's default: only rank 0 writes (and reads) a checkpoint
-    if w.model_size > 0:
-        files.append(CheckpointFile(f"model_states-{rank}", w.model_size))
-    if w.num_layers <= 0:
-        return files
-    tp, pp = w.tensor_parallelism, w.pipeline_parallelism
-    mp = tp * pp
-    if world % mp:
-        raise ConfigError(
-            f"{w.source}: {world} rank(s) cannot hold tensor x pipeline parallelism "
-            f"{tp} x {pp}; run with a multiple of {mp} ranks (torchrun --nproc_per_node) or "
-            f"lower it, e.g. --set model.parallelism.tensor=1")
-    dp = world // mp
-    pp_rank = (rank // tp) % pp
-    dp_rank = rank // mp
-    mp_rank = rank % mp
-    wbytes = DTYPE_BYTES[w.model_datatype]
-    obytes = DTYPE_BYTES[w.optimizer_datatype]
-    p = num_parameters(w)
-    share = p // world if w.zero_stage > 0 else p // mp
-    h = w.hidden_size
-    opt = 3 * (share + 5 * h) * obytes
-    files.append(CheckpointFile(f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states",
-                                opt))
-    start, end = _layer_range(w, pp_rank)
-    if w.zero_stage >= 3:
-        if pp != 1:
-            raise ConfigError(f"{w.source}: ZeRO-3 with pipeline parallelism {pp} is not "
-                              "modelled (DLIO asserts pipeline == 1 too)")
-        size = sum(_layer_bytes(w, i, dp, wbytes) for i in range(start, end + 1))
+    if w.model_size > 0 and w.model_type != "transformer":
+        files.append(CheckpointFile(f"model_states-{rank}.{ext}", w.model_size))
+    if w.num_layers > 0 or w.layer_parameters:
+        start, end = _layer_range(w, place.pp_rank)
+        layers = range(start, end + 1)
+        if w.zero_stage in (1, 2):
+            if place.dp_rank == 0:
+                if w.pipeline_parallelism > 1:
+                    files += [CheckpointFile(f"layer_{i}-model_{place.mp_rank}_model_states."
+                                             f"{ext}", _layer_bytes(w, i, 1)) for i in layers]
+                else:
+                    files.append(CheckpointFile(
+                        f"model_{place.mp_rank}_model_states.{ext}",
+                        sum(_layer_bytes(w, i, 1) for i in layers)))
+        else:
+            if w.zero_stage == 3 and w.pipeline_parallelism > 1:
+                raise ConfigError(f"{w.source}: ZeRO-3 with pipeline parallelism "
+                                  f"{w.pipeline_parallelism} is not modelled (DLIO refuses it "
+                                  "too)")
+            shard = place.dp if w.zero_stage == 3 else 1
+            files.append(CheckpointFile(
+                f"zero_pp_rank_{place.dp_rank}_mp_rank_{place.mp_rank}_model_states.{ext}",
+                sum(_layer_bytes(w, i, shard) for i in layers)))
+    opt = _optimizer_bytes(w, place)
+    if opt:
         files.append(CheckpointFile(
-            f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states", size))
-    elif dp_rank == 0:
-        for i in range(start, end + 1):
-            files.append(CheckpointFile(f"layer_{i:02d}-model_{mp_rank:02d}_model_states",
-                                        _layer_bytes(w, i, 1, wbytes)))
+            f"zero_pp_rank_{place.dp_rank}_mp_rank_{place.mp_rank}_optim_states.{ext}", opt))
     return files
 
 
 def total_bytes(w: Workload, world: int) -> int:
-    """Bytes of one whole checkpoint, all ranks together."""
+    """Bytes of one checkpoint, all of this run's ranks together (in subset mode: the
+    subset's share, not the whole job's)."""
     return sum(f.nbytes for r in range(world) for f in rank_files(w, r, world))
+
+
+def job_bytes(w: Workload, world: int) -> int:
+    """Bytes of one checkpoint of the whole job (subset mode: all ``data x tp x pp`` ranks)."""
+    if w.checkpoint_mode != "subset":
+        return total_bytes(w, world)
+    job = w.data_parallelism * w.tensor_parallelism * w.pipeline_parallelism
+    return total_bytes(w, job)
 
 
 def count_saves(w: Workload, steps_per_epoch: int) -> int:
@@ -150,7 +217,7 @@ def count_saves(w: Workload, steps_per_epoch: int) -> int:
     if not w.do_checkpoint:
         return 0
     if not w.do_train:
-        return max(1, w.num_checkpoints_write)
+        return max(0, w.num_checkpoints_write)
     if w.steps_between_checkpoints > 0:
         return w.epochs * (steps_per_epoch // w.steps_between_checkpoints)
     every = max(1, w.epochs_between_checkpoints)
@@ -219,12 +286,21 @@ class CheckpointIO:
         return self.nbytes
 
     def load(self, name: str) -> int:
-        """Read this rank's files of checkpoint ``name`` whole; returns the bytes read."""
+        """Read this rank's files of checkpoint ``name`` whole; returns the bytes read.
+
+        Raises:
+            ConfigError: the checkpoint or one of this rank's files is missing or short.
+        """
         target = os.path.join(self.folder, name)
         buf = memoryview(bytearray(len(self._buffer())))
         total = 0
         for f in self.files:
-            fd = open_file(os.path.join(target, f.name), os.O_RDONLY)
+            try:
+                fd = open_file(os.path.join(target, f.name), os.O_RDONLY)
+            except FileNotFoundError:
+                raise ConfigError(f"checkpoint file {f.name} is missing from {target}: write "
+                                  "the checkpoints first (checkpoint.num_checkpoints_write) "
+                                  "with the same model, parallelism and rank count") from None
             try:
                 if self.drop_cache:
                     drop_page_cache(fd)
@@ -240,6 +316,3 @@ class CheckpointIO:
             finally:
                 os.close(fd)
         return total
-
-    def remove(self, name: str) -> None:
-        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)

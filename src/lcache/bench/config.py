@@ -1,21 +1,24 @@
 """DLIO workload YAML: parse, validate and resolve into one typed :class:`Workload`.
 
-The sections and key names are those of the DLIO benchmark (argonne-lcf/dlio_benchmark,
-``dlio_benchmark/utils/config.py`` and its ``configs/workload/*.yaml``), so a DLIO or MLPerf
-Storage workload file runs here unchanged. Deliberate differences from DLIO:
+The sections, key names and defaults are DLIO's (argonne-lcf/dlio_benchmark at commit e1919d7b,
+``dlio_benchmark/utils/config.py``; the tables are in ``schema.py``), so a DLIO or MLPerf
+Storage workload file runs here unchanged. Deliberate differences from DLIO (docs/bench.md
+lists them all):
 
-* an unknown key is an error that names the key and the file (DLIO 2.0.0 silently drops it, so a
+* an unknown key is an error that names the key and the file (DLIO silently drops it, so a
   typo such as ``train.epoch`` quietly runs the default epoch count);
-* a key DLIO knows but this emulator does not implement (``storage_type: s3``, ``format: hdf5``)
-  is refused rather than ignored;
-* every number is checked against its range (``_RANGES``, wide enough for every published DLIO
-  and MLPerf Storage workload) and the totals against theirs, and the YAML is plain
-  (``yamlfile``: no tags, no aliases, bounded size and depth), so bad input is one
-  ``ConfigError``, never a traceback, a hang or a runaway allocation (docs/bench.md).
-
-DLIO versions spell the record size two ways: 2.0.0 reads ``dataset.record_length`` and ignores
-``record_length_bytes``; newer DLIO reads the latter. Both are accepted (the same for ``_stdev``
-and ``_resize``); giving both with different values is an error.
+* a key DLIO knows but this emulator does not implement (``format: hdf5``) is refused rather
+  than ignored;
+* every number is checked against its range and the totals against theirs, and the YAML is
+  plain (``yamlfile``: no tags, no aliases, bounded size and depth), so bad input is one
+  ``ConfigError``, never a traceback, a hang or a runaway allocation;
+* both spellings of the record size are read: DLIO 2.0.0 reads ``dataset.record_length``,
+  newer DLIO ``record_length_bytes`` (the same for ``_stdev`` and ``_resize``); giving both
+  with different values is an error; likewise ``model.model_size_bytes`` and 2.0.0's
+  ``checkpoint.model_size``;
+* ``--set dataset.record_length_bytes=N`` without a new ``_stdev`` scales the file's spread
+  by the same factor (a note says so), so a shrunk unet3d keeps its shape instead of a spread
+  many times its mean.
 """
 
 from __future__ import annotations
@@ -27,82 +30,46 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from lcache.bench.schema import (
+    BYTE_ATTRS,
+    DLIO_ONLY_FORMATS,
+    DLIO_ONLY_LOADERS,
+    DTYPE_BYTES,
+    FORMATS,
+    LIST_MAX_LEN,
+    LIST_MAX_VALUE,
+    LOADERS,
+    MAX_EPOCH_SAMPLES,
+    MAX_RUN_S,
+    MAX_RUN_STEPS,
+    MISPLACED,
+    NESTED,
+    NO_EFFECT,
+    RANGES,
+    SCHEMA,
+    TOP,
+)
 from lcache.bench.yamlfile import load_yaml, read_file
 from lcache.errors import ConfigError
 
-# Formats whose I/O this emulator reproduces (DLIO FormatType values).
-FORMATS = ("npz", "npy", "indexed_binary", "mmap_indexed_binary", "tfrecord")
-_DLIO_ONLY_FORMATS = ("hdf5", "csv", "jpeg", "png", "parquet", "synthetic")
-
-# section -> key -> kind ("v" a value, "d" a nested mapping checked by _NESTED).
-_SCHEMA: dict[str, dict[str, str]] = {
-    "model": {k: "v" for k in (
-        "name", "type", "model_size", "model_size_bytes", "num_layers", "model_datatype",
-        "optimizer_datatype", "layer_parameters", "optimization_groups")} | {
-        "parallelism": "d", "transformer": "d"},
-    "workflow": {k: "v" for k in (
-        "generate_data", "train", "checkpoint", "evaluation", "profiling", "debug")},
-    "dataset": {k: "v" for k in (
-        "data_folder", "format", "num_files_train", "num_files_eval", "num_samples_per_file",
-        "record_length", "record_length_bytes", "record_length_stdev",
-        "record_length_bytes_stdev", "record_length_resize", "record_length_bytes_resize",
-        "num_subfolders_train", "num_subfolders_eval", "file_prefix", "compression",
-        "keep_files", "enable_chunking", "chunk_size")},
-    "reader": {k: "v" for k in (
-        "data_loader", "batch_size", "batch_size_eval", "read_threads", "computation_threads",
-        "prefetch_size", "file_shuffle", "sample_shuffle", "shuffle_size", "transfer_size",
-        "read_type", "preprocess_time", "preprocess_time_stdev", "odirect", "dont_use_mmap",
-        "pin_memory", "multiprocessing_context", "data_loader_sampler")},
-    "train": {k: "v" for k in (
-        "epochs", "computation_time", "computation_time_stdev", "total_training_steps",
-        "seed", "seed_change_epoch")},
-    "evaluation": {k: "v" for k in (
-        "eval_time", "eval_time_stdev", "eval_after_epoch", "epochs_between_evals")},
-    "checkpoint": {k: "v" for k in (
-        "checkpoint_folder", "checkpoint_after_epoch", "epochs_between_checkpoints",
-        "steps_between_checkpoints", "model_size", "model_datatype", "optimizer_datatype",
-        "time_between_checkpoints", "num_checkpoints_write", "num_checkpoints_read", "fsync",
-        "type", "checkpoint_mechanism_classname")},
-    "output": {k: "v" for k in ("folder", "log_file", "keep_files")},
-    "metric": {k: "v" for k in ("au", "exclude_start_steps", "exclude_end_steps")},
-    "storage": {k: "v" for k in ("storage_type", "storage_root")},
-    "profiling": {k: "v" for k in ("profiler", "iostat_devices")},
-}
-_NESTED = {
-    ("model", "parallelism"): ("tensor", "pipeline", "data", "zero_stage"),
-    ("model", "transformer"): ("vocab_size", "hidden_size", "ffn_hidden_size",
-                               "num_attention_heads", "num_kv_heads"),
-}
-_TOP = set(_SCHEMA) | {"framework"}
-
-# Accepted (DLIO files carry them) but without effect on an emulation of the I/O: they tune a
-# real framework's compute or DLIO's own bookkeeping. Listed in the run's notes.
-_NO_EFFECT = {
-    ("model", "type"), ("reader", "computation_threads"), ("reader", "shuffle_size"),
-    ("reader", "pin_memory"), ("reader", "multiprocessing_context"),
-    ("reader", "data_loader_sampler"), ("reader", "dont_use_mmap"),
-    ("dataset", "record_length_resize"), ("dataset", "record_length_bytes_resize"),
-    ("dataset", "enable_chunking"), ("dataset", "chunk_size"), ("dataset", "keep_files"),
-    ("checkpoint", "checkpoint_mechanism_classname"), ("output", "log_file"),
-    ("output", "keep_files"), ("workflow", "debug"), ("storage", "storage_root"),
-    ("profiling", "profiler"), ("profiling", "iostat_devices"),
-    ("model", "parallelism.data"),
-}
-
-# Bytes per element of the DLIO datatypes (checkpoint.model_datatype/optimizer_datatype).
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8, "int8": 1, "uint8": 1, "fp8": 1}
+__all__ = ["DTYPE_BYTES", "FORMATS", "MAX_EPOCH_SAMPLES", "MAX_RUN_S", "MAX_RUN_STEPS",
+           "Workload", "check_run_length", "load_workload", "parse_workload",
+           "resolve_config", "shipped_configs"]
 
 
 @dataclass
 class Workload:
-    """A resolved DLIO workload: every field has its DLIO default unless the file set it.
+    """A resolved DLIO workload: every field has DLIO's default unless the file set it.
 
     Sizes are bytes; times are seconds. ``source`` is the file it came from (for messages).
+    ``data_loader`` is ``reader.data_loader``, or the framework's loader when unset.
     """
 
     source: str = "<dict>"
     model_name: str = "default"
-    framework: str = "pytorch"
+    model_type: str = ""
+    framework: str = "tensorflow"
+    data_loader: str = "tensorflow"
     # workflow
     generate_data: bool = False
     do_train: bool = True
@@ -110,7 +77,7 @@ class Workload:
     do_eval: bool = False
     # dataset
     data_folder: str = "./data/"
-    format: str = "npz"
+    format: str = "tfrecord"
     num_files_train: int = 8
     num_files_eval: int = 0
     num_samples_per_file: int = 1
@@ -118,6 +85,7 @@ class Workload:
     record_length_stdev: int = 0
     record_length_resize: int = 0
     num_subfolders_train: int = 0
+    num_subfolders_eval: int = 0
     file_prefix: str = "img"
     keep_files: bool = True
     # reader
@@ -127,6 +95,7 @@ class Workload:
     prefetch_size: int = 2
     file_shuffle: str = "off"
     sample_shuffle: str = "off"
+    shuffle_size: int = 1024
     transfer_size: int = 0
     odirect: bool = False
     preprocess_time: float = 0.0
@@ -152,19 +121,27 @@ class Workload:
     num_checkpoints_read: int = -1
     checkpoint_fsync: bool = True
     checkpoint_type: str = "all_ranks"
-    model_size: int = 0
+    checkpoint_mode: str = "default"
+    model_size: int = 10240
     model_datatype: str = "fp16"
     optimizer_datatype: str = "fp32"
     num_layers: int = 0
-    hidden_size: int = 0
-    ffn_hidden_size: int = 0
-    vocab_size: int = 0
-    num_attention_heads: int = 0
-    num_kv_heads: int = 0
+    hidden_size: int = 2048
+    ffn_hidden_size: int = 8192
+    vocab_size: int = 32000
+    num_attention_heads: int = 32
+    num_kv_heads: int = 8
     tensor_parallelism: int = 1
     pipeline_parallelism: int = 1
     data_parallelism: int = 0
     zero_stage: int = 0
+    layer_parameters: tuple[int, ...] = ()
+    optimization_groups: tuple[int, ...] = ()
+    # storage
+    storage_type: str = "local_fs"
+    storage_root: str = ""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    s3_max_attempts: int = 5
     # output / metric
     output_folder: str = "./output/"
     au: float = 0.90
@@ -175,68 +152,10 @@ class Workload:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def on_s3(self) -> bool:
+        return self.storage_type == "s3"
 
-# Every number a workload holds, with its range: (attribute, DLIO key, type, min, max). The
-# key's "|" gives DLIO's other spelling (same section). The ranges hold every published DLIO
-# (argonne-lcf/dlio_benchmark configs/workload, all versions) and MLPerf Storage v1.0/v2.0
-# workload, whose largest values are: 1,281,167 files, 4,195,198,976 samples per file (an old
-# dlrm), 640 MiB records, batch 2,048 (16,384 for evaluation), 8 read threads, 311,541 epochs,
-# 8.99 s of compute per step, 126 layers, hidden 25,872, tensor 8 x pipeline 64. Beyond them
-# they stop values that would allocate or run without end (``read_threads: 100000``,
-# ``epochs: 1e12``), and negatives where only a sentinel -1 means something.
-_RANGES: tuple[tuple[str, str, type, int, int], ...] = (
-    ("model_size", "model.model_size|model_size_bytes", int, 0, 1 << 50),
-    ("model_size", "checkpoint.model_size", int, 0, 1 << 50),  # older DLIO's place for it
-    ("num_layers", "model.num_layers", int, 0, 10_000),
-    ("tensor_parallelism", "model.parallelism.tensor", int, 1, 4096),
-    ("pipeline_parallelism", "model.parallelism.pipeline", int, 1, 4096),
-    ("data_parallelism", "model.parallelism.data", int, 0, 1 << 20),
-    ("zero_stage", "model.parallelism.zero_stage", int, -1, 3),
-    ("vocab_size", "model.transformer.vocab_size", int, 0, 1 << 24),
-    ("hidden_size", "model.transformer.hidden_size", int, 0, 1 << 20),
-    ("ffn_hidden_size", "model.transformer.ffn_hidden_size", int, 0, 1 << 22),
-    ("num_attention_heads", "model.transformer.num_attention_heads", int, 0, 1 << 16),
-    ("num_kv_heads", "model.transformer.num_kv_heads", int, 0, 1 << 16),
-    ("num_files_train", "dataset.num_files_train", int, 1, 1 << 24),
-    ("num_files_eval", "dataset.num_files_eval", int, 0, 1 << 24),
-    ("num_samples_per_file", "dataset.num_samples_per_file", int, 1, 1 << 32),
-    ("record_length", "dataset.record_length|record_length_bytes", int, 1, 1 << 36),
-    ("record_length_stdev", "dataset.record_length_stdev|record_length_bytes_stdev", int, 0,
-     1 << 36),
-    ("record_length_resize", "dataset.record_length_resize|record_length_bytes_resize", int, 0,
-     1 << 36),
-    ("num_subfolders_train", "dataset.num_subfolders_train", int, 0, 1 << 20),
-    ("batch_size", "reader.batch_size", int, 1, 1 << 20),
-    ("batch_size_eval", "reader.batch_size_eval", int, 1, 1 << 20),
-    ("read_threads", "reader.read_threads", int, 0, 256),
-    ("prefetch_size", "reader.prefetch_size", int, 0, 1024),
-    ("transfer_size", "reader.transfer_size", int, 0, 1 << 26),
-    ("preprocess_time", "reader.preprocess_time", float, 0, 3600),
-    ("epochs", "train.epochs", int, 1, 1_000_000),
-    ("computation_time", "train.computation_time", float, 0, 3600),
-    ("computation_time_stdev", "train.computation_time_stdev", float, 0, 3600),
-    ("total_training_steps", "train.total_training_steps", int, -1, 1 << 40),
-    ("seed", "train.seed", int, 0, 2**32 - 1),
-    ("eval_time", "evaluation.eval_time", float, 0, 3600),
-    ("eval_time_stdev", "evaluation.eval_time_stdev", float, 0, 3600),
-    ("eval_after_epoch", "evaluation.eval_after_epoch", int, 0, 1_000_000),
-    ("epochs_between_evals", "evaluation.epochs_between_evals", int, 0, 1_000_000),
-    ("checkpoint_after_epoch", "checkpoint.checkpoint_after_epoch", int, 0, 1_000_000),
-    ("epochs_between_checkpoints", "checkpoint.epochs_between_checkpoints", int, 0, 1_000_000),
-    ("steps_between_checkpoints", "checkpoint.steps_between_checkpoints", int, -1, 1 << 40),
-    ("time_between_checkpoints", "checkpoint.time_between_checkpoints", float, -1, 86_400),
-    ("num_checkpoints_write", "checkpoint.num_checkpoints_write", int, -1, 10_000),
-    ("num_checkpoints_read", "checkpoint.num_checkpoints_read", int, -1, 10_000),
-    ("au", "metric.au", float, 0, 1),
-    ("exclude_start_steps", "metric.exclude_start_steps", int, 0, 1 << 40),
-    ("exclude_end_steps", "metric.exclude_end_steps", int, 0, 1 << 40),
-)
-
-#: Totals: samples of one epoch (its order is an array in memory), steps of a whole run, and
-#: the time a run spends in its emulated compute and checkpoint pauses.
-MAX_EPOCH_SAMPLES = 1 << 32
-MAX_RUN_STEPS = 10**9
-MAX_RUN_S = 31 * 86_400
 
 _BOOLS = "a boolean (true or false)"
 _MAX_TEXT = 4096  # strings are names and paths: PATH_MAX at most
@@ -260,8 +179,13 @@ def _show(value: Any) -> str:
     return " ".join(_REPR.repr(value).split())
 
 
-def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str) -> int | float:
-    """``value`` as ``kind`` if it lies in ``lo..hi``; DLIO's float record lengths truncate."""
+def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str,
+            size: bool = False) -> int | float:
+    """``value`` as ``kind`` if it lies in ``lo..hi``; DLIO's float record lengths truncate.
+
+    Args:
+        size: the value is a byte count, which may also be written as ``8MiB``.
+    """
     bad = _err(source, f"{label} must be {'an integer' if kind is int else 'a number'} in "
                f"{lo}..{hi}, got {_show(value)}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -273,7 +197,14 @@ def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str) -
             try:
                 value = float(value)
             except ValueError:
-                raise bad from None
+                if not size:
+                    raise bad from None
+                from lcache.store.layout import parse_size
+
+                try:
+                    value = parse_size(value.strip())
+                except ConfigError:
+                    raise bad from None
     if isinstance(value, float):
         if not math.isfinite(value):
             raise bad
@@ -304,11 +235,20 @@ def _as_str(label: str, value: Any, source: str) -> str:
     return text
 
 
+def _int_list(label: str, value: Any, source: str) -> tuple[int, ...]:
+    """DLIO's legacy tensor lists: integers, each 0..2^40, at most 1,024 of them."""
+    if not isinstance(value, list) or len(value) > LIST_MAX_LEN:
+        raise _err(source, f"{label} must be a list of at most {LIST_MAX_LEN} integers, got "
+                   f"{_show(value)}")
+    return tuple(int(_number(f"{label}[{i}]", v, int, 0, LIST_MAX_VALUE, source))
+                 for i, v in enumerate(value))
+
+
 def _check_keys(doc: dict[Any, Any], source: str) -> None:
     for top, body in doc.items():
-        if top not in _TOP:
+        if top not in TOP:
             raise _err(source, f"unknown section '{_show(top)}' (DLIO workload sections: "
-                       f"{', '.join(sorted(_TOP))})")
+                       f"{', '.join(sorted(TOP))})")
         if top == "framework":
             continue
         if top == "model" and isinstance(body, str):
@@ -317,23 +257,25 @@ def _check_keys(doc: dict[Any, Any], source: str) -> None:
             continue
         if not isinstance(body, dict):
             raise _err(source, f"section '{top}' must be a mapping of keys, not {_show(body)}")
-        allowed = _SCHEMA[top]
+        allowed = SCHEMA[top]
         for key, value in body.items():
             if key not in allowed:
-                hint = " (DLIO's key is 'epochs')" if (top, key) == ("train", "epoch") else ""
+                right = MISPLACED.get((top, key)) if isinstance(key, str) else None
+                hint = f" (DLIO's key is '{right}')" if right else ""
                 raise _err(source, f"unknown key '{top}.{_show(key)}'{hint}; known keys of "
                            f"'{top}': {', '.join(sorted(allowed))}")
             if allowed[key] == "d" and value is not None:
                 if not isinstance(value, dict):
                     raise _err(source, f"'{top}.{key}' must be a mapping")
                 for sub in value:
-                    if sub not in _NESTED[(top, key)]:
+                    if sub not in NESTED[(top, key)]:
                         raise _err(source, f"unknown key '{top}.{key}.{_show(sub)}'; known: "
-                                   f"{', '.join(_NESTED[(top, key)])}")
+                                   f"{', '.join(NESTED[(top, key)])}")
 
 
-def _apply_override(doc: dict[str, Any], item: str) -> None:
-    """``section.key=value`` (DLIO's ``++workload.section.key=value`` without the prefix)."""
+def _apply_override(doc: dict[str, Any], item: str) -> tuple[str, ...]:
+    """``section.key=value`` (DLIO's ``++workload.section.key=value`` without the prefix);
+    returns the key's path."""
     path, sep, raw = item.partition("=")
     if not sep:
         raise ConfigError(f"override {_show(item)} is not SECTION.KEY=VALUE")
@@ -347,6 +289,7 @@ def _apply_override(doc: dict[str, Any], item: str) -> None:
             node[part] = child
         node = child
     node[parts[-1]] = load_yaml(raw, f"--set {_show(path)}")
+    return tuple(parts)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -371,12 +314,17 @@ def _pick(source: str, section: str, found: list[tuple[str, Any]]) -> Any:
     return found[0][1] if found else None
 
 
+def _copy(doc: Any) -> Any:
+    """A copy of the mappings of ``doc`` (overrides must not change the caller's)."""
+    return {k: _copy(v) for k, v in doc.items()} if isinstance(doc, dict) else doc
+
+
 def parse_workload(doc: dict[str, Any], source: str = "<dict>",
                    overrides: tuple[str, ...] | list[str] = ()) -> Workload:
     """Validate a DLIO workload mapping and resolve it into a :class:`Workload`.
 
-    Every number is checked against its range (``_RANGES``) and the totals against theirs
-    before anything is allocated or written.
+    Every number is checked against its range (``schema.RANGES``) and the totals against
+    theirs before anything is allocated or written.
 
     Args:
         doc: the YAML document (the ``workload`` mapping of DLIO's Hydra config).
@@ -390,28 +338,29 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         raise _err(source, "a DLIO workload file is a YAML mapping of sections")
     if "workload" in doc and isinstance(doc["workload"], dict) and len(doc) == 1:
         doc = doc["workload"]
-    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
-    for item in overrides:
-        _apply_override(doc, item)
+    doc = _copy(doc)
+    file_length = _record_length_of(doc, source)
+    overridden = {_apply_override(doc, item) for item in overrides}
     _check_keys(doc, source)
     w = Workload(source=source)
-    for (sec_name, key) in sorted(_NO_EFFECT):
-        body = doc.get(sec_name)
-        head, _, sub = key.partition(".")
-        if isinstance(body, dict) and head in body and (
-                not sub or (isinstance(body[head], dict) and sub in body[head])):
-            w.notes.append(f"{sec_name}.{key} has no effect on the emulated I/O")
+    _note_no_effect(doc, w)
     sec = {k: (v or {}) for k, v in doc.items() if k != "framework"}
     model = sec.get("model", {})
     if isinstance(model, str):
         model = {"name": model}
 
-    for attr, key, kind, lo, hi in _RANGES:
+    set_by: dict[str, tuple[str, Any]] = {}
+    for attr, key, kind, lo, hi in RANGES:
         prefix = key.partition("|")[0].rpartition(".")[0]  # model.parallelism for .tensor
-        found = [(k, _number(f"{prefix}.{k}", v, kind, lo, hi, source))
+        found = [(k, _number(f"{prefix}.{k}", v, kind, lo, hi, source, attr in BYTE_ATTRS))
                  for k, v in _lookup(sec, model, key)]
         if found:
-            setattr(w, attr, _pick(source, prefix, found))
+            value = _pick(source, prefix, found)
+            if attr in set_by and set_by[attr][1] != value:
+                raise _err(source, f"'{set_by[attr][0]}' = {set_by[attr][1]} and "
+                           f"'{prefix}.{found[0][0]}' = {value} disagree; keep one")
+            set_by[attr] = (f"{prefix}.{found[0][0]}", value)
+            setattr(w, attr, value)
 
     def get(section: str, *keys: str) -> Any:
         return _pick(source, section, _lookup(sec, model, f"{section}.{'|'.join(keys)}"))
@@ -426,22 +375,7 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         if value is not None:
             setattr(w, attr, _as_bool(f"{section}.{key}", value, source))
 
-    framework = doc.get("framework")
-    w.framework = "pytorch" if framework is None else _as_str("framework", framework, source)
-    if w.framework not in ("pytorch", "tensorflow"):
-        raise _err(source, f"framework '{w.framework}' is not supported; use pytorch or "
-                   "tensorflow (both are emulated the same way: I/O plus a sleep)")
-    set_str("model_name", "model", "name")
-    for attr in ("model_datatype", "optimizer_datatype"):
-        set_str(attr, "model", attr)
-        set_str(attr, "checkpoint", attr)
-        if getattr(w, attr) not in DTYPE_BYTES:
-            raise _err(source, f"'{attr}' = {_show(getattr(w, attr))}; use one of "
-                       f"{', '.join(DTYPE_BYTES)}")
-    for bad in ("layer_parameters", "optimization_groups"):
-        if model.get(bad):
-            raise _err(source, f"'model.{bad}' (DLIO's legacy predefined tensor list) is not "
-                       "supported; describe the model with num_layers and model.transformer")
+    _parse_model(w, doc, model, source, set_str)
     set_bool("generate_data", "workflow", "generate_data")
     set_bool("do_train", "workflow", "train")
     set_bool("do_checkpoint", "workflow", "checkpoint")
@@ -449,7 +383,74 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     profiling = get("workflow", "profiling")
     if profiling is not None and _as_bool("workflow.profiling", profiling, source):
         w.notes.append("workflow.profiling is ignored: use --trace for lcache's tracer")
+    _parse_dataset(w, get, set_str, set_bool, source)
+    _parse_reader(w, get, set_str, set_bool, source)
+    set_bool("seed_change_epoch", "train", "seed_change_epoch")
+    _parse_checkpoint(w, get, set_str, set_bool, source)
+    set_str("output_folder", "output", "folder")
+    _parse_storage(w, sec, get, set_str, source)
+    _scale_spread(w, file_length, overridden)
+    _validate(w)
+    return w
 
+
+def _note_no_effect(doc: dict[str, Any], w: Workload) -> None:
+    for (section, key), why in sorted(NO_EFFECT.items()):
+        body = doc.get(section)
+        if isinstance(body, dict) and key in body:
+            w.notes.append(f"{section}.{key} has no effect"
+                           + (f": {why}" if why else " on the emulated I/O"))
+
+
+def _record_length_of(doc: dict[str, Any], source: str) -> int:
+    """The file's own record length (before overrides), 0 when unset or unreadable."""
+    body = doc.get("dataset")
+    if not isinstance(body, dict):
+        return 0
+    for key in ("record_length_bytes", "record_length"):
+        if body.get(key) is not None:
+            try:
+                return int(_number(f"dataset.{key}", body[key], int, 1, 1 << 36, source))
+            except ConfigError:
+                return 0  # reported when the whole file is parsed
+    return 0
+
+
+def _scale_spread(w: Workload, file_length: int, overridden: set[tuple[str, ...]]) -> None:
+    """A ``--set`` record length without a ``--set`` spread keeps the spread's proportion."""
+    lengths = {("dataset", "record_length"), ("dataset", "record_length_bytes")}
+    spreads = {("dataset", "record_length_stdev"), ("dataset", "record_length_bytes_stdev")}
+    if (not overridden & lengths or overridden & spreads or w.record_length_stdev <= 0
+            or file_length <= 0 or file_length == w.record_length):
+        return
+    old = w.record_length_stdev
+    w.record_length_stdev = round(old * w.record_length / file_length)
+    w.notes.append(f"dataset.record_length_bytes_stdev scaled with the overridden "
+                   f"record_length_bytes: {old} -> {w.record_length_stdev} (the same spread "
+                   f"relative to the size; --set dataset.record_length_bytes_stdev=N to choose)")
+
+
+def _parse_model(w: Workload, doc: dict[str, Any], model: dict[str, Any], source: str,
+                 set_str: Any) -> None:
+    framework = doc.get("framework")
+    w.framework = w.framework if framework is None else _as_str("framework", framework, source)
+    if w.framework not in LOADERS:
+        raise _err(source, f"framework '{w.framework}' is not supported; use pytorch or "
+                   "tensorflow (both are emulated the same way: I/O plus a sleep)")
+    set_str("model_name", "model", "name")
+    set_str("model_type", "model", "type")
+    for attr in ("model_datatype", "optimizer_datatype"):
+        set_str(attr, "model", attr)
+        set_str(attr, "checkpoint", attr)
+        if getattr(w, attr) not in DTYPE_BYTES:
+            raise _err(source, f"'{attr}' = {_show(getattr(w, attr))}; use one of "
+                       f"{', '.join(DTYPE_BYTES)}")
+    for key in ("layer_parameters", "optimization_groups"):
+        if model.get(key) is not None:
+            setattr(w, key, _int_list(f"model.{key}", model[key], source))
+
+
+def _parse_dataset(w: Workload, get: Any, set_str: Any, set_bool: Any, source: str) -> None:
     set_str("data_folder", "dataset", "data_folder")
     set_str("format", "dataset", "format")
     set_str("file_prefix", "dataset", "file_prefix")
@@ -457,20 +458,32 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     comp = get("dataset", "compression")
     if comp not in (None, "none"):
         raise _err(source, f"'dataset.compression' = {_show(comp)} is not supported; use none")
-    if w.format in _DLIO_ONLY_FORMATS:
+    if w.format in DLIO_ONLY_FORMATS:
         raise _err(source, f"'dataset.format' = {w.format!r} is a DLIO format this emulator "
                    f"does not implement; use one of {', '.join(FORMATS)}")
     if w.format not in FORMATS:
         raise _err(source, f"'dataset.format' = {_show(w.format)} is unknown; use one of "
                    f"{', '.join(FORMATS)}")
-    if w.num_subfolders_train:
-        raise _err(source, "'dataset.num_subfolders_train' > 0 is not supported; put the "
-                   "files in one folder (num_subfolders_train: 0)")
 
+
+def _parse_reader(w: Workload, get: Any, set_str: Any, set_bool: Any, source: str) -> None:
     loader = get("reader", "data_loader")
-    if loader not in (None, "pytorch", "tensorflow"):
-        raise _err(source, f"'reader.data_loader' = {_show(loader)} is not supported; use "
-                   "pytorch or tensorflow")
+    if loader is not None:
+        loader = _as_str("reader.data_loader", loader, source)
+        if loader not in LOADERS:
+            known = " (a DLIO loader this emulator does not implement)" \
+                if loader in DLIO_ONLY_LOADERS else ""
+            raise _err(source, f"'reader.data_loader' = {_show(loader)}{known} is not "
+                       "supported; use pytorch or tensorflow")
+        if loader != w.framework:  # DLIO's validate() refuses the mix too
+            raise _err(source, f"'reader.data_loader' = {loader} does not go with framework "
+                       f"{w.framework} (DLIO refuses the mix); use the same for both")
+        if loader == "pytorch" and w.format == "tfrecord":
+            raise _err(source, "tfrecord needs reader.data_loader: tensorflow (DLIO has no "
+                       "PyTorch reader for it)")
+    # DLIO's default loader, the string 'tensorflow', matches no loader of its factory, so a
+    # file without reader.data_loader fails there; here it means the framework's loader.
+    w.data_loader = loader or w.framework
     set_str("file_shuffle", "reader", "file_shuffle")
     set_str("sample_shuffle", "reader", "sample_shuffle")
     set_bool("odirect", "reader", "odirect")
@@ -482,37 +495,95 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         if getattr(w, key) not in ("off", "seed", "random"):
             raise _err(source, f"'reader.{key}' = {_show(getattr(w, key))}; use off, seed or "
                        "random")
-    set_bool("seed_change_epoch", "train", "seed_change_epoch")
+    if w.data_loader == "pytorch" and (w.file_shuffle != "off" or w.sample_shuffle != "off"):
+        w.notes.append("reader.file_shuffle and sample_shuffle do not change the order with "
+                       "the PyTorch loader (DLIO reads each rank's block of samples in "
+                       "ascending order); `lcache bench run --order shuffle` shuffles")
     if w.do_eval and (w.num_files_eval < 1 or w.batch_size_eval < 1):
         raise _err(source, "workflow.evaluation is on: set dataset.num_files_eval and "
                    "reader.batch_size_eval to 1 or more")
 
+
+def _parse_checkpoint(w: Workload, get: Any, set_str: Any, set_bool: Any,
+                      source: str) -> None:
     set_str("checkpoint_folder", "checkpoint", "checkpoint_folder")
     set_bool("checkpoint_fsync", "checkpoint", "fsync")
     set_str("checkpoint_type", "checkpoint", "type")
     if w.checkpoint_type not in ("all_ranks", "rank_zero"):
         raise _err(source, f"'checkpoint.type' = {_show(w.checkpoint_type)}; use all_ranks "
                    "or rank_zero")
+    set_str("checkpoint_mode", "checkpoint", "mode")
+    if w.checkpoint_mode not in ("default", "subset"):
+        raise _err(source, f"'checkpoint.mode' = {_show(w.checkpoint_mode)}; use default or "
+                   "subset")
+    # DLIO's validate() (utils/config.py): the data-parallel width is the run's own unless a
+    # subset of a larger job is checkpointed.
+    if w.checkpoint_mode == "subset" and w.data_parallelism <= 0:
+        raise _err(source, "checkpoint.mode: subset needs model.parallelism.data, the data-"
+                   "parallel width of the whole job (MLPerf: 8 for llama3_70b, 2 for 405b and "
+                   "1t)")
+    if w.checkpoint_mode == "default" and w.data_parallelism > 0:
+        raise _err(source, "model.parallelism.data is for checkpoint.mode: subset (DLIO "
+                   "refuses it otherwise: the run's rank count sets it)")
+    if w.num_checkpoints_write > 0 and w.num_checkpoints_read > w.num_checkpoints_write:
+        raise _err(source, f"checkpoint.num_checkpoints_read = {w.num_checkpoints_read} is "
+                   f"more than num_checkpoints_write = {w.num_checkpoints_write} (DLIO refuses "
+                   "it: each read loads a checkpoint written before)")
+    if w.do_checkpoint and w.do_train and max(w.num_checkpoints_write,
+                                              w.num_checkpoints_read) > 0:
+        w.notes.append("checkpoint.num_checkpoints_write and num_checkpoints_read have no "
+                       "effect with workflow.train on: DLIO uses them only in a checkpoint-"
+                       "only run; training checkpoints by epoch or by step")
+    if w.do_checkpoint and not w.do_train and max(w.num_checkpoints_write,
+                                                  w.num_checkpoints_read) <= 0:
+        raise _err(source, "a checkpoint-only run (workflow.train off) with neither "
+                   "checkpoint.num_checkpoints_write nor num_checkpoints_read set does "
+                   "nothing; set them")
 
-    set_str("output_folder", "output", "folder")
-    storage_type = get("storage", "storage_type")
-    if storage_type not in (None, "local_fs"):
-        raise _err(source, f"'storage.storage_type' = {_show(storage_type)} is not supported; "
-                   "lcache bench measures a local path (local_fs)")
-    _validate(w)
-    return w
+
+def _parse_storage(w: Workload, sec: dict[str, Any], get: Any, set_str: Any,
+                   source: str) -> None:
+    set_str("storage_type", "storage", "storage_type")
+    set_str("storage_root", "storage", "storage_root")
+    if w.storage_type not in ("local_fs", "s3"):
+        raise _err(source, f"'storage.storage_type' = {_show(w.storage_type)} is not "
+                   "supported; use local_fs or s3")
+    options = sec.get("storage", {}).get("storage_options") or {}
+    for key, value in options.items():
+        if key == "s3_force_path_style":
+            w.storage_options[key] = _as_bool(f"storage.storage_options.{key}", value, source)
+        elif key != "s3_max_attempts":
+            w.storage_options[key] = _as_str(f"storage.storage_options.{key}", value, source)
+    if not w.on_s3:
+        if options:
+            w.notes.append("storage.storage_options has no effect with storage_type local_fs")
+        if w.storage_root:  # DLIO's FileStorage puts the data folder under it
+            w.data_folder = os.path.join(w.storage_root, w.data_folder)
+        return
+    if not w.data_folder.startswith("s3://"):
+        if not w.storage_root:
+            raise _err(source, "storage_type s3 needs dataset.data_folder s3://BUCKET/... "
+                       "or storage.storage_root BUCKET")
+        w.data_folder = f"s3://{w.storage_root}/{w.data_folder.removeprefix('./')}".rstrip("/")
+    if w.format not in ("npz", "npy"):
+        raise _err(source, f"'dataset.format' = {w.format} on S3: DLIO and lcache read npz "
+                   "and npy from S3; use one of them")
+    if w.do_checkpoint:
+        raise _err(source, "checkpoints on S3 are not emulated; set workflow.checkpoint: "
+                   "False (the published S3 workloads do)")
 
 
 def _validate(w: Workload) -> None:
     src = w.source
     if w.au <= 0:
         raise _err(src, f"metric.au = {w.au} must be a fraction in (0, 1], e.g. 0.90")
-    if w.do_checkpoint and w.model_size <= 0 and w.num_layers <= 0:
+    if w.do_checkpoint and w.model_size <= 0 and w.num_layers <= 0 \
+            and not w.layer_parameters and not w.optimization_groups:
         raise _err(src, "workflow.checkpoint is on but the checkpoint has no size: set "
-                   "model.model_size (bytes) or model.num_layers with model.transformer")
-    if w.num_layers > 0 and min(w.hidden_size, w.ffn_hidden_size, w.vocab_size) <= 0:
-        raise _err(src, "model.num_layers is set: also set model.transformer.hidden_size, "
-                   "ffn_hidden_size and vocab_size")
+                   "model.model_size_bytes or model.num_layers with model.transformer")
+    if 0 < w.num_layers < w.pipeline_parallelism:
+        raise _err(src, f"model.num_layers {w.num_layers} is smaller than "
+                   f"model.parallelism.pipeline {w.pipeline_parallelism} (DLIO refuses it)")
     for split, files, on in (("train", w.num_files_train, w.do_train),
                              ("eval", w.num_files_eval, w.do_eval)):
         if on and files * w.num_samples_per_file > MAX_EPOCH_SAMPLES:
@@ -535,7 +606,8 @@ def check_run_length(w: Workload, steps_per_epoch: int, eval_steps_per_epoch: in
     seconds = w.epochs * (steps_per_epoch * w.computation_time
                           + eval_steps_per_epoch * w.eval_time) if w.do_train else 0.0
     if w.do_checkpoint and not w.do_train:
-        seconds += max(0, w.num_checkpoints_write - 1) * max(0.0, w.time_between_checkpoints)
+        pauses = max(0, w.num_checkpoints_write) + max(0, w.num_checkpoints_read)
+        seconds += pauses * max(0.0, w.time_between_checkpoints)
     if steps > MAX_RUN_STEPS:
         raise _err(w.source, f"train.epochs = {w.epochs} x {steps // w.epochs} steps per epoch "
                    f"make {steps} steps, more than {MAX_RUN_STEPS}; lower train.epochs or "

@@ -1,7 +1,12 @@
 """Dataset files in DLIO's layout and formats: generate them, list them, index their samples.
 
-Layout (DLIO ``data_generator.py``): ``DATA/train/{prefix}_{i}_of_{n}.{format}`` with ``i``
-zero-padded to the width of ``n``, so a folder DLIO generated is read here and vice versa.
+Layout (DLIO ``data_generator/data_generator.py`` at commit e1919d7b):
+``DATA/train/{prefix}_{i}_of_{n}.{format}`` with ``i`` zero-padded to the width of ``n``; with
+``num_subfolders_train`` > 1, file ``i`` goes to ``DATA/train/{i % subfolders}/`` (the folder
+number padded likewise) and readers sort the files by name across folders; ``valid/`` alike.
+So a folder DLIO generated is read here and the other way round. Evaluation files are
+generated whenever ``num_files_eval`` > 0, as DLIO does. On S3 the same names are object keys
+under the data folder's URL.
 
 Formats:
     npz / npy: one numpy array ``x`` of shape (samples, bytes) uint8 (npz adds labels ``y``).
@@ -12,20 +17,24 @@ Formats:
         are written as zero (CRC32C in pure Python would dominate generation time); the
         framing and bytes on disk are TFRecord's, TensorFlow itself would refuse the CRCs.
 
-Sample sizes: ``record_length`` bytes, or with ``record_length_stdev`` one normal draw per file
-(all samples of a file share it). DLIO draws a square image side ``d = sqrt(record_length)``,
-so its samples hold ``int(d)**2`` bytes, a little under ``record_length``.
+Sample sizes (``sample_sizes``): without ``record_length_stdev`` every sample holds
+``record_length`` bytes exactly (DLIO writes a square of side ``int(sqrt(record_length))``, a
+little less). With it, DLIO's draw exactly: after ``np.random.seed(10)``, two sides per file
+from ``N(sqrt(L), stdev / (2 sqrt(L)))``, each at least 1, and the file's samples hold
+``side1 * side2`` bytes (``DataGenerator.get_dimension``; every generator seeds 10).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from collections.abc import Callable
 
 import numpy as np
 
+from lcache.bench import storage
 from lcache.bench.config import Workload
 from lcache.bench.resources import need_memory
 from lcache.errors import ConfigError
@@ -34,16 +43,24 @@ from lcache.io import fsync_dir, open_file, pwrite_full, sync_fd
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 _CHECK_MEMORY_FROM = 64 << 20
+_SIZE_CHUNK = 1 << 20  # files whose sides are drawn at a time
 
 
 def _count(w: Workload, split: str) -> int:
     return w.num_files_train if split == "train" else w.num_files_eval
 
 
+def _subfolders(w: Workload, split: str) -> int:
+    n = w.num_subfolders_train if split == "train" else w.num_subfolders_eval
+    return n if n > 1 else 0  # DLIO: one sub-folder is no sub-folder
+
+
 def file_name(w: Workload, split: str, i: int) -> str:
-    """The name DLIO gives file ``i`` of ``split`` (relative to ``DATA/train`` or ``valid``)."""
+    """The path DLIO gives file ``i`` of ``split``, relative to ``DATA/train`` or ``valid``."""
     n = _count(w, split)
-    return f"{w.file_prefix}_{i:0{len(str(n))}d}_of_{n}.{w.format}"
+    name = f"{w.file_prefix}_{i:0{len(str(n))}d}_of_{n}.{w.format}"
+    sub = _subfolders(w, split)
+    return f"{i % sub:0{len(str(sub))}d}/{name}" if sub else name
 
 
 def file_names(w: Workload, split: str = "train") -> list[str]:
@@ -51,33 +68,44 @@ def file_names(w: Workload, split: str = "train") -> list[str]:
     return [file_name(w, split, i) for i in range(_count(w, split))]
 
 
+def _splits(w: Workload) -> list[str]:
+    return ["train"] + (["valid"] if w.num_files_eval > 0 else [])
+
+
+def sample_sizes(w: Workload) -> np.ndarray:
+    """Bytes per sample of each file, training files then evaluation files (DLIO's draw)."""
+    total = w.num_files_train + w.num_files_eval
+    if w.record_length_stdev <= 0:
+        return np.full(total, w.record_length, dtype=np.int64)
+    side = int(math.sqrt(w.record_length))
+    spread = w.record_length_stdev / 2.0 / math.sqrt(w.record_length)
+    rs = np.random.RandomState(10)  # DLIO: np.random.seed(10), then np.random.normal
+    out = np.empty(total, dtype=np.int64)
+    for start in range(0, total, _SIZE_CHUNK):
+        n = min(_SIZE_CHUNK, total - start)
+        sides = np.maximum(rs.normal(side, spread, 2 * n).astype(np.int64), 1)
+        out[start:start + n] = sides[0::2] * sides[1::2]
+    return out
+
+
 def missing_bytes(w: Workload, data_dir: str) -> int:
     """About how many bytes :func:`generate` would still write into ``data_dir``."""
-    per_file = w.num_samples_per_file * (w.record_length + 16) + 4096  # framing, idx, header
+    sizes = sample_sizes(w)
+    per_file = float(sizes.mean()) * w.num_samples_per_file + 16 * w.num_samples_per_file \
+        + 4096  # framing, index, header
     total = 0
-    for split in ["train"] + (["valid"] if w.do_eval else []):
-        folder = os.path.join(data_dir, split)
-        have = sum(1 for e in os.scandir(folder) if e.name.endswith(f".{w.format}")) \
-            if os.path.isdir(folder) else 0
-        total += max(0, _count(w, split) - have) * per_file
+    for split in _splits(w):
+        have = len(_existing(w, data_dir, split))
+        total += max(0, _count(w, split) - have) * int(per_file)
     return total
-
-
-def sample_size_of_file(w: Workload, index: int) -> int:
-    """Bytes per sample in file ``index`` (a deterministic draw when stdev > 0)."""
-    if w.record_length_stdev <= 0:
-        return w.record_length
-    rng = np.random.default_rng([w.seed, index])
-    return max(1, int(rng.normal(w.record_length, w.record_length_stdev)))
 
 
 def _payload(rng: np.random.Generator, nbytes: int) -> np.ndarray:
     return np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)
 
 
-def _encode(w: Workload, index: int) -> list[bytes | memoryview]:
+def _encode(w: Workload, index: int, size: int) -> list[bytes | memoryview]:
     """The bytes of data file ``index`` (and, for indexed formats, its index files)."""
-    size = sample_size_of_file(w, index)
     n = w.num_samples_per_file
     if size * n >= _CHECK_MEMORY_FROM:
         # A file is built in memory (about three copies of its bytes on the way to disk).
@@ -120,18 +148,22 @@ def _publish(path: str, data: bytes | memoryview) -> None:
 
 
 def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
-             progress: Callable[[int], None] | None = None) -> int:
+             progress: Callable[[int], None] | None = None) -> tuple[int, int]:
     """Write this rank's share of the training (and evaluation) files.
 
     File ``i`` goes to rank ``i % world``. Files that already exist with the expected name are
-    kept (DLIO regenerates them; keeping them makes a rerun cheap). Returns the bytes written
-    by this rank.
+    kept (DLIO regenerates them; keeping them makes a rerun cheap). Returns the files and
+    bytes this rank wrote.
     """
-    written = 0
-    splits = ["train"] + (["valid"] if w.do_eval and w.num_files_eval > 0 else [])
-    for split in splits:
-        written += _generate_split(w, data_dir, split, rank, world, progress)
-    return written
+    if w.on_s3 and rank == 0:
+        storage.make_bucket(w)
+    sizes = sample_sizes(w)
+    files = written = 0
+    for split in _splits(w):
+        n, b = _generate_split(w, data_dir, split, rank, world, sizes, progress)
+        files += n
+        written += b
+    return files, written
 
 
 def sweep_stale_temps(folder: str) -> int:
@@ -157,30 +189,57 @@ def sweep_stale_temps(folder: str) -> int:
     return removed
 
 
+def _existing(w: Workload, data_dir: str, split: str) -> set[str]:
+    """Names (relative to the split's folder) of the split's files that exist."""
+    root = f"{data_dir.rstrip('/')}/{split}"
+    suffix = f".{w.format}"
+    if w.on_s3:
+        return {url[len(root) + 1:] for url in storage.listing(w, root, suffix)}
+    if not os.path.isdir(root):
+        return set()
+    if _subfolders(w, split):
+        return {f"{sub.name}/{e.name}" for sub in os.scandir(root) if sub.is_dir()
+                for e in os.scandir(sub.path) if e.name.endswith(suffix)}
+    return {e.name for e in os.scandir(root) if e.name.endswith(suffix)}
+
+
 def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: int,
-                    progress: Callable[[int], None] | None) -> int:
-    train = os.path.join(data_dir, split)
-    os.makedirs(train, mode=0o700, exist_ok=True)
-    sweep_stale_temps(train)
-    written = 0
+                    sizes: np.ndarray, progress: Callable[[int], None] | None
+                    ) -> tuple[int, int]:
+    root = f"{data_dir.rstrip('/')}/{split}"
+    have = _existing(w, data_dir, split)
+    folders = {root} | {os.path.dirname(f"{root}/{file_name(w, split, i)}")
+                        for i in range(min(_count(w, split), _subfolders(w, split)))}
+    if not w.on_s3:
+        for folder in sorted(folders):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            sweep_stale_temps(folder)
+    files = written = 0
     first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
     for i in range(rank, _count(w, split), world):
-        path = os.path.join(train, file_name(w, split, i))
-        if not os.path.exists(path):
-            parts = _encode(w, first + i)
-            _publish(path, parts[0])
+        name = file_name(w, split, i)
+        if name not in have:
+            parts = _encode(w, first + i, int(sizes[first + i]))
+            path = f"{root}/{name}"
+            publish = (lambda p, d: storage.put(w, p, d)) if w.on_s3 else _publish
+            publish(path, parts[0])
             if len(parts) == 3:
-                _publish(path + ".off.idx", parts[1])
-                _publish(path + ".sz.idx", parts[2])
+                publish(path + ".off.idx", parts[1])
+                publish(path + ".sz.idx", parts[2])
+            files += 1
             written += sum(len(p) for p in parts)
         if progress is not None:
             progress(1)
-    fsync_dir(train)
-    return written
+    if not w.on_s3:
+        for folder in folders:
+            fsync_dir(folder)
+    return files, written
 
 
-def list_train_files(w: Workload, data_dir: str, split: str = "train") -> list[str]:
-    """Sorted files of the workload's format (as DLIO lists them), the first n used.
+def list_files(w: Workload, data_dir: str, split: str = "train") -> list[str]:
+    """The workload's files of ``split``, sorted by name as DLIO lists them, the first n used.
+
+    Paths, or ``s3://`` URLs on S3.
 
     Args:
         split: ``train`` (``num_files_train``) or ``valid`` (``num_files_eval``).
@@ -188,15 +247,12 @@ def list_train_files(w: Workload, data_dir: str, split: str = "train") -> list[s
     Raises:
         ConfigError: fewer files than the workload needs; the message says how to generate.
     """
-    train = os.path.join(data_dir, split)
-    want = w.num_files_train if split == "train" else w.num_files_eval
-    suffix = f".{w.format}"
-    names = sorted(e for e in os.listdir(train) if e.endswith(suffix)) \
-        if os.path.isdir(train) else []
+    root = f"{data_dir.rstrip('/')}/{split}"
+    want = _count(w, split)
+    names = sorted(_existing(w, data_dir, split), key=os.path.basename)
     if len(names) < want:
         raise ConfigError(
-            f"{train} holds {len(names)} {w.format} files but the workload needs "
+            f"{root} holds {len(names)} {w.format} files but the workload needs "
             f"{want}; generate them with workflow.generate_data: True "
             "(or `lcache bench run --generate`)")
-    return [os.path.join(train, n) for n in names[:want]]
-
+    return [f"{root}/{n}" for n in names[:want]]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lcache.bench.config import Workload
-from lcache.bench.run import BenchOptions, StepIO, run_workload
+from lcache.bench.run import BenchOptions, run_workload
+from lcache.bench.traffic import StepIO
 from lcache.errors import ConfigError
 
 _STEP_CLASSES = ("data-read", "optimizer-offload", "activation-offload")
@@ -89,12 +90,14 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
                                        "emulated_bytes_per_node": ck_rank * world}
     data_write, data_read = per_rank.get("data-read", (0, 0))
     record = max(1, data_read + data_write)
-    w = Workload(source=f"from-model {name}", model_name=name, format="mmap_indexed_binary",
-                 num_files_train=1, num_samples_per_file=steps * world, record_length=record,
+    # zero_stage 1: every rank writes its model state (DLIO's writer rule for ZeRO >= 1).
+    w = Workload(source=f"from-model {name}", model_name=name, framework="pytorch",
+                 data_loader="pytorch", format="mmap_indexed_binary", num_files_train=1,
+                 num_samples_per_file=steps * world, record_length=record,
                  batch_size=1, read_threads=1, generate_data=True, epochs=1,
                  computation_time=duration / steps, total_training_steps=steps,
-                 do_checkpoint=ck_rank > 0, model_size=ck_rank,
-                 steps_between_checkpoints=steps, num_checkpoints_read=1 if restart else -1,
+                 do_checkpoint=ck_rank > 0, model_size=ck_rank, zero_stage=1,
+                 steps_between_checkpoints=steps,
                  file_shuffle="seed", sample_shuffle="seed", au=0.90)
     io = [StepIO("offload", *per_rank[c]) for c in ("optimizer-offload", "activation-offload")
           if c in per_rank]
@@ -148,7 +151,8 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     opts = BenchOptions(data_dir=data_dir, output=output,
                         checkpoint_dir=os.path.join(output, "checkpoints"),
                         show_progress=show_progress, step_io=p.step_io, trace=trace,
-                        drop_cache=True, progress_label=f"{preset} ")
+                        drop_cache=True, progress_label=f"{preset} ",
+                        read_back=1 if restart else 0)
     summary = run_workload(p.workload, opts)
     m = summary.get("metric", {})
     rate = m.get("save_checkpoint_io_mean_GB_per_second")

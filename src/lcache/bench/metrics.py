@@ -2,21 +2,26 @@
 
 Per rank (DLIO ``utils/statscounter.py``): steps are grouped in *blocks*, a block ending at each
 checkpoint so checkpoint time never counts against AU. For each step the rank records ``load``
-(waiting for the batch), ``proc`` (load + compute) and ``compute`` (the sleep). For a block::
+(waiting for the batch), ``proc`` (load + compute), ``compute`` (the sleep) and the bytes its
+batch read. For a block::
 
     AU         = sum(compute[s..e]) / (block wall time - sum(proc outside s..e))
     throughput = (e - s + 1) * batch_size / (block wall time - sum(proc outside s..e))
+    measured   = sum(bytes[s..e]) / (the same time)
 
-where steps ``s..e`` exclude ``metric.exclude_start_steps`` (default 1: the first step pays
-the reader's warm-up) and ``exclude_end_steps`` (default 0). An epoch's figure is the
-step-weighted mean of its blocks.
+where steps ``s..e`` exclude ``output.metric.exclude_start_steps`` (default 1: the first step
+pays the reader's warm-up) and ``exclude_end_steps`` (default 0). An epoch's figure is the
+step-weighted mean of its blocks; the mean wait for a batch is over the same steps.
 
 Across ranks (DLIO's allreduce): AU is the mean over ranks, samples/s the sum over ranks (the
-job's rate), ``train_io_mean_MB_per_second = samples/s * record_length / 2**20`` (DLIO's
-formula; the bytes actually read are reported beside it). Checkpoint durations are the slowest
-rank's (every rank waits at the barrier for it), so a checkpoint's rate is
-``checkpoint_size_GB / duration``: the whole checkpoint over the slowest rank's time, which is
-the minimum of the ranks' rates, not their sum. ``GB`` in DLIO's key names is GiB (2**30).
+job's rate). Two read rates: ``train_io_mean_MB_per_second = samples/s * record_length /
+2**20`` (DLIO's formula, the nominal size) and ``train_io_measured_mean_MB_per_second``, the
+bytes the batches of the measured steps read over their time; they differ when samples are
+not ``record_length`` bytes (``record_length_stdev``, npz headers, whole-file reads).
+Checkpoint durations are the slowest rank's (every rank waits at the barrier for it), so a
+checkpoint's rate is ``checkpoint_size_GB / duration``: the whole checkpoint over the slowest
+rank's time, which is the minimum of the ranks' rates, not their sum. Each save and each load
+is its own row. ``GB`` in DLIO's key names is GiB (2**30).
 """
 
 from __future__ import annotations
@@ -41,23 +46,38 @@ class _Block:
     load: list[float] = field(default_factory=list)
     proc: list[float] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)
-    nbytes: int = 0
+    nbytes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A block's metric steps ``s..e`` and the time they took (DLIO's denominator)."""
+
+    s: int
+    e: int
+    seconds: float
+
+    @property
+    def steps(self) -> int:
+        return self.e - self.s + 1 if self.seconds > 0 else 0
+
+
+def _window(b: _Block, skip_start: int, skip_end: int) -> _Window:
+    s, e = skip_start, len(b.compute) - 1 - skip_end
+    if e < s:
+        return _Window(s, e, 0.0)
+    return _Window(s, e, b.end - b.start - sum(b.proc[:s]) - sum(b.proc[e + 1:]))
 
 
 def block_metrics(b: _Block, batch_size: int, skip_start: int, skip_end: int
                   ) -> tuple[float, float, int]:
     """(AU percent, samples/s, metric steps) of one block, DLIO's formula."""
-    n = len(b.compute)
-    s, e = skip_start, n - 1 - skip_end
-    if e < s:
+    win = _window(b, skip_start, skip_end)
+    if not win.steps:
         return 0.0, 0.0, 0
-    wall = b.end - b.start
-    total = wall - sum(b.proc[:s]) - sum(b.proc[e + 1:])
-    compute = sum(b.compute[s:e + 1])
-    if total <= 0:
-        return 0.0, 0.0, 0
-    au = 100.0 * compute / total if compute > 0 else 0.0
-    return au, (e - s + 1) * batch_size / total, e - s + 1
+    compute = sum(b.compute[win.s:win.e + 1])
+    au = 100.0 * compute / win.seconds if compute > 0 else 0.0
+    return au, win.steps * batch_size / win.seconds, win.steps
 
 
 class RankRecorder:
@@ -74,6 +94,7 @@ class RankRecorder:
         self.checkpoints: list[dict[str, Any]] = []
         self.evals: dict[int, _Block] = {}
         self.batch_size_eval = batch_size_eval or batch_size
+        self.generated = {"files": 0, "bytes": 0}
 
     def start_epoch(self, epoch: int) -> None:
         self.epochs[epoch] = []
@@ -96,34 +117,22 @@ class RankRecorder:
 
     def step(self, epoch: int, load_s: float, compute_s: float, proc_s: float,
              nbytes: int) -> None:
-        b = self.epochs[epoch][-1]
-        b.load.append(load_s)
-        b.compute.append(compute_s)
-        b.proc.append(proc_s)
-        b.nbytes += nbytes
+        _add(self.epochs[epoch][-1], load_s, compute_s, proc_s, nbytes)
 
     def start_eval(self, epoch: int) -> None:
         self.evals[epoch] = _Block(start=time.time())
 
     def eval_step(self, epoch: int, load_s: float, compute_s: float, proc_s: float,
                   nbytes: int) -> None:
-        b = self.evals[epoch]
-        b.load.append(load_s)
-        b.compute.append(compute_s)
-        b.proc.append(proc_s)
-        b.nbytes += nbytes
+        _add(self.evals[epoch], load_s, compute_s, proc_s, nbytes)
 
     def end_eval(self, epoch: int) -> None:
         self.evals[epoch].end = time.time()
 
     def eval_metrics(self, epoch: int) -> dict[str, Any]:
         b = self.evals[epoch]
-        au, thr, steps = block_metrics(b, self.batch_size_eval, self.skip_start, self.skip_end)
-        return {"au_percentage": au, "throughput_samples_per_second": thr,
-                "steps": len(b.compute), "metric_steps": steps, "duration_s": b.end - b.start,
-                "bytes_read": b.nbytes,
-                "load_mean_s": float(np.mean(b.load)) if b.load else 0.0,
-                "compute_total_s": sum(b.compute)}
+        return _phase_metrics([b], self.batch_size_eval, self.skip_start, self.skip_end,
+                              (b.start, b.end))
 
     def checkpoint(self, kind: str, name: str, duration_s: float, own_s: float,
                    nbytes: int) -> None:
@@ -132,28 +141,49 @@ class RankRecorder:
                                  "rank_duration_s": own_s, "bytes": nbytes})
 
     def epoch_metrics(self, epoch: int) -> dict[str, Any]:
-        rows = [block_metrics(b, self.batch_size, self.skip_start, self.skip_end)
-                for b in self.epochs[epoch]]
-        steps = sum(r[2] for r in rows)
-        au = sum(r[0] * r[2] for r in rows) / steps if steps else 0.0
-        thr = sum(r[1] * r[2] for r in rows) / steps if steps else 0.0
-        blocks = self.epochs[epoch]
-        n_steps = sum(len(b.compute) for b in blocks)
-        load = [x for b in blocks for x in b.load]
-        t0, t1 = self.epoch_wall[epoch]
-        return {
-            "au_percentage": au, "throughput_samples_per_second": thr,
-            "steps": n_steps, "metric_steps": steps, "blocks": len(blocks),
-            "duration_s": t1 - t0, "bytes_read": sum(b.nbytes for b in blocks),
-            "load_mean_s": float(np.mean(load)) if load else 0.0,
-            "compute_total_s": sum(sum(b.compute) for b in blocks),
-        }
+        return _phase_metrics(self.epochs[epoch], self.batch_size, self.skip_start,
+                              self.skip_end, self.epoch_wall[epoch])
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank,
                 "epochs": {str(e): self.epoch_metrics(e) for e in self.epochs},
                 "evals": {str(e): self.eval_metrics(e) for e in self.evals},
-                "checkpoints": self.checkpoints}
+                "checkpoints": self.checkpoints, "generated": self.generated}
+
+
+def _add(b: _Block, load_s: float, compute_s: float, proc_s: float, nbytes: int) -> None:
+    b.load.append(load_s)
+    b.compute.append(compute_s)
+    b.proc.append(proc_s)
+    b.nbytes.append(nbytes)
+
+
+def _phase_metrics(blocks: list[_Block], batch_size: int, skip_start: int, skip_end: int,
+                   wall: tuple[float, float]) -> dict[str, Any]:
+    """One rank's figures of an epoch (or an evaluation) from its blocks."""
+    rows = [block_metrics(b, batch_size, skip_start, skip_end) for b in blocks]
+    wins = [_window(b, skip_start, skip_end) for b in blocks]
+    steps = sum(r[2] for r in rows)
+    seconds = sum(w.seconds for w in wins if w.steps)
+    measured = sum(sum(b.nbytes[w.s:w.e + 1]) for b, w in zip(blocks, wins, strict=True)
+                   if w.steps)
+    load = [x for b, w in zip(blocks, wins, strict=True) if w.steps
+            for x in b.load[w.s:w.e + 1]]
+    compute = sum(sum(b.compute[w.s:w.e + 1]) for b, w in zip(blocks, wins, strict=True)
+                  if w.steps)
+    return {
+        "au_percentage": sum(r[0] * r[2] for r in rows) / steps if steps else 0.0,
+        "throughput_samples_per_second": sum(r[1] * r[2] for r in rows) / steps if steps
+        else 0.0,
+        "measured_io_MB_per_second": measured / MIB / seconds if seconds > 0 else 0.0,
+        "steps": sum(len(b.compute) for b in blocks), "metric_steps": steps,
+        "blocks": len(blocks), "duration_s": wall[1] - wall[0],
+        "bytes_read": sum(sum(b.nbytes) for b in blocks),
+        # over the metric steps: the excluded warm-up does not hide in the mean
+        "load_mean_s": float(np.mean(load)) if load else 0.0,
+        "metric_seconds": seconds, "metric_compute_s": compute,
+        "compute_total_s": sum(sum(b.compute) for b in blocks),
+    }
 
 
 def write_json_atomic(path: str, doc: Any) -> None:
@@ -186,38 +216,40 @@ def aggregate(ranks: list[dict[str, Any]], record_length: int, au_target: float,
     metric: dict[str, Any] = {}
     per_epoch = _phase(ranks, "epochs", "train", record_length, au_target, metric)
     per_eval = _phase(ranks, "evals", "eval", record_length, au_target, metric)
-    size_gib = checkpoint_bytes / GIB
-    by_name: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in ranks:
-        for c in r["checkpoints"]:
-            by_name.setdefault((c["kind"], c["name"]), []).append(c)
-    ckpt_rows = []
+    ckpt_rows = _checkpoint_rows(ranks, checkpoint_bytes / GIB, metric)
+    per_rank = [{"rank": r["rank"], "epochs": r["epochs"], "evals": r.get("evals", {}),
+                 "checkpoints": r["checkpoints"]} for r in ranks]
+    generated = {k: sum(r.get("generated", {}).get(k, 0) for r in ranks)
+                 for k in ("files", "bytes")}
+    return {"metric": metric, "per_epoch": per_epoch, "per_eval": per_eval,
+            "checkpoints": ckpt_rows, "per_rank": per_rank, "epochs": len(per_epoch),
+            "generated": generated}
+
+
+def _checkpoint_rows(ranks: list[dict[str, Any]], size_gib: float,
+                     metric: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per checkpoint event (the n-th save or load of every rank), and the metric
+    keys: every rank records the same sequence of events between barriers."""
+    rows: list[dict[str, Any]] = []
+    for i, first in enumerate(ranks[0]["checkpoints"] if ranks else []):
+        events = [r["checkpoints"][i] for r in ranks]
+        d = max(c["duration_s"] for c in events)
+        rows.append({"kind": first["kind"], "name": first["name"], "duration_s": d,
+                     "slowest_rank": max(c["rank_duration_s"] for c in events),
+                     "GB_per_second": size_gib / d if d > 0 else 0.0,
+                     "bytes": sum(c["bytes"] for c in events)})
     for kind in ("save", "load"):
-        durations = []
-        for (k, name), rows in by_name.items():
-            if k != kind:
-                continue
-            d = max(c["duration_s"] for c in rows)
-            durations.append(d)
-            ckpt_rows.append({"kind": kind, "name": name, "duration_s": d,
-                              "slowest_rank": max(rows, key=lambda c: c["rank_duration_s"])
-                              ["rank_duration_s"],
-                              "GB_per_second": size_gib / d if d > 0 else 0.0,
-                              "bytes": sum(c["bytes"] for c in rows)})
+        durations = [c["duration_s"] for c in rows if c["kind"] == kind]
         if durations:
-            rates = [size_gib / d for d in durations if d > 0]
             d_mean, d_std = _mean_std(durations)
-            r_mean, r_std = _mean_std(rates)
+            r_mean, r_std = _mean_std([size_gib / d for d in durations if d > 0])
             metric[f"{kind}_checkpoint_duration_mean_seconds"] = d_mean
             metric[f"{kind}_checkpoint_duration_stdev_seconds"] = d_std
             metric[f"{kind}_checkpoint_io_mean_GB_per_second"] = r_mean
             metric[f"{kind}_checkpoint_io_stdev_GB_per_second"] = r_std
-    if ckpt_rows:
+    if rows:
         metric["checkpoint_size_GB"] = size_gib
-    per_rank = [{"rank": r["rank"], "epochs": r["epochs"], "evals": r.get("evals", {}),
-                 "checkpoints": r["checkpoints"]} for r in ranks]
-    return {"metric": metric, "per_epoch": per_epoch, "per_eval": per_eval,
-            "checkpoints": ckpt_rows, "per_rank": per_rank, "epochs": len(per_epoch)}
+    return rows
 
 
 def _phase(ranks: list[dict[str, Any]], field_name: str, prefix: str, record_length: int,
@@ -225,22 +257,23 @@ def _phase(ranks: list[dict[str, Any]], field_name: str, prefix: str, record_len
     """Per-epoch rows of one phase (train or eval) and its DLIO metric keys."""
     epochs = sorted({int(e) for r in ranks for e in r.get(field_name, {})})
     rows_out = []
-    au_list, thr_list = [], []
+    au_list, thr_list, io_list = [], [], []
     for e in epochs:
         rows = [r[field_name][str(e)] for r in ranks if str(e) in r.get(field_name, {})]
         au = float(np.mean([x["au_percentage"] for x in rows]))
         thr = float(sum(x["throughput_samples_per_second"] for x in rows))
+        measured = float(sum(x["measured_io_MB_per_second"] for x in rows))
         au_list.append(au)
         thr_list.append(thr)
-        duration = max(x["duration_s"] for x in rows)
-        nbytes = sum(x["bytes_read"] for x in rows)
+        io_list.append(measured)
         rows_out.append({
             "epoch": e, "au_percentage": au, "throughput_samples_per_second": thr,
-            "duration_s": duration, "bytes_read": nbytes,
-            "measured_io_MB_per_second": nbytes / MIB / duration if duration > 0 else 0.0,
+            "duration_s": max(x["duration_s"] for x in rows),
+            "bytes_read": sum(x["bytes_read"] for x in rows),
+            "measured_io_MB_per_second": measured,
             "min_rank_throughput_samples_per_second":
                 min(x["throughput_samples_per_second"] for x in rows),
-            "steps": rows[0]["steps"],
+            "steps": rows[0]["steps"], "metric_steps": rows[0]["metric_steps"],
         })
     if epochs:
         au_mean, au_std = _mean_std(au_list)
@@ -256,14 +289,36 @@ def _phase(ranks: list[dict[str, Any]], field_name: str, prefix: str, record_len
             f"{prefix}_throughput_stdev_samples_per_second": thr_std,
             f"{prefix}_io_mean_MB_per_second": thr_mean * record_length / MIB,
             f"{prefix}_io_stdev_MB_per_second": thr_std * record_length / MIB,
-            f"{prefix}_io_measured_mean_MB_per_second":
-                float(np.mean([p["measured_io_MB_per_second"] for p in rows_out])),
+            f"{prefix}_io_measured_mean_MB_per_second": float(np.mean(io_list)),
         })
     return rows_out
 
 
+def _nothing_measured(summary: dict[str, Any]) -> str:
+    """Why a run measured nothing (or "" when it measured something)."""
+    rows = summary.get("per_epoch", [])
+    if rows and all(r["metric_steps"] == 0 for r in rows):
+        steps = rows[0]["steps"]
+        skip = summary.get("exclude_steps", (1, 0))
+        return (f"nothing was measured: {steps} step{'s' if steps != 1 else ''} per epoch, "
+                f"and output.metric.exclude_start_steps = {skip[0]} with exclude_end_steps = "
+                f"{skip[1]} leave none to measure; add files (dataset.num_files_train), "
+                "lower reader.batch_size or exclude fewer steps")
+    gen = summary.get("generated") or {}
+    if not rows and not summary.get("checkpoints"):
+        if gen.get("files") or summary.get("generate_only"):
+            return (f"generated {gen.get('files', 0)} files ({gen.get('bytes', 0):,} bytes) "
+                    f"in {summary.get('data_folder')} (a data-generation run: no training "
+                    "or checkpoint to measure)")
+        return "nothing was measured"
+    return ""
+
+
 def verdict(summary: dict[str, Any], au_target: float) -> str:
     """One line: AU met or not, and why (the figure that decides it)."""
+    empty = _nothing_measured(summary)
+    if empty:
+        return empty
     m = summary["metric"]
     parts = []
     if "train_au_mean_percentage" in m:
@@ -271,11 +326,16 @@ def verdict(summary: dict[str, Any], au_target: float) -> str:
         target = au_target * 100
         rows = summary["per_epoch"]
         epochs = [r for rank in summary["per_rank"] for r in rank["epochs"].values()]
-        steps = sum(x["steps"] for x in epochs) or 1
-        wait = sum(x["load_mean_s"] * x["steps"] for x in epochs) / steps
-        # Wall time per step beyond compute: data waits plus barriers and step overhead.
-        over = sum(x["duration_s"] - x["compute_total_s"] for x in epochs) / steps
-        if au >= target:
+        steps = sum(x["metric_steps"] for x in epochs) or 1
+        wait = sum(x["load_mean_s"] * x["metric_steps"] for x in epochs) / steps
+        # Time per measured step beyond compute: data waits plus barriers and step overhead.
+        over = sum(x["metric_seconds"] - x["metric_compute_s"] for x in epochs) / steps
+        if summary.get("computation_time") == 0:
+            parts.append(f"AU {au:.1f}%: the workload has no train.computation_time, so there "
+                         "is no compute for storage to keep busy and AU means nothing; read "
+                         f"{m['train_throughput_mean_samples_per_second']:.1f} samples/s and "
+                         f"{rows[-1]['measured_io_MB_per_second']:.1f} MiB/s (last epoch)")
+        elif au >= target:
             parts.append(f"AU {au:.1f}% >= {target:g}%: MET, storage kept the accelerators "
                          f"busy ({m['train_throughput_mean_samples_per_second']:.1f} samples/s, "
                          f"mean wait for a batch {wait * 1000:.1f} ms)")
@@ -299,21 +359,20 @@ def verdict(summary: dict[str, Any], au_target: float) -> str:
                      f"{m['save_checkpoint_duration_mean_seconds']:.2f} s "
                      f"({m['save_checkpoint_io_mean_GB_per_second']:.3f} GiB/s)")
     if "load_checkpoint_duration_mean_seconds" in m:
-        parts.append(f"loaded in {m['load_checkpoint_duration_mean_seconds']:.2f} s "
+        parts.append(f"{'' if parts else 'checkpoint '}loaded in "
+                     f"{m['load_checkpoint_duration_mean_seconds']:.2f} s "
                      f"({m['load_checkpoint_io_mean_GB_per_second']:.3f} GiB/s)")
-        if not summary.get("drop_cache"):
+        if not summary.get("drop_cache") and "save_checkpoint_duration_mean_seconds" in m:
             parts.append("the loads may have come from the page cache that the saves "
                          "filled (use --drop-cache to measure the storage)")
     ahead = summary.get("prefetch_batches", 0)
-    short = [r for r in summary.get("per_epoch", []) if r["steps"] - 1 <= ahead]
+    short = [r for r in summary.get("per_epoch", []) if 0 < r["metric_steps"] <= ahead]
     if short:
         parts.append(f"WARNING: {short[0]['steps']} steps per epoch against {ahead} batches "
                      "the readers fetch ahead: the measured steps are mostly served by "
                      "reads made during the excluded first step; use more files or epochs")
-    caching = summary.get("potential_caching")
-    if caching:
+    if summary.get("potential_caching"):
         parts.append("WARNING: the dataset fits in this host's page cache and was not "
                      "dropped; later epochs may measure memory (use --drop-cache or "
                      "reader.odirect)")
     return "; ".join(parts) if parts else "nothing was measured"
-

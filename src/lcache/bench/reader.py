@@ -1,25 +1,29 @@
-"""Reader threads: the sample order of an epoch, split across ranks, read batch by batch.
+"""Reader threads: read an epoch's samples (``order.py``) batch by batch, as DLIO's loaders do.
 
-Order (DLIO ``reader.file_shuffle`` / ``sample_shuffle``): with ``seed`` the permutation is a
-pure function of (seed, epoch), the same on every rank; with ``random`` it differs per run.
-Ranks then take every ``world``-th sample of it, as ``torch.utils.data.DistributedSampler``
-does, and every rank runs ``floor(samples / batch / world)`` steps (DLIO's step count).
+``read_threads`` threads each build whole batches (as DataLoader workers do) and hand them over
+in order. How many batches are read ahead follows DLIO's loaders (``batches_ahead``): the
+PyTorch DataLoader keeps ``prefetch_factor = ceil(prefetch_size / read_threads)`` batches per
+worker (``data_loader/torch_data_loader.py``, DLIO commit e1919d7b; 2 when prefetch_size is
+0), so about ``prefetch_size`` in all; tf.data reads ``read_threads`` files at once and keeps
+``prefetch_size`` batches. ``os.preadv`` releases the GIL, so threads overlap their I/O like
+worker processes would, without a fork.
 
-Reading: ``read_threads`` threads each build whole batches (as DataLoader workers do), with
-``prefetch_size`` batches per thread in flight; batches come back in order. ``os.preadv``
-releases the GIL, so threads overlap their I/O like worker processes would, without a fork.
-Whole-file formats (npz, npy) are read whole, once per access, as ``np.load`` does; a thread
-keeps the file it read last, so a file of many samples read in a row is read once.
+Whole-file formats (npz, npy) are read whole, once per access, as ``np.load`` does (on S3:
+one GET of the object, as DLIO's ``npz_reader_s3.py``); a thread keeps the file it read last,
+so a file of many samples read in a row is read once. The indexed formats and TFRecord read
+exactly the sample's bytes through their index.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -34,40 +38,15 @@ _CHUNK = 16 << 20
 _MAX_OPEN = 64  # open files kept per reader thread
 
 
-def epoch_order(w: Workload, epoch: int, rank: int, world: int, num_files: int,
-                evaluation: bool = False) -> np.ndarray:
-    """Global sample indices this rank reads in ``epoch``, ``steps * batch_size`` of them.
-
-    With ``evaluation`` the order is over the evaluation files, in ``batch_size_eval`` steps.
-    """
-    spf = w.num_samples_per_file
-    seed = w.seed + (epoch if w.seed_change_epoch else 0)
-    files = np.arange(num_files)
-    if w.file_shuffle != "off":
-        rng = np.random.default_rng(seed if w.file_shuffle == "seed" else None)
-        files = rng.permutation(files)
-    order = (files[:, None] * spf + np.arange(spf)[None, :]).reshape(-1)
-    if w.sample_shuffle != "off":
-        rng = np.random.default_rng(seed + 1 if w.sample_shuffle == "seed" else None)
-        order = rng.permutation(order)
-    if evaluation:
-        return order[rank::world][: eval_steps(w, world) * w.batch_size_eval]
-    steps = steps_per_epoch(w, world, num_files)
-    return order[rank::world][: steps * w.batch_size]
-
-
-def eval_steps(w: Workload, world: int) -> int:
-    """DLIO's ``floor(eval files * samples_per_file / batch_size_eval / ranks)``."""
-    return w.num_files_eval * w.num_samples_per_file // w.batch_size_eval // world
-
-
-def steps_per_epoch(w: Workload, world: int, num_files: int | None = None) -> int:
-    """DLIO's ``floor(files * samples_per_file / batch / ranks)``, capped by total steps."""
-    files = w.num_files_train if num_files is None else num_files
-    steps = files * w.num_samples_per_file // w.batch_size // world
-    if w.total_training_steps > 0:
-        steps = min(steps, w.total_training_steps)
-    return steps
+def batches_ahead(w: Workload) -> int:
+    """Batches DLIO's loader reads ahead of the training loop (0: read in the loop)."""
+    threads = w.read_threads
+    if w.data_loader == "tensorflow":
+        return max(1, threads, w.prefetch_size)
+    if threads <= 0:
+        return 0
+    per_worker = math.ceil(w.prefetch_size / threads) if w.prefetch_size > 0 else 2
+    return threads * per_worker
 
 
 class _ThreadState(threading.local):
@@ -83,15 +62,20 @@ class SampleReader:
 
     Args:
         w: the workload.
-        files: the training files (``list_train_files``).
+        files: the training files (``datagen.list_files``): paths, or URLs with ``remote``.
         direct: open with O_DIRECT and read block-aligned ranges (``reader.odirect``).
+        remote: a source whose ``fetch(i)`` returns file ``i`` whole (S3's
+            ``storage.source``), for npz and npy on object storage.
     """
 
-    def __init__(self, w: Workload, files: list[str], direct: bool = False) -> None:
+    def __init__(self, w: Workload, files: list[str], direct: bool = False,
+                 remote: Any = None) -> None:
         self.w = w
         self.files = files
         self.direct = direct
-        self.block = logical_block_size(os.path.dirname(files[0])) if files else 4096
+        self.remote = remote
+        self.block = 4096 if remote is not None or not files else \
+            logical_block_size(os.path.dirname(files[0]))
         self._local = _ThreadState()
         self._all_fds: list[int] = []
         self._lock = threading.Lock()
@@ -198,6 +182,9 @@ class SampleReader:
             if st.last_file == path:
                 return 0
             st.last_file = path
+            if self.remote is not None:
+                index = sample // w.num_samples_per_file
+                return self._preprocessed(len(self.remote.fetch(index)))
             try:
                 n = self._read(path, 0, os.fstat(self._fd(path)).st_size)
             finally:
@@ -208,9 +195,12 @@ class SampleReader:
             n = self._read(path, int(offsets[i]), int(sizes[i]))
             if w.format == "tfrecord":
                 self._release(path)
-        if w.preprocess_time > 0:
-            time.sleep(w.preprocess_time)
-        return n
+        return self._preprocessed(n)
+
+    def _preprocessed(self, nbytes: int) -> int:
+        if self.w.preprocess_time > 0:
+            time.sleep(self.w.preprocess_time)
+        return nbytes
 
     def read_batch(self, samples: np.ndarray) -> int:
         total = sum(self.read_sample(int(s)) for s in samples)
@@ -220,6 +210,8 @@ class SampleReader:
 
     def drop_cache(self) -> None:
         """Evict the dataset's pages so the next epoch reads the storage, not memory."""
+        if self.remote is not None:
+            return  # nothing of an object store is in this host's page cache
         for path in self.files:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -236,23 +228,27 @@ class SampleReader:
 
 
 def iterate_batches(reader: SampleReader, order: np.ndarray, batch_size: int, threads: int,
-                    prefetch: int) -> Iterator[int]:
+                    ahead: int) -> Iterator[int]:
     """Yield the bytes read for each batch of ``order``, in order.
 
-    With ``threads == 0`` the caller's thread reads (DataLoader's ``num_workers=0``).
+    Args:
+        threads: reader threads building batches (at least one when ``ahead`` > 0).
+        ahead: batches in flight (``batches_ahead``); 0 reads in the caller's thread
+            (DataLoader's ``num_workers=0``).
     """
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if threads <= 0:
+    if ahead <= 0:
         for b in batches:
             yield reader.read_batch(b)
         return
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lcache-bench-read")
+    pool = ThreadPoolExecutor(max_workers=max(1, threads),
+                              thread_name_prefix="lcache-bench-read")
     pending: deque[Future[int]] = deque()
     it = iter(batches)
     try:
         for b in it:
             pending.append(pool.submit(reader.read_batch, b))
-            if len(pending) >= threads * max(1, prefetch):
+            if len(pending) >= ahead:
                 break
         while pending:
             got = pending.popleft().result()

@@ -1,5 +1,18 @@
 """Run a DLIO workload on real storage: generate, read, sleep in place of compute, checkpoint.
 
+The workflows are DLIO's (``main.py`` at commit e1919d7b):
+
+* ``generate_data``: the dataset is generated first, whatever else the file asks; with
+  neither ``train`` nor ``checkpoint`` that is all (MLPerf's ``*_datagen`` files), and the
+  summary says what was written;
+* ``train``: epochs of reads and compute; checkpoints after epochs
+  (``checkpoint_after_epoch``, ``epochs_between_checkpoints``) or every
+  ``steps_between_checkpoints`` steps; ``num_checkpoints_write/read`` have no effect;
+* ``checkpoint`` without ``train`` (checkpoint-only, MLPerf's llama3): ``num_checkpoints_write``
+  checkpoints ``global_epoch1_step{1..n}``, then ``num_checkpoints_read`` loads of
+  ``global_epoch1_step{1..n}``, each after ``time_between_checkpoints`` of emulated compute.
+  With no writes the loads read what an earlier run wrote (MLPerf's separate read phase).
+
 One process per emulated accelerator. Under ``torchrun`` (``WORLD_SIZE`` > 1) the ranks join a
 gloo process group; they split the samples, meet at a barrier after every step (DLIO does the
 same, standing in for the gradient all-reduce) and around every checkpoint. Each rank writes
@@ -8,6 +21,7 @@ same, standing in for the gradient all-reduce) and around every checkpoint. Each
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -22,64 +36,26 @@ from typing import Any
 import numpy as np
 
 from lcache.bench import checkpoint as ckpt
-from lcache.bench import datagen
+from lcache.bench import datagen, storage
+from lcache.bench.comm import Comm
 from lcache.bench.config import Workload, check_run_length
 from lcache.bench.metrics import RankRecorder, aggregate, verdict, write_json_atomic
-from lcache.bench.reader import (
-    SampleReader,
-    epoch_order,
-    eval_steps,
-    iterate_batches,
-    steps_per_epoch,
-)
+from lcache.bench.order import ORDERS, epoch_order, eval_steps, max_steps, steps_per_epoch
+from lcache.bench.reader import SampleReader, batches_ahead, iterate_batches
 from lcache.bench.resources import bytes_under, meminfo, need_memory, need_space
+from lcache.bench.traffic import StepIO, StepTraffic
 from lcache.errors import ConfigError
-from lcache.io import drop_page_cache, open_file, pread_full, private_dir, pwrite_full, sync_fd
-
-
-class Comm:
-    """This process's rank and a barrier; gloo under torchrun, a no-op alone."""
-
-    def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self._dist: Any = None
-        if self.world > 1:
-            try:
-                import torch.distributed as dist  # only multi-rank runs need torch
-            except ImportError as exc:
-                raise ConfigError("WORLD_SIZE > 1 (torchrun) needs torch for its gloo "
-                                  "barrier: pip install 'lcache[torch]'") from exc
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-            self._dist = dist
-
-    def barrier(self) -> None:
-        if self._dist is not None:
-            self._dist.barrier()
-
-    def close(self) -> None:
-        if self._dist is not None and self._dist.is_initialized():
-            self._dist.destroy_process_group()
-
-
-@dataclass
-class StepIO:
-    """Extra traffic per training step (offload emulation, from ``lcache model``).
-
-    ``write_bytes`` then ``read_bytes`` go to a per-rank file with ``io_class`` while the step's
-    compute sleeps; a step whose I/O outlasts the sleep waits for it, lowering AU.
-    """
-
-    io_class: str
-    write_bytes: int = 0
-    read_bytes: int = 0
+from lcache.io import private_dir
 
 
 @dataclass
 class BenchOptions:
-    """Where and how to run; ``None`` means the workload file's own setting."""
+    """Where and how to run; ``None`` means the workload file's own setting.
+
+    ``order`` is ``dlio`` (DLIO's access order) or ``shuffle`` (a global permutation per
+    epoch, an lcache option); ``read_back`` loads the first N checkpoints a training run saved
+    (``bench from-model --restart``; DLIO reads none after training).
+    """
 
     data_dir: str | None = None
     output: str | None = None
@@ -91,6 +67,8 @@ class BenchOptions:
     show_progress: bool = True
     step_io: list[StepIO] = field(default_factory=list)
     progress_label: str = ""
+    order: str = "dlio"
+    read_back: int = 0
 
 
 def _owned_dir(path: str, what: str) -> str:
@@ -117,9 +95,9 @@ def _check_room(w: Workload, world: int, data_dir: str, ck_dir: str, generate: b
                            else 0)
         need_memory(samples * per_sample, f"an epoch of {samples} samples",
                     "dataset.num_files_train or num_samples_per_file")
-        if generate:
-            need_space(data_dir, datagen.missing_bytes(w, data_dir), "generating the dataset",
-                       "dataset.num_files_train, num_samples_per_file or record_length")
+    if generate and not w.on_s3:
+        need_space(data_dir, datagen.missing_bytes(w, data_dir), "generating the dataset",
+                   "dataset.num_files_train, num_samples_per_file or record_length")
     if w.do_checkpoint:
         saves = ckpt.count_saves(w, steps)
         need_space(ck_dir, saves * ckpt.total_bytes(w, world),
@@ -138,8 +116,6 @@ class _Progress:
     def __init__(self, enabled: bool, label: str) -> None:
         self.enabled = enabled
         self.label = label
-        self._bar: Any = None
-        self._task: Any = None
 
     @contextmanager
     def phase(self, text: str, total: int) -> Iterator[Callable[[int], None]]:
@@ -154,50 +130,6 @@ class _Progress:
                       console=Console(stderr=True), transient=False) as bar:
             task = bar.add_task(f"{self.label}{text}", total=total)
             yield lambda n: bar.advance(task, n)
-
-
-class _StepTraffic:
-    """Per-rank offload file: the extra per-step I/O of :class:`StepIO` entries."""
-
-    def __init__(self, folder: str, rank: int, items: list[StepIO]) -> None:
-        self.items = [i for i in items if i.write_bytes or i.read_bytes]
-        self.fds: list[int] = []
-        self.bufs: list[memoryview] = []
-        for n, item in enumerate(self.items):
-            path = os.path.join(folder, f"offload-{item.io_class}-{n}-rank{rank}.bin")
-            fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            self.fds.append(fd)
-            size = max(item.write_bytes, item.read_bytes)
-            self.bufs.append(memoryview(np.random.default_rng().bytes(min(size, 64 << 20))))
-            # The reads need bytes to read: lay the file out once, outside any step.
-            self._write(fd, self.bufs[-1], item.read_bytes, item.io_class)
-
-    @staticmethod
-    def _write(fd: int, buf: memoryview, nbytes: int, io_class: str) -> None:
-        off = 0
-        while off < nbytes:
-            n = min(len(buf), nbytes - off)
-            pwrite_full(fd, off, [buf[:n]], io_class=io_class)
-            off += n
-        if nbytes:
-            sync_fd(fd, io_class=io_class)
-            drop_page_cache(fd)  # the read-back must come from storage, not memory
-
-    def run_step(self) -> None:
-        for fd, buf, item in zip(self.fds, self.bufs, self.items, strict=True):
-            self._write(fd, buf, item.write_bytes, item.io_class)
-            rbuf = memoryview(bytearray(len(buf)))
-            off = 0
-            while off < item.read_bytes:
-                n = pread_full(fd, off, rbuf[:min(len(rbuf), item.read_bytes - off)],
-                               io_class=item.io_class)
-                if n == 0:
-                    break
-                off += n
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
 
 
 def _enable_trace(output: str, rank: int) -> tuple[Any, str]:
@@ -217,147 +149,283 @@ def run_workload(w: Workload, opts: BenchOptions | None = None) -> dict[str, Any
         ConfigError: missing dataset files, impossible parallelism, bad options.
     """
     opts = opts or BenchOptions()
+    if opts.order not in ORDERS:
+        raise ConfigError(f"order {opts.order!r}: use one of {', '.join(ORDERS)}")
     comm = Comm()
     try:
-        return _run(w, opts, comm)
+        return _Run(w, opts, comm).run()
     finally:
         comm.close()
 
 
-def _run(w: Workload, opts: BenchOptions, comm: Comm) -> dict[str, Any]:
-    rank, world = comm.rank, comm.world
-    output = _owned_dir(opts.output or w.output_folder, "output")
-    data_dir = os.path.abspath(opts.data_dir or w.data_folder)
-    ck_dir = os.path.abspath(opts.checkpoint_dir or w.checkpoint_folder)
-    direct = w.odirect if opts.direct is None else opts.direct
-    if w.do_checkpoint or opts.step_io:
-        _owned_dir(ck_dir, "checkpoint")
-    generate = (w.generate_data if opts.generate is None else opts.generate) and w.do_train
-    if generate:
-        _owned_dir(data_dir, "data")
-    _check_room(w, world, data_dir, ck_dir, generate)
-    progress = _Progress(opts.show_progress and rank == 0, opts.progress_label)
-    start = _now()
-    trace_mod, trace_path = _enable_trace(output, rank) if opts.trace else (None, "")
-    rec = RankRecorder(rank, w.batch_size, w.exclude_start_steps, w.exclude_end_steps,
-                       w.batch_size_eval)
-    ck_io = None
-    if w.do_checkpoint:
-        ck_io = ckpt.CheckpointIO(ck_dir, ckpt.rank_files(w, rank, world), w.checkpoint_fsync,
-                                  drop_cache=opts.drop_cache)
-    checkpoint_bytes = ckpt.total_bytes(w, world) if w.do_checkpoint else 0
-    saved: list[str] = []
+class _Run:
+    """One rank's run of a workload; ``run()`` returns the summary."""
 
-    def do_checkpoint(kind: str, name: str) -> None:
-        if ck_io is None:
+    def __init__(self, w: Workload, opts: BenchOptions, comm: Comm) -> None:
+        self.w, self.opts, self.comm = w, opts, comm
+        self.notes = list(w.notes)
+        self.output = _owned_dir(opts.output or w.output_folder, "output")
+        data_dir = opts.data_dir or w.data_folder
+        if w.on_s3 != data_dir.startswith("s3://"):
+            raise ConfigError(f"data folder {data_dir}: storage.storage_type {w.storage_type} "
+                              f"needs {'an s3:// URL' if w.on_s3 else 'a local path'}")
+        self.data_dir = data_dir.rstrip("/") if w.on_s3 else os.path.abspath(data_dir)
+        self.ck_dir = os.path.abspath(opts.checkpoint_dir or w.checkpoint_folder)
+        self.direct = w.odirect if opts.direct is None else opts.direct
+        self.generate = w.generate_data if opts.generate is None else opts.generate
+        self.progress = _Progress(opts.show_progress and comm.rank == 0, opts.progress_label)
+        self.rec = RankRecorder(comm.rank, w.batch_size, w.exclude_start_steps,
+                                w.exclude_end_steps, w.batch_size_eval)
+        self.ck_io: ckpt.CheckpointIO | None = None
+        self.saved: list[str] = []
+        self.dataset_bytes = 0
+        if w.on_s3 and (opts.drop_cache or self.direct):
+            self.notes.append("--drop-cache and O_DIRECT do not apply to S3 reads")
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any]:
+        w, comm, opts = self.w, self.comm, self.opts
+        if w.do_checkpoint or opts.step_io:
+            _owned_dir(self.ck_dir, "checkpoint")
+        if self.generate and not w.on_s3:
+            _owned_dir(self.data_dir, "data")
+        _check_room(w, comm.world, self.data_dir, self.ck_dir, self.generate)
+        start = _now()
+        trace_mod, trace_path = _enable_trace(self.output, comm.rank) if opts.trace \
+            else (None, "")
+        if w.do_checkpoint:
+            self.ck_io = ckpt.CheckpointIO(self.ck_dir, ckpt.rank_files(w, comm.rank, comm.world),
+                                           w.checkpoint_fsync, drop_cache=opts.drop_cache)
+        if self.generate:
+            with self.progress.phase("generate data", w.num_files_train + w.num_files_eval) \
+                    as advance:
+                files, nbytes = datagen.generate(w, self.data_dir, comm.rank, comm.world,
+                                                 progress=advance)
+            self.rec.generated = {"files": files, "bytes": nbytes}
+            comm.barrier()
+        if w.do_train:
+            self._train()
+        elif w.do_checkpoint:
+            self._checkpoint_only()
+        if trace_mod is not None:
+            trace_mod.disable()
+        write_json_atomic(os.path.join(self.output, f"{comm.rank}_output.json"),
+                          self.rec.to_dict())
+        comm.barrier()
+        if comm.rank != 0:
+            return {"rank": comm.rank, "output": self.output}
+        summary = self._summary(start)
+        if opts.trace:
+            summary["trace"] = _report(self.output, comm.world, trace_path)
+        write_json_atomic(os.path.join(self.output, "summary.json"), summary)
+        return summary
+
+    def _checkpoint(self, kind: str, name: str) -> None:
+        if self.ck_io is None:
             raise ConfigError("no checkpoint is configured (workflow.checkpoint is off)")
-        comm.barrier()
+        self.comm.barrier()
         t0 = time.perf_counter()
-        n = ck_io.save(name) if kind == "save" else ck_io.load(name)
+        n = self.ck_io.save(name) if kind == "save" else self.ck_io.load(name)
         own = time.perf_counter() - t0
-        comm.barrier()
-        rec.checkpoint(kind, name, time.perf_counter() - t0, own, n)
+        self.comm.barrier()
+        self.rec.checkpoint(kind, name, time.perf_counter() - t0, own, n)
+        if kind == "save":
+            self.saved.append(name)
 
-    if generate:
-        with progress.phase("generate data", w.num_files_train) as advance:
-            datagen.generate(w, data_dir, rank, world, progress=advance)
-        comm.barrier()
-    dataset_bytes = 0
-    if w.do_train:
-        files = datagen.list_train_files(w, data_dir)
-        dataset_bytes = sum(os.path.getsize(f) for f in files)
-        steps = steps_per_epoch(w, world, len(files))
+    def _checkpoint_only(self) -> None:
+        """DLIO's ``_checkpoint``: writes, then reads, each after the compute between them."""
+        w = self.w
+        names = [f"global_epoch1_step{i + 1}" for i in range(max(w.num_checkpoints_write,
+                                                                 w.num_checkpoints_read))]
+        reads = names[:max(0, w.num_checkpoints_read)]
+        if w.num_checkpoints_write <= 0 and reads:
+            self._require(reads)
+        for kind, todo in (("save", names[:max(0, w.num_checkpoints_write)]), ("load", reads)):
+            if not todo:
+                continue
+            with self.progress.phase(f"checkpoint {'write' if kind == 'save' else 'read'}",
+                                     len(todo)) as advance:
+                for name in todo:
+                    if w.time_between_checkpoints > 0:
+                        time.sleep(w.time_between_checkpoints)  # the training in between
+                    self._checkpoint(kind, name)
+                    advance(1)
+
+    def _require(self, names: list[str]) -> None:
+        """Every rank's files of ``names`` exist (checked on all ranks before any load)."""
+        files = self.ck_io.files if self.ck_io is not None else []
+        missing = [f"{n}/{f.name}" for n in names for f in files
+                   if not os.path.isfile(os.path.join(self.ck_dir, n, f.name))]
+        if not self.comm.all_ok(not missing):
+            where = f": {missing[0]}" if missing else " on another rank"
+            raise ConfigError(f"checkpoint.num_checkpoints_read = {len(names)} with no writes "
+                              f"reads checkpoints an earlier run wrote into {self.ck_dir}, and "
+                              f"one is missing{where}; write them first with the same model, "
+                              "parallelism and rank count")
+
+    # ------------------------------------------------------------------ training
+    def _train(self) -> None:
+        w, comm, opts = self.w, self.comm, self.opts
+        files = datagen.list_files(w, self.data_dir)
+        steps = steps_per_epoch(w, comm.world, len(files))
         if steps < 1:
             raise ConfigError(f"{w.source}: {len(files)} files x {w.num_samples_per_file} "
                               f"samples make no full batch of {w.batch_size} per rank for "
-                              f"{world} rank(s); add files or lower reader.batch_size")
-        reader = SampleReader(w, files, direct=direct)
+                              f"{comm.world} rank(s); add files or lower reader.batch_size")
+        if w.total_training_steps > max_steps(w, comm.world, len(files)):
+            self.notes.append(f"train.total_training_steps = {w.total_training_steps} is more "
+                              f"than the {steps} steps the dataset holds per epoch: ran "
+                              f"{steps} (DLIO stops with an error)")
+        reader = self._reader(files)
         eval_reader = None
         if w.do_eval:
-            eval_files = datagen.list_train_files(w, data_dir, "valid")
-            dataset_bytes += sum(os.path.getsize(f) for f in eval_files)
-            if eval_steps(w, world) < 1:
+            eval_files = datagen.list_files(w, self.data_dir, "valid")
+            if eval_steps(w, comm.world) < 1:
                 raise ConfigError(f"{w.source}: {len(eval_files)} evaluation files make no "
-                                  f"full batch of {w.batch_size_eval} per rank for {world} "
-                                  "rank(s); add files or lower reader.batch_size_eval")
-            eval_reader = SampleReader(w, eval_files, direct=direct)
-        traffic = _StepTraffic(ck_dir, rank, opts.step_io) if opts.step_io else None
-        rng = np.random.default_rng([w.seed, rank])
+                                  f"full batch of {w.batch_size_eval} per rank for "
+                                  f"{comm.world} rank(s); add files or lower "
+                                  "reader.batch_size_eval")
+            eval_reader = self._reader(eval_files)
+        traffic = StepTraffic(self.ck_dir, comm.rank, opts.step_io) if opts.step_io else None
+        rng = np.random.default_rng([w.seed, comm.rank])
         try:
-            with progress.phase("train", w.epochs * steps) as advance:
+            with self.progress.phase("train", w.epochs * steps) as advance:
                 for epoch in range(1, w.epochs + 1):
-                    _train_epoch(w, epoch, reader, rec, comm, steps, len(files), rng, traffic,
-                                 ck_io, saved, do_checkpoint, advance, opts.drop_cache)
+                    self._epoch(epoch, reader, steps, rng, traffic, advance)
                     if (w.do_checkpoint and w.steps_between_checkpoints <= 0
                             and epoch >= w.checkpoint_after_epoch
                             and (epoch - w.checkpoint_after_epoch)
                             % max(1, w.epochs_between_checkpoints) == 0):
-                        name = f"global_epoch{epoch}_step{steps}"
-                        do_checkpoint("save", name)
-                        saved.append(name)
+                        self._checkpoint("save", f"global_epoch{epoch}_step{steps}")
                     if (eval_reader is not None and epoch >= w.eval_after_epoch
                             and (epoch - w.eval_after_epoch)
                             % max(1, w.epochs_between_evals) == 0):
-                        _evaluate(w, epoch, eval_reader, rec, comm, rng, opts.drop_cache)
+                        self._evaluate(epoch, eval_reader, rng)
         finally:
             reader.close()
             if eval_reader is not None:
                 eval_reader.close()
             if traffic is not None:
                 traffic.close()
-    elif w.do_checkpoint:
-        n_write = max(1, w.num_checkpoints_write)
-        with progress.phase("checkpoint write", n_write) as advance:
-            for i in range(n_write):
-                if w.time_between_checkpoints > 0 and i > 0:
-                    time.sleep(w.time_between_checkpoints)  # the training between checkpoints
-                name = f"global_epoch1_step{i + 1}"
-                do_checkpoint("save", name)
-                saved.append(name)
-                advance(1)
-    if w.do_checkpoint and w.num_checkpoints_read > 0 and saved:
-        with progress.phase("checkpoint read", w.num_checkpoints_read) as advance:
-            for i in range(w.num_checkpoints_read):
-                do_checkpoint("load", saved[i % len(saved)])
-                advance(1)
-    if trace_mod is not None:
-        trace_mod.disable()
-    write_json_atomic(os.path.join(output, f"{rank}_output.json"), rec.to_dict())
-    comm.barrier()
-    if rank != 0:
-        return {"rank": rank, "output": output}
-    import json
+        for name in self.saved[:opts.read_back]:
+            self._checkpoint("load", name)
 
-    ranks = []
-    for r in range(world):
-        with open(os.path.join(output, f"{r}_output.json")) as f:
-            ranks.append(json.load(f))
-    agg = aggregate(ranks, w.record_length, w.au, checkpoint_bytes)
-    mem = meminfo("MemTotal")
-    summary: dict[str, Any] = {
-        "start": start, "end": _now(), "num_accelerators": world, "num_hosts": 1,
-        "hostname": socket.gethostname(), "workload": w.source, "model": w.model_name,
-        "epochs": agg["epochs"], "num_files_train": w.num_files_train,
-        "num_samples_per_file": w.num_samples_per_file, "record_length": w.record_length,
-        "batch_size": w.batch_size, "computation_time": w.computation_time,
-        "host_memory_GB": [mem / 2**30], "data_size_per_host_GB": dataset_bytes / 2**30,
-        "potential_caching": bool(w.do_train and dataset_bytes <= mem
-                                  and not (opts.drop_cache or direct)),
-        "drop_cache": opts.drop_cache, "odirect": bool(direct),
-        "prefetch_batches": max(1, w.read_threads) * max(1, w.prefetch_size),
-        "metric": agg["metric"], "per_epoch": agg["per_epoch"], "per_eval": agg["per_eval"],
-        "checkpoints": agg["checkpoints"], "per_rank": agg["per_rank"],
-        "data_folder": data_dir, "checkpoint_folder": ck_dir if w.do_checkpoint else None,
-        "output_folder": output, "notes": w.notes,
-    }
-    summary["verdict"] = verdict(summary, w.au)
-    write_json_atomic(os.path.join(output, "per_epoch_stats.json"),
-                      {str(p["epoch"]): p for p in agg["per_epoch"]} | {
-                          "checkpoints": agg["checkpoints"]})
-    if opts.trace:
-        summary["trace"] = _report(output, world, trace_path)
-    write_json_atomic(os.path.join(output, "summary.json"), summary)
-    return summary
+    def _reader(self, files: list[str]) -> SampleReader:
+        if self.w.on_s3:
+            remote = storage.source(self.w, files)
+            self.dataset_bytes += int(remote.sizes().sum())
+            return SampleReader(self.w, files, remote=remote)
+        self.dataset_bytes += sum(os.path.getsize(f) for f in files)
+        return SampleReader(self.w, files, direct=self.direct)
+
+    def _batches(self, reader: SampleReader, order: np.ndarray, batch: int) -> Iterator[int]:
+        threads = self.w.read_threads
+        if self.w.data_loader == "tensorflow":
+            threads = max(1, threads)  # tf.data reads with one thread at least
+        return iterate_batches(reader, order, batch, threads, batches_ahead(self.w))
+
+    def _epoch(self, epoch: int, reader: SampleReader, steps: int, rng: np.random.Generator,
+               traffic: StepTraffic | None, advance: Callable[[int], None]) -> None:
+        w, comm, rec = self.w, self.comm, self.rec
+        if self.opts.drop_cache:
+            reader.drop_cache()
+        order = epoch_order(w, epoch, comm.rank, comm.world, len(reader.files),
+                            order=self.opts.order)
+        comm.barrier()
+        rec.start_epoch(epoch)
+        t0 = time.time()
+        for step, nbytes in enumerate(self._batches(reader, order, w.batch_size), start=1):
+            loaded = time.time()
+            ct = w.computation_time
+            if w.computation_time_stdev > 0:
+                ct = max(0.0, float(rng.normal(w.computation_time, w.computation_time_stdev)))
+            worker = None
+            if traffic is not None:
+                worker = threading.Thread(target=traffic.run_step, name="lcache-bench-offload")
+                worker.start()
+            if ct > 0:
+                time.sleep(ct)
+            computed = time.time()
+            if worker is not None:
+                worker.join()  # the accelerator waits for its offload traffic
+            done = time.time()
+            rec.step(epoch, loaded - t0, computed - loaded, done - t0, nbytes)
+            comm.barrier()
+            advance(1)
+            if (self.ck_io is not None and w.steps_between_checkpoints > 0
+                    and step % w.steps_between_checkpoints == 0):
+                rec.end_block(epoch)
+                self._checkpoint("save", f"global_epoch{epoch}_step{step}")
+                rec.start_block(epoch)
+            if step >= steps:
+                break
+            t0 = time.time()
+        rec.end_epoch(epoch)
+        reader.close()  # this epoch's reader threads are gone: their files go too
+
+    def _evaluate(self, epoch: int, reader: SampleReader, rng: np.random.Generator) -> None:
+        """DLIO's evaluation: read the valid/ files, sleep ``eval_time`` per batch."""
+        w, comm, rec = self.w, self.comm, self.rec
+        if self.opts.drop_cache:
+            reader.drop_cache()
+        order = epoch_order(w, epoch, comm.rank, comm.world, len(reader.files),
+                            evaluation=True, order=self.opts.order)
+        comm.barrier()
+        rec.start_eval(epoch)
+        t0 = time.time()
+        for nbytes in self._batches(reader, order, w.batch_size_eval):
+            loaded = time.time()
+            et = w.eval_time
+            if w.eval_time_stdev > 0:
+                et = max(0.0, float(rng.normal(w.eval_time, w.eval_time_stdev)))
+            if et > 0:
+                time.sleep(et)
+            done = time.time()
+            rec.eval_step(epoch, loaded - t0, done - loaded, done - t0, nbytes)
+            t0 = time.time()
+        rec.end_eval(epoch)
+        reader.close()  # this epoch's reader threads are gone: their files go too
+        comm.barrier()
+
+    # ------------------------------------------------------------------ the summary
+    def _summary(self, start: str) -> dict[str, Any]:
+        w, world = self.w, self.comm.world
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(self.output, f"{r}_output.json")) as f:
+                ranks.append(json.load(f))
+        checkpoint_bytes = ckpt.total_bytes(w, world) if w.do_checkpoint else 0
+        agg = aggregate(ranks, w.record_length, w.au, checkpoint_bytes)
+        mem = meminfo("MemTotal")
+        summary: dict[str, Any] = {
+            "start": start, "end": _now(), "num_accelerators": world, "num_hosts": 1,
+            "hostname": socket.gethostname(), "workload": w.source, "model": w.model_name,
+            "epochs": agg["epochs"], "num_files_train": w.num_files_train,
+            "num_samples_per_file": w.num_samples_per_file, "record_length": w.record_length,
+            "batch_size": w.batch_size, "computation_time": w.computation_time,
+            "host_memory_GB": [mem / 2**30],
+            "data_size_per_host_GB": self.dataset_bytes / 2**30,
+            "potential_caching": bool(w.do_train and not w.on_s3 and self.dataset_bytes <= mem
+                                      and not (self.opts.drop_cache or self.direct)),
+            "drop_cache": self.opts.drop_cache, "odirect": bool(self.direct),
+            "order": self.opts.order, "data_loader": w.data_loader,
+            "prefetch_batches": batches_ahead(w),
+            "exclude_steps": [w.exclude_start_steps, w.exclude_end_steps],
+            "generated": agg["generated"], "generate_only": self.generate and not (
+                w.do_train or w.do_checkpoint),
+            "metric": agg["metric"], "per_epoch": agg["per_epoch"], "per_eval": agg["per_eval"],
+            "checkpoints": agg["checkpoints"], "per_rank": agg["per_rank"],
+            "data_folder": self.data_dir,
+            "checkpoint_folder": self.ck_dir if w.do_checkpoint else None,
+            "output_folder": self.output, "notes": self.notes,
+        }
+        if w.do_checkpoint and w.checkpoint_mode == "subset":
+            summary["checkpoint_job_size_GB"] = ckpt.job_bytes(w, world) / 2**30
+        summary["verdict"] = verdict(summary, w.au)
+        write_json_atomic(os.path.join(self.output, "per_epoch_stats.json"),
+                          {str(p["epoch"]): p for p in agg["per_epoch"]} | {
+                              "checkpoints": agg["checkpoints"]})
+        return summary
 
 
 def _report(output: str, world: int, trace_path: str) -> dict[str, Any]:
@@ -371,73 +439,3 @@ def _report(output: str, world: int, trace_path: str) -> dict[str, Any]:
                 "note": "lcache.report is not installed; the traces are written"}
     write_report(paths, html, js)
     return {"traces": paths, "report": html, "report_json": js}
-
-
-def _evaluate(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorder, comm: Comm,
-              rng: np.random.Generator, drop_cache: bool) -> None:
-    """DLIO's evaluation: read the valid/ files, sleep ``eval_time`` per batch."""
-    if drop_cache:
-        reader.drop_cache()
-    order = epoch_order(w, epoch, comm.rank, comm.world, len(reader.files), evaluation=True)
-    comm.barrier()
-    rec.start_eval(epoch)
-    t0 = time.time()
-    batches = iterate_batches(reader, order, w.batch_size_eval, w.read_threads,
-                              w.prefetch_size)
-    for nbytes in batches:
-        loaded = time.time()
-        et = w.eval_time
-        if w.eval_time_stdev > 0:
-            et = max(0.0, float(rng.normal(w.eval_time, w.eval_time_stdev)))
-        if et > 0:
-            time.sleep(et)
-        done = time.time()
-        rec.eval_step(epoch, loaded - t0, done - loaded, done - t0, nbytes)
-        t0 = time.time()
-    rec.end_eval(epoch)
-    reader.close()  # this epoch's reader threads are gone: their files go too
-    comm.barrier()
-
-
-def _train_epoch(w: Workload, epoch: int, reader: SampleReader, rec: RankRecorder, comm: Comm,
-                 steps: int, num_files: int, rng: np.random.Generator,
-                 traffic: _StepTraffic | None, ck_io: Any, saved: list[str],
-                 do_checkpoint: Callable[[str, str], None], advance: Callable[[int], None],
-                 drop_cache: bool) -> None:
-    if drop_cache:
-        reader.drop_cache()
-    order = epoch_order(w, epoch, comm.rank, comm.world, num_files)
-    comm.barrier()
-    rec.start_epoch(epoch)
-    t0 = time.time()
-    batches = iterate_batches(reader, order, w.batch_size, w.read_threads, w.prefetch_size)
-    for step, nbytes in enumerate(batches, start=1):
-        loaded = time.time()
-        ct = w.computation_time
-        if w.computation_time_stdev > 0:
-            ct = max(0.0, float(rng.normal(w.computation_time, w.computation_time_stdev)))
-        worker = None
-        if traffic is not None:
-            worker = threading.Thread(target=traffic.run_step, name="lcache-bench-offload")
-            worker.start()
-        if ct > 0:
-            time.sleep(ct)
-        computed = time.time()
-        if worker is not None:
-            worker.join()  # the accelerator waits for its offload traffic
-        done = time.time()
-        rec.step(epoch, loaded - t0, computed - loaded, done - t0, nbytes)
-        comm.barrier()
-        advance(1)
-        if (ck_io is not None and w.steps_between_checkpoints > 0
-                and step % w.steps_between_checkpoints == 0):
-            rec.end_block(epoch)
-            name = f"global_epoch{epoch}_step{step}"
-            do_checkpoint("save", name)
-            saved.append(name)
-            rec.start_block(epoch)
-        if step >= steps:
-            break
-        t0 = time.time()
-    rec.end_epoch(epoch)
-    reader.close()  # this epoch's reader threads are gone: their files go too

@@ -37,7 +37,7 @@ def _figures_table(summary: dict[str, Any]) -> Table:
 
 def _epoch_table(summary: dict[str, Any]) -> Table:
     table = Table(title="per epoch (AU: mean over ranks; samples/s: sum over ranks)")
-    for col in ("epoch", "AU %", "samples/s", "slowest rank samples/s", "read MiB/s",
+    for col in ("epoch", "AU %", "samples/s", "slowest rank samples/s", "measured MiB/s",
                 "seconds"):
         table.add_column(col, justify="right")
     for row in summary.get("per_epoch", []):
@@ -46,6 +46,13 @@ def _epoch_table(summary: dict[str, Any]) -> Table:
                       f"{row['min_rank_throughput_samples_per_second']:,.1f}",
                       f"{row['measured_io_MB_per_second']:,.1f}", f"{row['duration_s']:.2f}")
     return table
+
+
+# What the two read rates mean (docs/bench.md, "Metrics").
+_RATES = ("[dim]train_io_mean_MB_per_second = samples/s x record_length (DLIO's formula, the "
+          "nominal size); measured MiB/s (train_io_measured_mean_MB_per_second) = the bytes the "
+          "measured steps' batches read / their time: they differ when samples are not "
+          "record_length bytes (record_length_stdev, file headers, whole-file reads)[/]")
 
 
 def _print(summary: dict[str, Any], as_json: bool) -> None:
@@ -57,6 +64,7 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     console.print(_figures_table(summary))
     if summary.get("per_epoch"):
         console.print(_epoch_table(summary))
+        console.print(_RATES, highlight=False)
     for note in summary.get("notes", []):
         console.print(f"[dim]note: {note}[/]", highlight=False)
     console.print(f"summary: {os.path.join(summary['output_folder'], 'summary.json')}",
@@ -98,12 +106,16 @@ def bench() -> None:
               help="lcache model setting for --offload-from, e.g. optimizer_offload=true.")
 @click.option("--max-step-bytes", default="1GiB", show_default=True,
               help="Cap on one offload class's bytes per step per node.")
+@click.option("--order", type=click.Choice(["dlio", "shuffle"]), default="dlio",
+              show_default=True,
+              help="Sample order: DLIO's (each rank reads its block as DLIO's loader does) or "
+                   "shuffle (a global permutation per epoch, split over the ranks).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_cmd(config: str, data_dir: str | None, output: str | None,
             checkpoint_dir: str | None, generate: bool | None, drop_cache: bool,
             odirect: bool | None, overrides: tuple[str, ...], trace: bool,
             offload_preset: str | None, model_settings: tuple[str, ...],
-            max_step_bytes: str, as_json: bool) -> None:
+            max_step_bytes: str, order: str, as_json: bool) -> None:
     """Run CONFIG (a DLIO workload YAML file, or a shipped name such as unet3d_h100).
 
     Under torchrun (`torchrun --nproc_per_node N -m lcache bench run ...`) each process is
@@ -114,7 +126,7 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
     w = load_workload(resolve_config(config), overrides)
     opts = BenchOptions(data_dir=data_dir, output=output, checkpoint_dir=checkpoint_dir,
                         generate=generate, drop_cache=drop_cache, direct=odirect, trace=trace,
-                        show_progress=not as_json)
+                        show_progress=not as_json, order=order)
     offload: dict[str, Any] | None = None
     if offload_preset:
         from lcache.bench.from_model import offload_step_io
