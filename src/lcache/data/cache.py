@@ -15,23 +15,32 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import stat
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from lcache.data.identity import DirectoryIdentity, identify
-from lcache.data.shared import FetchClaims, SharedCounters
-from lcache.data.sources import Source, as_source
+from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
+from lcache.data.sources import (
+    FileSource,
+    RangeSource,
+    Source,
+    SourceError,
+    as_source,
+    fetch_many,
+)
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
 from lcache.io import atomic_write, open_file, private_dir
 from lcache.store import Store, format_size, parse_size
+from lcache.store.counters import RateLimitedWarning
 from lcache.store.record import HEADER_SIZE
 
 log = logging.getLogger("lcache")
@@ -42,6 +51,12 @@ STAGING_WRITERS = 8
 MIN_SEGMENTS = 40
 DEFAULT_STAGING = 256 << 20
 SHM = "/dev/shm"
+ON_ERROR = ("raise", "skip")
+# Where an access's bytes came from.
+NOWHERE, SSD, RAM, FETCHED = range(4)
+_COUNTER_OF = {SSD: "from_ssd", RAM: "from_ram"}  # a fetched access counts as a fetch
+# Sources whose ``decode`` copies what it is given: they may be handed the store's memory.
+_DECODE_COPIES = (FileSource, RangeSource)
 _OPENING = threading.Lock()  # prefetch threads race to open the stores of a new process
 _OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
 
@@ -103,6 +118,35 @@ def _cache_id(cache_dir: str) -> str | None:
         return None
 
 
+class _Skipped:
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+#: What ``SampleCache.get_many`` returns for a sample skipped with ``on_error="skip"``.
+SKIPPED: Any = _Skipped()
+
+
+def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
+    """Bytes from a size (``"500GB"``, an int) or from a fraction of the dataset's bytes: a
+    float (``0.4``) or a percentage (``"40%"``). Sizes stay ``parse_size``'s, which refuses
+    ``"0.4"``: a fraction is a float or a percentage, never a bare string number."""
+    if isinstance(capacity, str) and capacity.strip().endswith("%"):
+        try:
+            fraction = float(capacity.strip()[:-1]) / 100
+        except ValueError:
+            fraction = math.nan
+        what = capacity
+    elif isinstance(capacity, float):
+        fraction, what = capacity, str(capacity)
+    else:
+        return parse_size(capacity)
+    if not (math.isfinite(fraction) and fraction > 0):
+        raise ConfigError(f"cannot read {what!r} as a capacity: a fraction of the dataset is "
+                          "a float above 0 (0.4) or a percentage (\"40%\")")
+    return max(1, int(fraction * dataset_bytes))
+
+
 class Access(NamedTuple):
     """What the seed-aware sampler yields: the sample, and whether the plan keeps it cached
     until its next use (``None``: no plan, admit if there is room)."""
@@ -123,14 +167,18 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
 
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
-                 capacity: int | str, *, segment_size: int | str | None = None,
+                 capacity: int | float | str, *, segment_size: int | str | None = None,
                  staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
-                 fingerprint: str | None = None, check: bool = True) -> None:
+                 fingerprint: str | None = None, check: bool = True,
+                 on_error: str = "raise") -> None:
+        if on_error not in ON_ERROR:
+            raise ConfigError(f"on_error={on_error!r}: use \"raise\" or \"skip\"")
+        self.on_error = on_error
         self.source: Source = as_source(source)
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
-        self.capacity = parse_size(capacity)
         sizes = self.source.sizes()
         self.dataset_bytes = int(sizes.sum())
+        self.capacity = cache_capacity(capacity, self.dataset_bytes)
         largest = int(sizes.max())
         self.segment_size = parse_size(segment_size) if segment_size else \
             choose_segment_size(self.capacity, 512, largest)
@@ -177,6 +225,8 @@ class SampleCache:
         self._pid = -1
         self._admit = True
         self._warned_large = False
+        self._warn_skip = RateLimitedWarning()
+        self._decode_copies = isinstance(self.source, _DECODE_COPIES)
         self._on_ssd = on_ssd
         with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
             if opened.reset and os.path.lexists(store_dir):
@@ -303,79 +353,188 @@ class SampleCache:
 
     # ------------------------------------------------------------------- serving
     def get(self, index: int, keep: bool | None = None) -> Any:
-        """The item for sample ``index``: from the cache when there, else from the source
-        (admitted when ``keep`` is not False). With ``keep=False`` a cached copy is deleted
-        after it is read: the plan has no room for it until its next use."""
+        """The item for sample ``index`` (see ``get_many``)."""
+        return self.get_many([index], [keep])[0]
+
+    def get_many(self, indices: Sequence[int], keeps: Sequence[bool | None]) -> list[Any]:
+        """The items of ``indices``, in order: from the cache where there, else from the
+        source, with one store read per store, one claim pass and one ``fetch_many`` of the
+        misses, and one ``put_many`` of those admitted (``keep`` not False).
+
+        With ``keep=False`` a cached copy is deleted as it is read: the plan has no room for
+        it until its next use. A sample the source fails to deliver raises ``SourceError``,
+        or with ``on_error="skip"`` is counted in ``skipped`` and comes back as ``SKIPPED``.
+        (A sample twice in one call is fetched once, and admitted as its last access says.)
+        """
+        if len(indices) != len(keeps):
+            raise ValueError(f"{len(indices)} samples but {len(keeps)} keep flags")
+        n = len(indices)
+        tally = dict.fromkeys(COUNTER_NAMES, 0)
+        data, where = self._read(list(indices), list(keeps), tally)
+        missing = [i for i in range(n) if data[i] is None]
+        if missing:
+            wanted = {indices[i]: keeps[i] for i in missing}  # the last access's keep wins
+            got = self._fill(wanted, tally)
+            first: set[int] = set()
+            for i in missing:
+                data[i], where[i] = got[indices[i]]
+                if where[i] == FETCHED:
+                    if indices[i] in first:  # the bytes fetched for its first access
+                        where[i] = RAM
+                    first.add(indices[i])
+        out: list[Any] = [SKIPPED] * n
+        for i in range(n):
+            item: Any = data[i]
+            at = where[i]
+            if item is None:
+                tally["skipped"] += 1
+                continue
+            if at != FETCHED:
+                tally[_COUNTER_OF[at]] += 1
+            tally["served_bytes"] += len(item)
+            if type(item) is not bytes and not self._decode_copies:
+                item = bytearray(item)  # a private, writable copy of the store's memory
+            out[i] = self.source.decode(item)
+        tally["accesses"] += n
+        self.counters.add(**{k: v for k, v in tally.items() if v})
+        return out
+
+    def _read(self, keys: list[int], keeps: list[bool | None], tally: dict[str, int]
+              ) -> tuple[list[bytes | memoryview | None], list[int]]:
+        """The cached bytes of ``keys`` (main store first, then staging) and where each was
+        found. Hits with keep False, and every staged hit, are removed as they are read."""
         main, staging = self.store(), self.staging()
-        data, where = self._read(main, staging, index)
-        fetched = data is None
-        if data is None:
-            with self.claims.hold(index):
-                data, where = self._read(main, staging, index)  # fetched while we waited?
-                if data is None:
-                    data = self.source.fetch(index)
-                    if keep is not False:
-                        self._put(main, index, data)
-                else:
-                    fetched = False
-        if where is staging:
-            staging.delete(index)  # staged samples are read once
-        deleted = keep is False and where is not staging and main.delete(index)
-        if fetched:
-            self.counters.add(accesses=1, fetches=1, remote_bytes=len(data),
-                              served_bytes=len(data), deleted=int(deleted))
-        else:
-            self.counters.add(accesses=1, from_ssd=1, served_bytes=len(data),
-                              deleted=int(deleted))
-        return self.source.decode(data)
+        data: list[bytes | memoryview | None] = [None] * len(keys)
+        where = [NOWHERE] * len(keys)
+        todo = list(range(len(keys)))
+        for store, at in ((main, SSD), (staging, RAM if not self._on_ssd else SSD)):
+            if not todo:
+                break
+            wanted = [keys[i] for i in todo]
+            # staged samples are read once; kept ones live until the plan says otherwise
+            remove = [True] * len(todo) if store is staging else \
+                [keeps[i] is False for i in todo]
+            views = store.get_many(wanted, remove=remove)
+            unread = [j for j, v in enumerate(views) if v is None and wanted[j] in store]
+            if unread:
+                # Why read twice: another process may have moved the record (compaction)
+                # between our lookup and our read.
+                again = store.get_many([wanted[j] for j in unread],
+                                       remove=[remove[j] for j in unread])
+                for j, view in zip(unread, again, strict=True):
+                    if view is None and wanted[j] in store:
+                        # Still unreadable: damaged on disk. Drop it; the source has it.
+                        store.delete(wanted[j])
+                        tally["corrupt_refetches"] += 1
+                    views[j] = view
+            for j, i in enumerate(todo):
+                if views[j] is not None:
+                    data[i], where[i] = views[j], at
+                    if store is main and remove[j]:
+                        tally["deleted"] += 1
+            todo = [i for i in todo if data[i] is None]
+        return data, where
+
+    def _fill(self, wanted: dict[int, bool | None], tally: dict[str, int]
+              ) -> dict[int, tuple[bytes | memoryview | None, int]]:
+        """Bytes (and where from) for samples the cache missed, each fetched by one process:
+        those nobody else is fetching first (claimed without waiting), then, holding no
+        claim, the others, waiting for their fetchers (in key order: no two readers can
+        wait on each other), which usually leaves them cached."""
+        keys = sorted(wanted)
+        got: dict[int, tuple[bytes | memoryview | None, int]] = {}
+        with self.claims.hold_many(keys, blocking=False) as mine:
+            got.update(self._fetch_claimed(mine, wanted, tally))
+        rest = [k for k in keys if k not in got]
+        if rest:
+            with self.claims.hold_many(rest) as claimed:
+                got.update(self._fetch_claimed(claimed, wanted, tally))
+        return got
+
+    def _fetch_claimed(self, keys: list[int], wanted: dict[int, bool | None],
+                       tally: dict[str, int]) -> dict[int, tuple[bytes | memoryview | None, int]]:
+        """Under the claims of ``keys``: read them again (fetched while we waited?), fetch
+        the rest and admit those the plan keeps."""
+        if not keys:
+            return {}
+        data, where = self._read(keys, [wanted[k] for k in keys], tally)
+        got = {k: (data[j], where[j]) for j, k in enumerate(keys) if data[j] is not None}
+        missing = [k for k in keys if k not in got]
+        if not missing:
+            return got
+        fetched = self._fetch(missing)
+        admit = [(k, b) for k, b in fetched.items() if b is not None and wanted[k] is not False]
+        if admit:
+            self._put_many(self.store(), [k for k, _ in admit], [b for _, b in admit])
+        for k in missing:
+            payload = fetched[k]
+            got[k] = (payload, FETCHED)
+            if payload is not None:
+                tally["fetches"] += 1
+                tally["remote_bytes"] += len(payload)
+        return got
+
+    def _fetch(self, keys: list[int]) -> dict[int, bytes | None]:
+        """The source's bytes of ``keys``; with ``on_error="skip"`` a sample that fails (after
+        the source's retries) is ``None``, and a warning names the first few."""
+        try:
+            return dict(zip(keys, fetch_many(self.source, keys), strict=True))
+        except SourceError:
+            if self.on_error == "raise":
+                raise
+        out: dict[int, bytes | None] = {}
+        for k in keys:  # one by one, to tell the failing samples from the others
+            try:
+                out[k] = fetch_many(self.source, [k])[0]
+            except SourceError as exc:
+                out[k] = None
+                self._warn_skip("lcache: skipped sample %d of %s after the source's retries "
+                                "(%s)", k, self.source.url, exc)
+        return out
 
     def prefetch(self, index: int, keep: bool = True,
                  wanted: Callable[[], bool] = lambda: True) -> int:
-        """Fetch sample ``index`` into the cache (the main store if ``keep``, else staging)
-        unless it is there, being fetched, or no longer ``wanted()`` once claimed (a reader
-        got to it first). Returns the bytes fetched from the source (0: nothing done)."""
+        """Fetch sample ``index`` into the cache (see ``prefetch_many``)."""
+        return self.prefetch_many([index], [keep], wanted)
+
+    def prefetch_many(self, indices: Sequence[int], keeps: Sequence[bool],
+                      wanted: Callable[[], bool] = lambda: True) -> int:
+        """Fetch samples into the cache (the main store where ``keep``, else staging) unless
+        they are there, being fetched, or no longer ``wanted()`` once claimed (a reader got
+        to them first). One ``fetch_many``. Returns the bytes fetched (0: nothing done)."""
         main, staging = self.store(), self.staging()
-        if index in main or index in staging:
+        plan = {k: keep for k, keep in zip(indices, keeps, strict=True)
+                if k not in main and k not in staging}
+        if not plan:
             return 0
-        with self.claims.hold(index, blocking=False) as claimed:
-            if not claimed or index in main or index in staging or not wanted():
+        with self.claims.hold_many(sorted(plan), blocking=False) as claimed:
+            todo = [k for k in claimed if k not in main and k not in staging]
+            if not todo or not wanted():
                 return 0
-            data = self.source.fetch(index)
-            self._put(main if keep else staging, index, data)
-        self.counters.add(fetches=1, remote_bytes=len(data), prefetched=1)
-        return len(data)
+            fetched = dict(zip(todo, fetch_many(self.source, todo), strict=True))
+            for store, keep in ((main, True), (staging, False)):
+                keys = [k for k in todo if plan[k] is keep]
+                if keys:
+                    self._put_many(store, keys, [fetched[k] for k in keys])
+        total = sum(len(b) for b in fetched.values())
+        self.counters.add(fetches=len(todo), remote_bytes=total, prefetched=len(todo))
+        return total
 
-    def _read(self, main: Store, staging: Store, index: int
-              ) -> tuple[bytes | memoryview | None, Store | None]:
-        """The sample's bytes and the store that had them (main first, then staging)."""
-        for store in (main, staging):
-            view = store.get_many([index])[0]
-            if view is None and index in store:
-                # Why read twice: another process may have moved the record (compaction)
-                # between our lookup and our read.
-                view = store.get_many([index])[0]
-                if view is None and index in store:
-                    # Still unreadable: damaged on disk. Drop it; the source has it.
-                    store.delete(index)
-                    self.counters.add(corrupt_refetches=1)
-            if view is not None:
-                return view, store
-        return None, None
-
-    def _put(self, store: Store, index: int, data: bytes) -> None:
+    def _put_many(self, store: Store, keys: list[int], values: list[bytes]) -> None:
         if not self._admit:
             return
-        if len(data) + HEADER_SIZE > store.config.segment_size:
+        room = store.config.segment_size - HEADER_SIZE
+        fits = [j for j, v in enumerate(values) if len(v) <= room]
+        if len(fits) < len(values) and not self._warned_large:
             # A dataset's sizes are estimated from a probe: an item may be larger than any
             # segment. It is served from the source, uncached, rather than failing training.
-            if not self._warned_large:
-                self._warned_large = True
-                log.warning("lcache: sample %d of %s (%s) is larger than a segment of %s and is "
-                            "not cached; pass a larger segment_size", index, self.source.url,
-                            format_size(len(data)), format_size(store.config.segment_size))
-            return
+            self._warned_large = True
+            j = next(j for j in range(len(values)) if j not in fits)
+            log.warning("lcache: sample %d of %s (%s) is larger than a segment of %s and is "
+                        "not cached; pass a larger segment_size", keys[j], self.source.url,
+                        format_size(len(values[j])), format_size(store.config.segment_size))
         try:
-            store.put(index, data)
+            store.put_many([keys[j] for j in fits], [values[j] for j in fits])
         except (DiskFullError, StoreFullError) as exc:
             self._admit = False
             self.counters.add(admit_failures=1)
@@ -384,8 +543,16 @@ class SampleCache:
                         self.source.url)
 
     # ------------------------------------------------------------------- figures
-    def stats(self) -> dict[str, Any]:
+    def stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Counts of every process using the directory, since it was made, or since
+        ``since``: an earlier ``stats()``, for the figures of what happened in between
+        (``mark = ds.stats()`` at the start of an epoch, ``ds.stats(since=mark)`` at its end).
+        """
         totals = self.counters.totals()
+        if since is not None:
+            if since.get("interval"):
+                raise ValueError("since= takes a stats() taken without since=")
+            totals = {k: v - int(since.get(k, 0)) for k, v in totals.items()}
         accesses = totals["accesses"]
         fetched = totals["fetches"] - totals["prefetched"]  # misses the reader waited for
         return {
@@ -394,6 +561,7 @@ class SampleCache:
             "samples": len(self.source),
             "dataset_bytes": self.dataset_bytes,
             "capacity": self.capacity,
+            "interval": since is not None,
             "hit_ratio": 1 - totals["fetches"] / accesses if accesses else 0.0,
             "demand_misses": fetched,
             **totals,

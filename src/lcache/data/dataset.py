@@ -6,8 +6,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lcache.data.cache import DEFAULT_STAGING, Access, SampleCache
-from lcache.data.sources import as_source
+from lcache.data.cache import DEFAULT_STAGING, SKIPPED, Access, SampleCache
+from lcache.data.sources import SourceError, as_source
 
 
 class CachedDataset:
@@ -15,7 +15,10 @@ class CachedDataset:
     or a map-style dataset), read through a cache of ``capacity`` bytes in ``cache_dir``.
 
     Indexed by an int (read-through: admitted if there is room) or by the ``Access`` the
-    ``SeedAwareSampler`` yields (follows the plan). ``staging_bytes`` of memory (/dev/shm)
+    ``SeedAwareSampler`` yields (follows the plan); a DataLoader with a batch size calls
+    ``__getitems__`` with a batch of them, which is served with one read per store, one
+    ``fetch_many`` of the misses and one write. ``capacity`` is a size (``"500GB"``) or a
+    fraction of the dataset's bytes (``0.4`` or ``"40%"``). ``staging_bytes`` of memory (/dev/shm)
     hold prefetched samples the plan does not keep until they are read. ``transform`` turns
     the raw item (bytes for files and ranges, the original structure for datasets) into what
     training needs; it runs on every read, so random augmentations belong there.
@@ -25,28 +28,58 @@ class CachedDataset:
     without a listing, the bytes of a probe of its items. ``check`` (on by default) compares
     the source's listing with the one cached and drops samples rewritten since; turn it off
     only for a source that never changes.
+
+    ``on_error="skip"``: a sample the source fails to deliver (after its retries) is counted
+    in ``stats()["skipped"]`` and left out of its batch (``ds[i]`` returns ``None``), instead
+    of raising ``SourceError``; a batch whose every sample failed still raises.
     """
 
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
-                 capacity: int | str, *, transform: Callable[[Any], Any] | None = None,
+                 capacity: int | float | str, *,
+                 transform: Callable[[Any], Any] | None = None,
                  segment_size: int | str | None = None,
                  staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
                  fingerprint: str | None = None, check: bool = True,
-                 **source_options: Any) -> None:
+                 on_error: str = "raise", **source_options: Any) -> None:
         self.cache = SampleCache(as_source(source, **source_options), cache_dir, capacity,
                                  segment_size=segment_size, staging_bytes=staging_bytes,
-                                 name=name, fingerprint=fingerprint, check=check)
+                                 name=name, fingerprint=fingerprint, check=check,
+                                 on_error=on_error)
         self.transform = transform
 
     def __len__(self) -> int:
         return len(self.cache.source)
 
     def __getitem__(self, key: int | Access) -> Any:
-        index, keep = (key.sample, key.keep) if isinstance(key, Access) else (int(key), None)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} is outside 0..{len(self) - 1}")
-        item = self.cache.get(index, keep)
-        return self.transform(item) if self.transform is not None else item
+        item = self._serve([key])[0]
+        return None if item is SKIPPED else item
 
-    def stats(self) -> dict[str, Any]:
-        return self.cache.stats()
+    def __getitems__(self, keys: list[int | Access]) -> list[Any]:
+        """The items of a batch (what a DataLoader with a batch size asks for), in order;
+        samples skipped with ``on_error="skip"`` are left out."""
+        items = [item for item in self._serve(keys) if item is not SKIPPED]
+        if keys and not items:
+            raise SourceError(f"every sample of a batch of {len(keys)} failed to come from "
+                              f"{self.cache.source.url} (on_error=\"skip\" skips samples, "
+                              "not an unreachable source); see the warnings above")
+        return items
+
+    def _serve(self, keys: list[int | Access]) -> list[Any]:
+        n = len(self)
+        indices: list[int] = []
+        keeps: list[bool | None] = []
+        for key in keys:
+            index, keep = (key.sample, key.keep) if isinstance(key, Access) else (int(key), None)
+            if not 0 <= index < n:
+                raise IndexError(f"sample {index} is outside 0..{n - 1}")
+            indices.append(index)
+            keeps.append(keep)
+        items = self.cache.get_many(indices, keeps)
+        if self.transform is not None:
+            items = [item if item is SKIPPED else self.transform(item) for item in items]
+        return items
+
+    def stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The node's counts (see ``SampleCache.stats``): all time, or since an earlier
+        ``stats()``."""
+        return self.cache.stats(since)

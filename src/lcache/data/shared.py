@@ -18,7 +18,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,8 +26,10 @@ import numpy as np
 
 from lcache.io import open_file
 
+# Appended only: a counter's index is its place in every slot of existing files.
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
-                 "corrupt_refetches", "admit_failures", "deleted", "served_bytes")
+                 "corrupt_refetches", "admit_failures", "deleted", "served_bytes", "from_ram",
+                 "skipped")
 log = logging.getLogger("lcache")
 _SETUP = threading.Lock()  # per-process set-up runs once even when threads race to it
 SLOTS = 1024
@@ -66,29 +68,59 @@ class FetchClaims:
     def hold(self, key: int, blocking: bool = True) -> Iterator[bool]:
         """Claim ``key``; yields False (without waiting) when ``blocking`` is off and another
         thread or process holds it."""
+        with self.hold_many([key], blocking) as held:
+            yield bool(held)
+
+    @contextmanager
+    def hold_many(self, keys: Sequence[int], blocking: bool = True) -> Iterator[list[int]]:
+        """Claim each of ``keys`` (distinct); yields those claimed: all of them when
+        ``blocking``, else those no other thread or process held. Blocking claims are taken
+        in the order given: give it sorted, and two holders can never wait on each other."""
         self._setup()
+        held: list[int] = []
+        try:
+            for key in keys:
+                if self._acquire(key, blocking):
+                    held.append(key)
+            yield held
+        finally:
+            for key in reversed(held):
+                self._release(key)
+
+    def _acquire(self, key: int, blocking: bool) -> bool:
         with self._mu:
             entry = self._locks.setdefault(key, [threading.Lock(), 0])
             entry[1] += 1  # type: ignore[operator]
         lock: threading.Lock = entry[0]  # type: ignore[assignment]
-        got = lock.acquire(blocking)
+        got = False
         try:
-            if got:
+            if lock.acquire(blocking):
                 try:
-                    flags = fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB)
-                    fcntl.lockf(self._fd, flags, 1, key, os.SEEK_SET)
+                    fcntl.lockf(self._fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB),
+                                1, key, os.SEEK_SET)
+                    got = True
                 except BlockingIOError:
-                    lock.release()
-                    got = False
-            yield got
+                    pass
+                finally:
+                    if not got:
+                        lock.release()
         finally:
-            if got:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, key, os.SEEK_SET)
-                lock.release()
-            with self._mu:
-                entry[1] -= 1  # type: ignore[operator]
-                if entry[1] == 0:
-                    del self._locks[key]
+            if not got:
+                self._unref(key, entry)
+        return got
+
+    def _release(self, key: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, key, os.SEEK_SET)
+        with self._mu:
+            entry = self._locks[key]
+        entry[0].release()  # type: ignore[attr-defined]
+        self._unref(key, entry)
+
+    def _unref(self, key: int, entry: list[object]) -> None:
+        with self._mu:
+            entry[1] -= 1  # type: ignore[operator]
+            if entry[1] == 0:
+                del self._locks[key]
 
 
 class SharedCounters:
