@@ -16,7 +16,13 @@ Workloads: ``unet3d_small`` (npz, compute-bound: storage is not the bottleneck, 
 should agree within 10%), ``unet3d_readbound`` (large samples, 1 ms of compute: the read path is
 the bottleneck, both should fail AU), ``checkpoint_small`` (training with a 512 MiB checkpoint
 every 5 steps; DLIO 2.0.0 records checkpoint durations only in per_epoch_stats.json, at 10 ms
-resolution, and has no checkpoint read phase).
+resolution, and has no checkpoint read phase), ``llama_checkpoint`` (MLPerf's checkpoint-only
+llama3 workflow, shrunk to a 1.7 GiB ZeRO-3 checkpoint: 2 writes then 2 reads). DLIO 2.0.0 has
+no checkpoint-only workflow, so that one runs a newer DLIO: ``--dlio-src`` names a local
+checkout of argonne-lcf/dlio_benchmark (MLPerf Storage v2.0 pins its ``mlperf_storage_v2.0``
+branch), pip-installed into a second venv; without it the row says it was skipped. Newer DLIO
+never fsyncs a checkpoint (it reads ``checkpoint.fsync`` into a misspelled attribute), so the
+file sets ``fsync: False`` for both.
 
 Both run ``framework: pytorch`` (MLPerf's unet3d setting), so DLIO needs torch in its
 environment too (PyPI's build, several GB). With ``framework: tensorflow`` DLIO 2.0.0 writes
@@ -62,7 +68,10 @@ def workloads(work: Path) -> dict[str, dict[str, Any]]:
                                          "record_length": 16777216},
                              "reader": {**base["reader"], "batch_size": 4, "read_threads": 2},
                              "train": {"epochs": 2, "computation_time": 0.001}},
-        "checkpoint_small": {**base, "model": {"name": "checkpoint_small"},
+        # ZeRO 1: every lcache rank writes its model state, as 2.0.0's all_ranks (which
+        # ignores model.parallelism)
+        "checkpoint_small": {**base, "model": {"name": "checkpoint_small",
+                                               "parallelism": {"zero_stage": 1}},
                              "workflow": {"generate_data": True, "train": True,
                                           "checkpoint": True},
                              "dataset": {"data_folder": str(work / "data" / "ckpt_small"),
@@ -73,11 +82,23 @@ def workloads(work: Path) -> dict[str, dict[str, Any]]:
                              "checkpoint": {"checkpoint_folder": "PLACEHOLDER",
                                             "steps_between_checkpoints": 5,
                                             "model_size": 536870912,
-                                            # 2.0.0's default is rank_zero; newer DLIO and
-                                            # lcache write from every rank
+                                            # 2.0.0's default is rank_zero; with all_ranks
+                                            # every rank writes there
                                             "type": "all_ranks",
                                             # DLIO 2.0.0 never fsyncs (and ignores the key)
                                             "fsync": False}},
+        "llama_checkpoint": {
+            "framework": "pytorch",
+            "model": {"name": "llama_checkpoint", "type": "transformer", "num_layers": 4,
+                      "model_datatype": "fp16", "optimizer_datatype": "fp32",
+                      "parallelism": {"tensor": 1, "pipeline": 1, "zero_stage": 3},
+                      "transformer": {"vocab_size": 32000, "hidden_size": 1024,
+                                      "ffn_hidden_size": 4096, "num_attention_heads": 16,
+                                      "num_kv_heads": 8}},
+            "workflow": {"generate_data": False, "train": False, "checkpoint": True},
+            "checkpoint": {"checkpoint_folder": "PLACEHOLDER", "time_between_checkpoints": 1,
+                           "num_checkpoints_write": 2, "num_checkpoints_read": 2,
+                           "fsync": False}},
     }
 
 
@@ -87,8 +108,13 @@ def sh(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
                           cwd=cwd, check=False)
 
 
-def install(venv: Path) -> dict[str, Any]:
-    """Install DLIO 2.0.0 and OpenMPI; returns what was done and what failed, exactly."""
+# Workloads DLIO 2.0.0 cannot run (it has no checkpoint-only workflow): run by --dlio-src.
+NEEDS_NEWER_DLIO = {"llama_checkpoint"}
+
+
+def install(venv: Path, source: str = "dlio-benchmark==2.0.0") -> dict[str, Any]:
+    """Install DLIO (2.0.0 from PyPI, or a local checkout) and OpenMPI; returns what was done
+    and what failed, exactly."""
     steps: list[dict[str, Any]] = []
 
     def step(name: str, cmd: list[str], timeout: float = 1200) -> bool:
@@ -106,7 +132,7 @@ def install(venv: Path) -> dict[str, Any]:
     if ok and not (venv / "bin" / "dlio_benchmark").exists():
         ok = (step("venv", [sys.executable, "-m", "venv", str(venv)])
               and step("dlio-benchmark (no deps)", [str(venv / "bin" / "pip"), "install",
-                                                    "--no-deps", "dlio-benchmark==2.0.0"])
+                                                    "--no-deps", source])
               and step("dlio dependencies", [str(venv / "bin" / "pip"), "install",
                                              *DLIO_DEPS]))
     return {"ok": ok and (venv / "bin" / "dlio_benchmark").exists(), "steps": steps}
@@ -141,11 +167,16 @@ def run_dlio(venv: Path, conf: Path, name: str, out: Path, ranks: int,
     s = json.loads(summary.read_text())
     s["batch_size"] = batch_size
     doc["metric"] = s.get("metric", {})
-    stats = json.loads((out / "per_epoch_stats.json").read_text())
-    # DLIO prints durations with 2 decimals; the ISO start/end stamps beside them are exact.
+    # DLIO 2.0.0 writes per_epoch_stats.json, newer DLIO one {rank}_per_epoch_stats.json each
+    stats_file = out / "per_epoch_stats.json"
+    if not stats_file.exists():
+        stats_file = out / "0_per_epoch_stats.json"
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    # DLIO 2.0.0 prints durations with 2 decimals; the ISO start/end stamps beside them are
+    # exact. Newer DLIO has the save_/load_checkpoint_* keys in its summary.
     ckpt = [_span(v) for e in stats.values() if isinstance(e, dict)
             for k, v in e.items() if k.startswith("ckpt") and "end" in v]
-    if ckpt:
+    if ckpt and "save_checkpoint_duration_mean_seconds" not in doc["metric"]:
         doc["save_checkpoint_durations_s"] = ckpt
         doc["metric"]["save_checkpoint_duration_mean_seconds"] = sum(ckpt) / len(ckpt)
     steady = _steady_throughput(out, stats, ranks, s)
@@ -215,7 +246,8 @@ def run_lcache(cfg: Path, out: Path, ranks: int, timeout: float) -> dict[str, An
 
 KEYS = ("train_au_mean_percentage", "train_throughput_mean_samples_per_second",
         "train_throughput_steady_mean_samples_per_second",
-        "train_io_mean_MB_per_second", "save_checkpoint_duration_mean_seconds")
+        "train_io_mean_MB_per_second", "save_checkpoint_duration_mean_seconds",
+        "load_checkpoint_duration_mean_seconds", "checkpoint_size_GB")
 
 
 def compare(dlio: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
@@ -249,8 +281,9 @@ def one_run(args: argparse.Namespace, conf: Path, name: str, doc: dict[str, Any]
     out.mkdir(parents=True)
     dropped = drop_caches()
     if tool == "dlio":
-        row = run_dlio(args.venv, conf, name, out, args.ranks, args.timeout,
-                       doc["reader"]["batch_size"])
+        venv = args.new_venv if name in NEEDS_NEWER_DLIO else args.venv
+        row = run_dlio(venv, conf, name, out, args.ranks, args.timeout,
+                       doc.get("reader", {}).get("batch_size", 1))
     else:
         row = run_lcache(cfg, out, args.ranks, args.timeout)
     row["page_cache_dropped"] = dropped
@@ -286,6 +319,9 @@ def main() -> None:
     ap.add_argument("--only", action="append", help="run only this workload (repeatable)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--repeat", type=int, default=3, help="runs per tool; medians reported")
+    ap.add_argument("--dlio-src", help="a local checkout of argonne-lcf/dlio_benchmark (e.g. "
+                    "its mlperf_storage_v2.0 branch) for the workloads DLIO 2.0.0 cannot run")
+    ap.add_argument("--new-venv", type=Path, default=Path("/var/tmp/dlio-new-venv"))
     ap.add_argument("--json", action="store_true", help="print JSON (the only output form)")
     args = ap.parse_args()
     report: dict[str, Any] = {"dlio_version": "2.0.0", "ranks": args.ranks,
@@ -304,9 +340,18 @@ def main() -> None:
     shutil.copy(pkg / "config.yaml", conf / "config.yaml")
     shutil.copytree(pkg / "hydra", conf / "hydra", dirs_exist_ok=True)
 
+    chosen = {n: d for n, d in workloads(args.work).items() if not args.only or n in args.only}
+    newer_ok = False
+    if args.dlio_src and NEEDS_NEWER_DLIO & set(chosen):
+        report["install_newer"] = install(args.new_venv, args.dlio_src)
+        newer_ok = report["install_newer"]["ok"]
     report["workloads"] = {}
-    for name, doc in workloads(args.work).items():
-        if args.only and name not in args.only:
+    for name, doc in chosen.items():
+        if name in NEEDS_NEWER_DLIO and not newer_ok:
+            report["workloads"][name] = {
+                "skipped": "DLIO 2.0.0 has no checkpoint-only workflow; give --dlio-src, a "
+                           "checkout of a newer DLIO (MLPerf Storage v2.0 pins its "
+                           "mlperf_storage_v2.0 branch)"}
             continue
         runs: dict[str, list[dict[str, Any]]] = {"dlio": [], "lcache": []}
         for _ in range(args.repeat):  # interleaved, so drift on a shared host hits both

@@ -72,7 +72,6 @@ MISPLACED = {
 # Accepted (DLIO files carry them) but without effect on an emulation of the I/O: they tune a
 # real framework's compute or DLIO's own bookkeeping. Listed in the run's notes.
 NO_EFFECT = {
-    ("model", "type"): "",
     ("reader", "computation_threads"): "",
     ("reader", "pin_memory"): "",
     ("reader", "multiprocessing_context"): "",
