@@ -93,13 +93,14 @@ def test_shipped_configs_are_the_published_files() -> None:
 # --------------------------------------------------------------------------- bug 5
 def test_one_step_per_epoch_says_nothing_was_measured(tmp_path: Path) -> None:
     w = load_workload(str(MLPERF / "unet3d_h100.yaml"), [
-        *folders(tmp_path), "workflow.generate_data=True", "workflow.checkpoint=False",
-        "dataset.num_files_train=7", "dataset.record_length_bytes=4096", "train.epochs=2",
-        "train.computation_time=0.001"])
+        *folders(tmp_path), "workflow.generate_data=True", "dataset.num_files_train=7",
+        "dataset.record_length_bytes=4096", "train.epochs=2", "train.computation_time=0.001",
+        "checkpoint.checkpoint_after_epoch=2"])
     s = run(w)
     assert "AU 0.0%" not in s["verdict"]
     assert s["verdict"].startswith("nothing was measured: 1 step per epoch")
     assert "exclude_start_steps" in s["verdict"]
+    assert "checkpoint 0.000 GiB saved in" in s["verdict"]  # what was measured still shows
 
 
 # --------------------------------------------------------------------------- bug 6a

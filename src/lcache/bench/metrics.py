@@ -294,34 +294,34 @@ def _phase(ranks: list[dict[str, Any]], field_name: str, prefix: str, record_len
     return rows_out
 
 
-def _nothing_measured(summary: dict[str, Any]) -> str:
-    """Why a run measured nothing (or "" when it measured something)."""
+def _unmeasured_training(summary: dict[str, Any]) -> str:
+    """Why training measured nothing ("" when it measured something, or did not train)."""
     rows = summary.get("per_epoch", [])
-    if rows and all(r["metric_steps"] == 0 for r in rows):
-        steps = rows[0]["steps"]
-        skip = summary.get("exclude_steps", (1, 0))
-        return (f"nothing was measured: {steps} step{'s' if steps != 1 else ''} per epoch, "
-                f"and output.metric.exclude_start_steps = {skip[0]} with exclude_end_steps = "
-                f"{skip[1]} leave none to measure; add files (dataset.num_files_train), "
-                "lower reader.batch_size or exclude fewer steps")
-    gen = summary.get("generated") or {}
-    if not rows and not summary.get("checkpoints"):
+    if not rows or any(r["metric_steps"] for r in rows):
+        return ""
+    steps = rows[0]["steps"]
+    skip = summary.get("exclude_steps", (1, 0))
+    return (f"nothing was measured: {steps} step{'s' if steps != 1 else ''} per epoch, and "
+            f"output.metric.exclude_start_steps = {skip[0]} with exclude_end_steps = {skip[1]} "
+            "leave none to measure; add files (dataset.num_files_train), lower "
+            "reader.batch_size or exclude fewer steps")
+
+
+def verdict(summary: dict[str, Any], au_target: float) -> str:
+    """One line: AU met or not, and why (the figure that decides it)."""
+    m = summary["metric"]
+    if not summary.get("per_epoch") and not summary.get("checkpoints"):
+        gen = summary.get("generated") or {}
         if gen.get("files") or summary.get("generate_only"):
             return (f"generated {gen.get('files', 0)} files ({gen.get('bytes', 0):,} bytes) "
                     f"in {summary.get('data_folder')} (a data-generation run: no training "
                     "or checkpoint to measure)")
         return "nothing was measured"
-    return ""
-
-
-def verdict(summary: dict[str, Any], au_target: float) -> str:
-    """One line: AU met or not, and why (the figure that decides it)."""
-    empty = _nothing_measured(summary)
-    if empty:
-        return empty
-    m = summary["metric"]
     parts = []
-    if "train_au_mean_percentage" in m:
+    empty = _unmeasured_training(summary)
+    if empty:
+        parts.append(empty)
+    elif "train_au_mean_percentage" in m:
         au = m["train_au_mean_percentage"]
         target = au_target * 100
         rows = summary["per_epoch"]
