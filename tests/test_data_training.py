@@ -372,7 +372,7 @@ def test_resume_mid_epoch_and_at_epoch_boundary(small_data: Path, tmp_path: Path
     planned = N - int(sampler.plan(2).hits.sum())
     assert fetched <= planned + N // 100, (fetched, planned)  # the cache survived the restart
 
-    # At an epoch boundary: consumed == len starts the next epoch from its beginning.
+    # At an epoch boundary: the rest of that epoch is empty, then the next one as usual.
     state = sampler.state_dict()
     assert (state["epoch"], state["consumed"]) == (2, N)
     ds.cache.close()
@@ -380,7 +380,11 @@ def test_resume_mid_epoch_and_at_epoch_boundary(small_data: Path, tmp_path: Path
     gc.collect()
     _, sampler, loader = build()
     sampler.load_state_dict(state)
-    assert (sampler.epoch, len(sampler)) == (3, N)
+    assert (sampler.epoch, len(sampler)) == (2, 0)
+    sampler.set_epoch(2)
+    assert read_epoch(loader, SIZE) == []
+    sampler.set_epoch(3)
+    assert len(sampler) == N
     got = read_epoch(loader, SIZE)
     assert got == sampler.order(3).tolist()
     assert_once_each(got, N)

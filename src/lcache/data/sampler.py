@@ -140,15 +140,21 @@ class SeedAwareSampler:
 
     # ------------------------------------------------------------------- resuming
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is. ``consumed``: samples of this epoch the training loop has
-        received; the default (samples the sampler yielded) runs ahead of the loop when a
-        DataLoader prefetches, so pass it when resuming mid-epoch with workers."""
+        """Where this rank is: the epoch and how many of its samples were consumed.
+
+        By default, the samples this sampler has yielded. That is what the training loop has
+        received with ``num_workers=0``, and with torchdata's ``StatefulDataLoader``, which
+        calls this as it sends each batch and saves the call that matches the last batch the
+        loop received. A plain DataLoader with workers pulls indices ahead of the loop: there
+        pass ``consumed`` (samples the loop received this epoch), or use StatefulDataLoader.
+        """
         return {"epoch": self.epoch, "consumed": self._yielded if consumed is None else consumed,
                 "seed": self.seed, "samples": self.n, "world": self.world,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state_dict`` was taken: the rest of that epoch, then the next."""
+        """Continue where ``state_dict`` was taken: the rest of that epoch (nothing, when it
+        was taken at the epoch's end), then the next epochs as ``set_epoch`` says."""
         for key, mine in (("seed", self.seed), ("samples", self.n), ("world", self.world),
                           ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
             if state.get(key) != mine:
@@ -159,7 +165,5 @@ class SeedAwareSampler:
             raise ConfigError(f"sampler state consumed={consumed} is outside this epoch "
                               f"(0..{self.num_samples})")
         self.epoch = int(state["epoch"])
-        if consumed == self.num_samples:  # the epoch was finished: start the next one
-            self.epoch, consumed = self.epoch + 1, 0
         self._start = consumed
         self._yielded = consumed

@@ -1,0 +1,74 @@
+"""Resuming from the loader's state alone: torchdata's ``StatefulDataLoader`` with workers
+saves ``SeedAwareSampler.state_dict()`` as of the last batch the loop received (not as far as
+the workers ran ahead), and ``load_state_dict`` is all a resumed job calls."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+from lcache.data import CachedDataset, SeedAwareSampler  # noqa: E402
+
+from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
+from .conftest import KIB, MIB  # noqa: E402
+
+N, SIZE, BATCH = 600, 4 * KIB, 16
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(N):
+        (root / f"{i:06d}.bin").write_bytes(sample_bytes(i, SIZE))
+    return root
+
+
+def build(data: Path, cache: Path) -> tuple[CachedDataset, SeedAwareSampler, Any]:
+    ds = CachedDataset(str(data), cache, 2 * MIB + N * SIZE // 2)
+    sampler = SeedAwareSampler(ds, seed=5)
+    loader = stateful.StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2,
+                                         collate_fn=list)
+    return ds, sampler, loader
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("stop_after", [7, N // BATCH + 1])  # mid-epoch; the epoch's end
+def test_resume_from_the_loader_state_alone(data: Path, tmp_path: Path,
+                                            stop_after: int) -> None:
+    ds, sampler, loader = build(data, tmp_path / "cache")
+    sampler.set_epoch(0)
+    assert sorted(sample_index(x, SIZE) for b in loader for x in b) == list(range(N))
+    sampler.set_epoch(1)
+    before: list[int] = []
+    for b, batch in enumerate(loader):
+        before += [sample_index(x, SIZE) for x in batch]
+        if b + 1 == stop_after:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint stores it
+    ds.cache.close()  # what the job's exit does
+    del ds, sampler, loader
+    gc.collect()
+
+    ds, sampler, loader = build(data, tmp_path / "cache")
+    loader.load_state_dict(state)
+    try:
+        sampler.set_epoch(1)  # the loop's call for the resumed epoch keeps the position
+        after = [sample_index(x, SIZE) for b in loader for x in b]
+        assert before + after == sampler.order(1).tolist()
+        sampler.set_epoch(2)
+        mark = ds.stats()
+        got = [sample_index(x, SIZE) for b in loader for x in b]
+        assert got == sampler.order(2).tolist()
+        planned = N - int(sampler.plan(2).hits.sum())
+        assert ds.stats(since=mark)["fetches"] <= planned + N // 100  # the cache survived
+    finally:
+        ds.cache.close()
