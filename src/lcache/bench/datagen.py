@@ -216,12 +216,18 @@ def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: in
             sweep_stale_temps(folder)
     files = written = 0
     first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
+
+    def publish(path: str, data: bytes | memoryview) -> None:
+        if w.on_s3:
+            storage.put(w, path, data)
+        else:
+            _publish(path, data)
+
     for i in range(rank, _count(w, split), world):
         name = file_name(w, split, i)
         if name not in have:
             parts = _encode(w, first + i, int(sizes[first + i]))
             path = f"{root}/{name}"
-            publish = (lambda p, d: storage.put(w, p, d)) if w.on_s3 else _publish
             publish(path, parts[0])
             if len(parts) == 3:
                 publish(path + ".off.idx", parts[1])

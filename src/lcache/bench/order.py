@@ -110,15 +110,7 @@ def _tf_records(w: Workload, epoch: int, rank: int, world: int, num_files: int,
         files = files[rank::world]
     buffer = w.shuffle_size if w.sample_shuffle != "off" else 0
     need = (want * (world if by_sample else 1)) + buffer + 1
-    cycle = max(1, w.read_threads)
-    parts, have = [], 0
-    for g in range(0, len(files), cycle):  # records of `cycle` files at a time, round robin
-        group = files[g:g + cycle]
-        parts.append((group[None, :] * spf + np.arange(spf)[:, None]).reshape(-1))
-        have += len(parts[-1])
-        if have >= need:
-            break
-    records = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    records = _interleave(files, spf, max(1, w.read_threads), need)
     if buffer:
         rng = np.random.default_rng(None if w.sample_shuffle == "random" else (w.seed, epoch))
         records = _buffer_shuffle(records, buffer, rng,
@@ -126,6 +118,19 @@ def _tf_records(w: Workload, epoch: int, rank: int, world: int, num_files: int,
     if by_sample:
         records = records[rank::world]
     return records[:want]
+
+
+def _interleave(files: np.ndarray, spf: int, cycle: int, need: int) -> np.ndarray:
+    """The first ``need`` (or more) records of ``files`` read ``cycle`` at a time, record by
+    record (tf.data's interleave; every file holds ``spf`` records)."""
+    groups = min(-(-len(files) // cycle), -(-need // (cycle * spf)))
+    full = min(groups, len(files) // cycle)
+    head = files[:full * cycle].reshape(full, 1, cycle) * spf
+    out = (head + np.arange(spf).reshape(1, spf, 1)).reshape(-1)
+    if groups > full:  # the last, smaller group
+        rest = files[full * cycle:]
+        out = np.concatenate([out, (rest[None, :] * spf + np.arange(spf)[:, None]).reshape(-1)])
+    return out
 
 
 def _buffer_shuffle(items: np.ndarray, size: int, rng: np.random.Generator,
