@@ -221,7 +221,9 @@ def configs_cmd(as_json: bool) -> None:
     rows = []
     for name, path in shipped_configs().items():
         w = load_workload(path)
-        rows.append({"name": name, "path": path, "model": w.model_name, "format": w.format,
+        data = w.do_train or w.generate_data  # a checkpoint-only file has no dataset
+        rows.append({"name": name, "path": path, "model": w.model_name,
+                     "format": w.format if data else "-",
                      "train": w.do_train, "checkpoint": w.do_checkpoint,
                      "computation_time": w.computation_time, "batch_size": w.batch_size,
                      "au": w.au})
