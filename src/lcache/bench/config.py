@@ -27,6 +27,7 @@ import dataclasses
 import math
 import os
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,10 @@ class Workload:
     def on_s3(self) -> bool:
         return self.storage_type == "s3"
 
+
+# The parser's helpers: get(section, *keys) -> value; set_x(attribute, section, key).
+_Get = Callable[..., Any]
+_Set = Callable[[str, str, str], None]
 
 _BOOLS = "a boolean (true or false)"
 _MAX_TEXT = 4096  # strings are names and paths: PATH_MAX at most
@@ -431,7 +436,7 @@ def _scale_spread(w: Workload, file_length: int, overridden: set[tuple[str, ...]
 
 
 def _parse_model(w: Workload, doc: dict[str, Any], model: dict[str, Any], source: str,
-                 set_str: Any) -> None:
+                 set_str: _Set) -> None:
     framework = doc.get("framework")
     w.framework = w.framework if framework is None else _as_str("framework", framework, source)
     if w.framework not in LOADERS:
@@ -450,7 +455,7 @@ def _parse_model(w: Workload, doc: dict[str, Any], model: dict[str, Any], source
             setattr(w, key, _int_list(f"model.{key}", model[key], source))
 
 
-def _parse_dataset(w: Workload, get: Any, set_str: Any, set_bool: Any, source: str) -> None:
+def _parse_dataset(w: Workload, get: _Get, set_str: _Set, set_bool: _Set, source: str) -> None:
     set_str("data_folder", "dataset", "data_folder")
     set_str("format", "dataset", "format")
     set_str("file_prefix", "dataset", "file_prefix")
@@ -466,7 +471,7 @@ def _parse_dataset(w: Workload, get: Any, set_str: Any, set_bool: Any, source: s
                    f"{', '.join(FORMATS)}")
 
 
-def _parse_reader(w: Workload, get: Any, set_str: Any, set_bool: Any, source: str) -> None:
+def _parse_reader(w: Workload, get: _Get, set_str: _Set, set_bool: _Set, source: str) -> None:
     loader = get("reader", "data_loader")
     if loader is not None:
         loader = _as_str("reader.data_loader", loader, source)
@@ -504,7 +509,7 @@ def _parse_reader(w: Workload, get: Any, set_str: Any, set_bool: Any, source: st
                    "reader.batch_size_eval to 1 or more")
 
 
-def _parse_checkpoint(w: Workload, get: Any, set_str: Any, set_bool: Any,
+def _parse_checkpoint(w: Workload, get: _Get, set_str: _Set, set_bool: _Set,
                       source: str) -> None:
     set_str("checkpoint_folder", "checkpoint", "checkpoint_folder")
     set_bool("checkpoint_fsync", "checkpoint", "fsync")
@@ -541,7 +546,7 @@ def _parse_checkpoint(w: Workload, get: Any, set_str: Any, set_bool: Any,
                    "nothing; set them")
 
 
-def _parse_storage(w: Workload, sec: dict[str, Any], get: Any, set_str: Any,
+def _parse_storage(w: Workload, sec: dict[str, Any], get: _Get, set_str: _Set,
                    source: str) -> None:
     set_str("storage_type", "storage", "storage_type")
     set_str("storage_root", "storage", "storage_root")
