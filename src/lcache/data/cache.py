@@ -492,24 +492,23 @@ class SampleCache:
                                 "(%s)", k, self.source.url, exc)
         return out
 
-    def prefetch(self, index: int, keep: bool = True,
-                 wanted: Callable[[], bool] = lambda: True) -> int:
+    def prefetch(self, index: int, keep: bool = True) -> int:
         """Fetch sample ``index`` into the cache (see ``prefetch_many``)."""
-        return self.prefetch_many([index], [keep], wanted)
+        return self.prefetch_many([index], [keep])
 
     def prefetch_many(self, indices: Sequence[int], keeps: Sequence[bool],
-                      wanted: Callable[[], bool] = lambda: True) -> int:
+                      wanted: Callable[[int], bool] = lambda sample: True) -> int:
         """Fetch samples into the cache (the main store where ``keep``, else staging) unless
-        they are there, being fetched, or no longer ``wanted()`` once claimed (a reader got
-        to them first). One ``fetch_many``. Returns the bytes fetched (0: nothing done)."""
+        they are there, being fetched, or no longer ``wanted(sample)`` once claimed (a reader
+        got to it first). One ``fetch_many``. Returns the bytes fetched (0: nothing done)."""
         main, staging = self.store(), self.staging()
         plan = {k: keep for k, keep in zip(indices, keeps, strict=True)
                 if k not in main and k not in staging}
         if not plan:
             return 0
         with self.claims.hold_many(sorted(plan), blocking=False) as claimed:
-            todo = [k for k in claimed if k not in main and k not in staging]
-            if not todo or not wanted():
+            todo = [k for k in claimed if k not in main and k not in staging and wanted(k)]
+            if not todo:
                 return 0
             fetched = dict(zip(todo, fetch_many(self.source, todo), strict=True))
             for store, keep in ((main, True), (staging, False)):

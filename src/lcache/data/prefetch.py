@@ -1,10 +1,13 @@
 """Fetch upcoming misses ahead of the reader, with bounded concurrency and memory.
 
 One prefetcher per rank walks that rank's order from the reader's position: at most
-``window`` samples ahead (staged in the cache until read), at most ``threads``
-fetches at once and at most ``budget_bytes`` of them in memory. Fetched samples go into the
-store; claims (``lcache.data.shared``) keep it from fetching what a reader or another rank is
-already fetching. So the first epoch runs at the remote's bandwidth, not its latency.
+``window`` samples ahead (staged in the cache until read), at most ``threads`` requests in
+flight and at most ``budget_bytes`` of them in memory. It skips the positions the plan says
+are hits (their samples are cached), and hands consecutive misses to the cache in groups of
+up to ``group`` samples (``SampleCache.prefetch_many``: one claim pass, one ``fetch_many``, so a
+source can coalesce them). Fetched samples go into the store; claims
+(``lcache.data.shared``) keep it from fetching what a reader or another rank is already
+fetching. So the first epoch runs at the remote's bandwidth, not its latency.
 """
 
 from __future__ import annotations
@@ -19,22 +22,30 @@ import numpy.typing as npt
 from lcache.data.cache import SampleCache
 
 log = logging.getLogger("lcache")
+GROUP = 8  # samples per prefetch request
+IDLE_WAIT = 0.05  # seconds: the longest a missed wake-up can delay the prefetcher
 
 
 class Prefetcher:
     def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64],
                  keep: npt.NDArray[np.bool_], start: int, *,
-                 threads: int = 16, window: int = 256, budget_bytes: int = 64 << 20) -> None:
+                 hits: npt.NDArray[np.bool_] | None = None, threads: int = 16,
+                 window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP) -> None:
         self.cache = cache
-        self.order = order
-        self.keep = keep
         self.threads = max(1, threads)
         self.window = max(1, window)
         self.budget_bytes = budget_bytes
+        self.group = max(1, group)
+        misses = np.ones(len(order), bool) if hits is None else ~hits
+        misses[:start] = False
+        self._positions: list[int] = np.flatnonzero(misses).tolist()
+        self._samples: list[int] = order.tolist()
+        self._keep: list[bool] = keep.tolist()
         self._sizes = cache.source.sizes()
         self._cv = threading.Condition()
         self._reader = start
-        self._next = start
+        self._wake_at = -1  # the reader position the waiting prefetcher needs (-1: none)
+        self._next = 0  # into _positions
         self._inflight = 0
         self._inflight_bytes = 0
         self._stopped = False
@@ -44,49 +55,63 @@ class Prefetcher:
         self._thread.start()
 
     def advance(self, position: int) -> None:
-        """The reader is at ``position`` of the order."""
-        with self._cv:
-            self._reader = position
-            self._cv.notify_all()
+        """The reader is at ``position`` of the order (called for every sample: cheap unless
+        the prefetcher waits for the reader to move)."""
+        self._reader = position
+        if 0 <= self._wake_at <= position:
+            with self._cv:
+                self._wake_at = -1
+                self._cv.notify_all()
 
-    def _may_start(self) -> bool:
-        return (self._next < self._reader + self.window and self._inflight < self.threads
-                and (self._inflight_bytes < self.budget_bytes or self._inflight == 0))
+    def _room(self) -> bool:
+        return self._inflight < self.threads and \
+            (self._inflight_bytes < self.budget_bytes or self._inflight == 0)
 
     def _run(self) -> None:
-        n = len(self.order)
+        positions = self._positions
         while True:
             with self._cv:
-                while not self._stopped and self._next < n and not self._may_start():
-                    self._cv.wait()
-                if self._stopped or self._next >= n:
+                while not self._stopped and self._next < len(positions):
+                    reader = self._reader
+                    while self._next < len(positions) and positions[self._next] <= reader:
+                        self._next += 1  # the reader has these: skip ahead
+                    if self._next < len(positions):
+                        ahead = positions[self._next] - self.window
+                        if ahead < reader and self._room():
+                            break
+                        self._wake_at = ahead + 1 if ahead >= reader else -1
+                    self._cv.wait(IDLE_WAIT)
+                if self._stopped or self._next >= len(positions):
                     return
-                if self._next <= self._reader:  # the reader has this one: skip ahead
-                    self._next = self._reader + 1
-                    continue
-                position = self._next
-                index = int(self.order[position])
-                size = int(self._sizes[index])
-                self._next += 1
+                group: list[int] = []
+                size = 0
+                limit = self._reader + self.window
+                while (self._next < len(positions) and len(group) < self.group
+                       and positions[self._next] < limit
+                       and (not group or self._inflight_bytes + size < self.budget_bytes)):
+                    group.append(positions[self._next])
+                    size += int(self._sizes[self._samples[positions[self._next]]])
+                    self._next += 1
                 self._inflight += 1
                 self._inflight_bytes += size
             try:
-                self._pool.submit(self._fetch, position, index, size)
+                self._pool.submit(self._fetch, group, size)
             except RuntimeError:  # closed from one of our own threads (see close)
                 return
 
-    def _fetch(self, position: int, index: int, size: int) -> None:
+    def _fetch(self, group: list[int], size: int) -> None:
         # Why the check after claiming: a reader that fetched a sample the plan does not
         # keep leaves nothing in the cache; fetching it again would double the traffic.
         try:
             if not self._stopped:
-                self.cache.prefetch(index, bool(self.keep[position]),
-                                    wanted=lambda: position > self._reader)
-        except Exception as exc:  # the reader fetches it again and raises there
+                at = {self._samples[p]: p for p in group}
+                self.cache.prefetch_many(list(at), [self._keep[p] for p in group],
+                                         wanted=lambda sample: at[sample] > self._reader)
+        except Exception as exc:  # the reader fetches them again and raises there
             self._failures += 1
             if self._failures == 1:
-                log.warning("lcache: prefetching sample %d failed (%r); readers will fetch "
-                            "on demand", index, exc)
+                log.warning("lcache: prefetching samples %s failed (%r); readers will fetch "
+                            "on demand", [self._samples[p] for p in group[:4]], exc)
         finally:
             with self._cv:
                 self._inflight -= 1

@@ -121,19 +121,21 @@ class SeedAwareSampler:
 
     def __iter__(self) -> Iterator[Access]:
         order = self.order()
-        local = self.rank - self.node_ranks.start
-        keep = self.plan(self.epoch).keep[local :: len(self.node_ranks)]
+        local, ranks = self.rank - self.node_ranks.start, len(self.node_ranks)
+        plan = self.plan(self.epoch)
+        keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
         start, self._start = self._start, 0
         self._yielded = start
-        prefetcher = Prefetcher(self.cache, order, keep, start, threads=self.prefetch_threads,
-                                window=self.prefetch_window,
+        prefetcher = Prefetcher(self.cache, order, keep, start, hits=hits,
+                                threads=self.prefetch_threads, window=self.prefetch_window,
                                 budget_bytes=self.prefetch_bytes) if self.prefetch else None
+        samples, keeps = order.tolist(), keep.tolist()
         try:
-            for i in range(start, len(order)):
+            for i in range(start, len(samples)):
                 if prefetcher is not None:
                     prefetcher.advance(i)
                 self._yielded = i + 1
-                yield Access(int(order[i]), bool(keep[i]))
+                yield Access(samples[i], keeps[i])
         finally:
             if prefetcher is not None:
                 prefetcher.close()

@@ -12,6 +12,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from lcache.data.cache import SampleCache
 from lcache.data.sources import FileSource
 
+GROUP = 8  # samples per fetch_many (consecutive paths: a source may coalesce them)
+
 
 def warm_cache(source: str, cache_dir: str, capacity: int | str, *, threads: int = 16,
                storage_options: dict[str, Any] | None = None,
@@ -31,8 +33,9 @@ def warm_cache(source: str, cache_dir: str, capacity: int | str, *, threads: int
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), disable=not show_progress, transient=True) as bar:
         task = bar.add_task("warming", total=int(sizes[todo].sum()) if todo else 0)
+        groups = [todo[lo : lo + GROUP] for lo in range(0, len(todo), GROUP)]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for n in pool.map(lambda i: cache.prefetch(i, keep=True), todo):
+            for n in pool.map(lambda g: cache.prefetch_many(g, [True] * len(g)), groups):
                 fetched += n
                 bar.advance(task, n)
     seconds = time.perf_counter() - start
