@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lcache.errors import CorruptionError, StoreNotFoundError
-from lcache.io import pread_full, sync_fd
+from lcache.io import fsync_dir, pread_full, pwrite_full, sync_fd
 from lcache.store import record
 from lcache.store.deletes import DeleteJournal, decode, encode, journal_body, write_journal
 from lcache.store.files import (
@@ -228,7 +228,7 @@ class _Checker:
                 summary = scan_log(fd, seg, size)
                 self.problem(f"segment {seg}: left unsealed by a crashed writer"
                              f" ({size - summary.data_len} torn bytes)")
-                if self.fix:
+                if self.fix:  # unsealed: no reader maps it, so it may shrink in place
                     self._truncate(fd, size, summary.data_len)
                     write_summary(self.root, summary, durable=True)
             else:
@@ -238,12 +238,13 @@ class _Checker:
                     self.problem(str(exc))
                     summary = scan_log(fd, seg, size)
                     if self.fix:
-                        self._truncate(fd, size, summary.data_len)
+                        self._cut_sealed(path, fd, size, summary.data_len)
                         write_summary(self.root, summary, durable=True)
+                        size = summary.data_len
                 if size > summary.data_len:
                     self.problem(f"segment {seg}: {size - summary.data_len} bytes past its end")
                     if self.fix:
-                        self._truncate(fd, size, summary.data_len)
+                        self._cut_sealed(path, fd, size, summary.data_len)
             self.sizes[seg] = summary.data_len
             self._check_records(fd, summary)
         finally:
@@ -253,6 +254,29 @@ class _Checker:
         if size > data_len:
             os.ftruncate(fd, data_len)
             sync_fd(fd, False, "cache-fsck")
+
+    def _cut_sealed(self, path: str, fd: int, size: int, data_len: int) -> None:
+        """Replace a sealed segment by a copy of its first ``data_len`` bytes. Never in place:
+        other processes may have it memory-mapped, and a page cut from under a mapping is a
+        SIGBUS when touched; they keep the old file until they drop it."""
+        if size <= data_len:
+            return
+        tmp = f"{path}.tmp{os.getpid()}"
+        out = open_in_store(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            done = 0
+            while done < data_len:
+                chunk = bytearray(min(data_len - done, 8 << 20))
+                n = pread_full(fd, done, memoryview(chunk), "cache-fsck")
+                if n <= 0:
+                    break
+                pwrite_full(out, done, [memoryview(chunk)[:n]], "cache-fsck")
+                done += n
+            sync_fd(out, False, "cache-fsck")
+        finally:
+            os.close(out)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
 
     def _check_records(self, fd: int, summary: Summary) -> None:
         data = bytearray(summary.data_len)
