@@ -3,18 +3,33 @@
 Serves a directory (GET with Range support, and an HTML listing that fsspec's HTTP
 filesystem can walk) with a fixed latency per request and one bandwidth cap shared by all
 connections, so every system under test sees the same remote. Counts requests (per path)
-and bytes.
+and bytes. ``fault=`` makes it misbehave on chosen requests (see ``FAULTS``), to test
+retries and the checks of what came back.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+# What ``fault(path, nth)`` may answer for the nth GET of a path (None: serve it):
+FAULTS = {
+    "500": "HTTP 500", "502": "HTTP 502", "503": "HTTP 503", "403": "HTTP 403",
+    "404": "HTTP 404", "429": "HTTP 429",
+    "reset": "close the connection with a TCP reset before answering",
+    "cut": "announce the full length, send half the body, close the connection",
+    "short": "answer honestly with half the asked bytes (a truncated object)",
+    "ignore-range": "send the whole file with 200, as a server without Range support",
+    "stall": "wait stall_seconds (30) before closing without an answer (a client timeout)",
+}
 
 
 class _Throttle:
@@ -50,6 +65,32 @@ class _Handler(SimpleHTTPRequestHandler):
         with self.server.stats_lock:
             self.server.requests += 1
             self.server.paths[self.path] += 1
+            nth = self.server.paths[self.path]
+        fault = self.server.fault(self.path, nth) if self.server.fault else None
+        if fault is not None and self._misbehave(fault):
+            return
+        self._serve(fault)
+
+    def _misbehave(self, fault: str) -> bool:
+        """Act out ``fault`` if it replaces the answer; False if it only alters it."""
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; one of {sorted(FAULTS)}")
+        if fault.isdigit():
+            self.send_error(int(fault))
+            return True
+        if fault == "reset":  # SO_LINGER 0: close() sends RST instead of FIN
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                       struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return True
+        if fault == "stall":
+            time.sleep(self.server.stall_seconds)
+            self.close_connection = True
+            return True
+        return False
+
+    def _serve(self, fault: str | None) -> None:
         path = self.translate_path(self.path)
         if os.path.isdir(path):
             super().do_GET()
@@ -63,7 +104,7 @@ class _Handler(SimpleHTTPRequestHandler):
             size = os.fstat(f.fileno()).st_size
             start, end = 0, size
             rng = self.headers.get("Range")
-            if rng and rng.startswith("bytes="):
+            if rng and rng.startswith("bytes=") and fault != "ignore-range":
                 lo, _, hi = rng[6:].partition("-")
                 start = int(lo) if lo else max(0, size - int(hi))
                 end = min(size, int(hi) + 1) if hi and lo else size
@@ -71,7 +112,13 @@ class _Handler(SimpleHTTPRequestHandler):
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
             else:
                 self.send_response(200)
-            self.send_header("Content-Length", str(end - start))
+            announced = end - start
+            if fault == "short":
+                end = announced = start + (end - start) // 2
+            elif fault == "cut":
+                end = start + (end - start) // 2
+                self.close_connection = True
+            self.send_header("Content-Length", str(announced))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             f.seek(start)
@@ -93,13 +140,17 @@ class _Handler(SimpleHTTPRequestHandler):
 
 class ThrottledServer(ThreadingHTTPServer):
     """``ThrottledServer(root, latency=0.005, bandwidth=100e6)``; ``.url`` is its base URL.
-    Use as a context manager (serves from a background thread)."""
+    Use as a context manager (serves from a background thread). ``fault(path, nth)`` is
+    asked before each GET (the nth of that URL path, from 1) and may name one of ``FAULTS``."""
 
     daemon_threads = True
     request_queue_size = 1024  # the default (5) drops connections beyond it: 1 s retries
 
-    def __init__(self, root: str, *, latency: float = 0.0, bandwidth: float = 0.0) -> None:
+    def __init__(self, root: str, *, latency: float = 0.0, bandwidth: float = 0.0,
+                 fault: Callable[[str, int], str | None] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), partial(_Handler, directory=root))
+        self.fault = fault  # (URL path, nth GET of it) -> a FAULTS key, or None
+        self.stall_seconds = 30.0
         self.latency = latency
         self.throttle = _Throttle(bandwidth)
         self.stats_lock = threading.Lock()

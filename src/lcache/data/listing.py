@@ -1,0 +1,267 @@
+"""What a source holds: its objects' paths, sizes and versions, listed concurrently, or
+given by the user (``files=``), or reused from the cache directory.
+
+An async filesystem is walked with one listing request per directory, ``concurrency`` in
+flight, each with the timeout and retries of ``Remote.attempt``; objects whose listing lacks
+a size or a version (HTTP) are asked with a concurrent HEAD each. A progress line shows on a
+terminal once a listing takes more than a second.
+
+**A kept listing** (``DIR/source-listing.json``) is reused only when it can be no staler than
+a fresh one: by the other ranks of the same launch on this node (children of one launcher
+process, e.g. torchrun's agent: they list once, under ``DIR/listing.lock``), or when the user
+allows it with ``listing_ttl`` seconds. A reused listing does not see objects rewritten since
+it was made, so the cache's check of rewritten samples (``listing.bin``) cannot either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from lcache.data.remote import Remote, SourceError, object_version
+from lcache.errors import ConfigError
+from lcache.io import atomic_write, open_file, private_dir
+
+log = logging.getLogger("lcache")
+
+LISTING_FILE = "source-listing.json"
+LISTING_FORMAT = 1
+PROGRESS_AFTER_S = 1.0
+
+
+@dataclass
+class Listing:
+    paths: list[str]  # filesystem paths, in sample order
+    sizes: npt.NDArray[np.int64]
+    versions: list[str]  # object_version of each ("" where unknown)
+
+
+def suffix_filter(suffixes: Sequence[str] | None) -> Callable[[str], bool]:
+    """Whether a path ends with one of ``suffixes``, ignoring case (".jpg" keeps "x.JPG")."""
+    if not suffixes:
+        return lambda p: True
+    if isinstance(suffixes, str):
+        suffixes = (suffixes,)
+    ends = tuple(s.lower() for s in suffixes)
+    return lambda p: p.lower().endswith(ends)
+
+
+# ----------------------------------------------------------------------------- progress
+class _Progress:
+    """Counts of a listing, shown on stderr once it takes longer than ``PROGRESS_AFTER_S``
+    (on a terminal, or always with ``show=True``; never with ``show=False``)."""
+
+    def __init__(self, what: str, show: bool | None) -> None:
+        self.what = what
+        self.show = sys.stderr.isatty() if show is None else show
+        self.start = time.monotonic()
+        self.dirs = 0
+        self.files = 0
+        self._bar: Any = None
+        self._task: Any = None
+
+    def update(self, dirs: int = 0, files: int = 0) -> None:
+        self.dirs += dirs
+        self.files += files
+        if self._bar is None:
+            if not self.show or time.monotonic() - self.start < PROGRESS_AFTER_S:
+                return
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn
+
+            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                 console=Console(stderr=True), transient=True)
+            self._task = self._bar.add_task("")
+            self._bar.start()
+        self._bar.update(self._task, description=f"{self.what}: {self.files} files in "
+                         f"{self.dirs} directories")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            log.info("lcache: %s: %d files in %d directories, %.1f s", self.what, self.files,
+                     self.dirs, time.monotonic() - self.start)
+
+
+# ----------------------------------------------------------------------------- listing
+async def _walk(remote: Remote, root: str, progress: _Progress) -> dict[str, dict[str, Any]]:
+    """Every object under ``root``: one ``_ls`` per directory, concurrently."""
+    fs, _ = remote.fs()
+    refresh = {"refresh": True} if "refresh" in _params(fs._ls) else {}
+    sem = asyncio.Semaphore(remote.options.concurrency)
+    files: dict[str, dict[str, Any]] = {}
+    seen = {root.rstrip("/")}
+
+    async def visit(folder: str) -> None:
+        async with sem:
+            entries = await remote.attempt(
+                lambda: fs._ls(folder, detail=True, **refresh),
+                lambda: f"cannot list {remote.url if folder == root else remote.full_url(folder)}")
+        below = folder.rstrip("/") + "/"
+        subdirs = []
+        for entry in entries:
+            name = str(entry["name"]).rstrip("/")
+            if entry.get("type") == "directory":
+                # Only below this folder: an HTML listing also links to parents and siblings.
+                if name.startswith(below) and name not in seen:
+                    seen.add(name)
+                    subdirs.append(name)
+            elif name.startswith(below) or name == folder.rstrip("/"):
+                files[name] = entry
+        progress.update(dirs=1, files=len(entries) - len(subdirs))
+        await asyncio.gather(*(visit(d) for d in subdirs))
+
+    await visit(root)
+    return files
+
+
+def _params(fn: Any) -> Mapping[str, Any]:
+    import inspect
+
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | None = None
+                 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """fsspec infos of the objects under the remote's URL that ``keep`` accepts, each with a
+    size and (where the filesystem has one) a version; and the paths it did not accept."""
+    fs, root = remote.fs()
+    root = root.rstrip("/")
+    bar = _Progress(f"listing {remote.url}", progress)
+    try:
+        if remote.is_async:
+            found = remote.run(lambda: _walk(remote, root, bar))
+        else:
+            try:
+                found = fs.find(root, detail=True)
+            except Exception as exc:
+                raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+            bar.update(files=len(found))
+        objects = [p for p, info in found.items() if info.get("type") != "directory"]
+        infos = {p: found[p] for p in objects if keep(p)}
+        # e.g. HTTP listings carry neither sizes nor versions: ask each object (HEAD)
+        bare = [p for p, info in infos.items() if not info.get("size") or
+                not object_version(info)]
+        if bare:
+            infos.update(zip(bare, remote.infos(bare), strict=True))
+    finally:
+        bar.close()
+    if not found:
+        try:  # find() hides connection errors behind an empty listing; ls() raises them
+            fs.ls(root)
+        except Exception as exc:
+            raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    return infos, [p for p in objects if p not in infos]
+
+
+def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
+                Sequence[tuple[str, int]]) -> Listing:
+    """The listing of ``files`` (names under the URL, in sample order): with sizes given
+    (``{"a.jpg": 1234}`` or ``[("a.jpg", 1234)]``) nothing is asked; names alone are asked
+    for their sizes and versions concurrently."""
+    items = list(files.items()) if isinstance(files, Mapping) else list(files)
+    if items and all(isinstance(f, str) for f in items):
+        paths = [remote.path(str(f)) for f in items]
+        infos = remote.infos(paths)
+        return Listing(paths, np.array([int(i.get("size") or 0) for i in infos], np.int64),
+                       [object_version(i) for i in infos])
+    pairs = []
+    for item in items:
+        if (not isinstance(item, (tuple, list)) or len(item) != 2
+                or not isinstance(item[0], str) or isinstance(item[1], bool)):
+            raise ConfigError(f"files= takes names, (name, size) pairs or a name->size "
+                              f"mapping, not {item!r}")
+        name, size = item
+        if not isinstance(size, (int, np.integer)) or size < 0:
+            raise ConfigError(f"files=: the size of {name!r} must be an int >= 0, not {size!r}")
+        pairs.append((remote.path(str(name)), int(size)))
+    return Listing([p for p, _ in pairs], np.array([n for _, n in pairs], np.int64),
+                   [""] * len(pairs))
+
+
+# ----------------------------------------------------------------------------- keeping it
+def launch_id() -> str | None:
+    """The launch this process is a rank of on this node, or None outside a launcher: the
+    ranks of one torchrun or srun are children of one process, told apart from any later
+    launch by its pid, its start time and the boot."""
+    if not any(k in os.environ for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID")):
+        return None
+    try:
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/stat", "rb") as f:
+            started = f.read().rsplit(b")", 1)[1].split()[19].decode()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{ppid}:{started}"
+
+
+@contextmanager
+def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
+                 ) -> Iterator[tuple[Listing | None, Callable[[Listing], None]]]:
+    """``(listing, keep)``: the listing kept in ``cache_dir`` for ``key`` if it may be
+    reused (see the module doc), else None; ``keep(listing)`` stores a fresh one. Held
+    under ``DIR/listing.lock`` so the ranks of a node list once."""
+    if cache_dir is None:
+        yield None, lambda listing: None
+        return
+    cache_dir = private_dir(os.path.abspath(cache_dir), "cache directory")
+    path = os.path.join(cache_dir, LISTING_FILE)
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(key, sort_keys=True, default=str).encode())
+    launch = launch_id()
+    fd = open_file(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        doc = _load(path)
+        found = None
+        if doc is not None and doc.get("key") == digest:
+            age = time.time() - float(doc.get("made", 0))
+            if (launch is not None and doc.get("launch") == launch) or 0 <= age < ttl:
+                found = Listing(list(doc["paths"]), np.array(doc["sizes"], np.int64),
+                                list(doc["versions"]))
+
+        def keep(listing: Listing) -> None:
+            body = {"format": LISTING_FORMAT, "key": digest, "made": time.time(),
+                    "launch": launch, "paths": listing.paths,
+                    "sizes": listing.sizes.tolist(), "versions": listing.versions}
+            atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
+
+        yield found, keep
+    finally:
+        os.close(fd)
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        fd = open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
+    except ValueError:
+        return None
+    ok = (isinstance(doc, dict) and doc.get("format") == LISTING_FORMAT
+          and isinstance(doc.get("paths"), list) and isinstance(doc.get("sizes"), list)
+          and isinstance(doc.get("versions"), list)
+          and len(doc["paths"]) == len(doc["sizes"]) == len(doc["versions"]))
+    return doc if ok else None
