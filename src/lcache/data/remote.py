@@ -16,6 +16,7 @@ import errno
 import inspect
 import os
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +126,28 @@ def _why(exc: BaseException, timeout: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# Filesystems a forked process got from its parent (DataLoader workers), kept referenced for
+# the life of the process. Why: collecting one runs its finalizer, which closes its pooled
+# connections through the parent's event loop object, whose epoll set fork shares with the
+# parent: each close unregisters the parent's socket there, and the parent's next request on
+# it waits for an answer it is never woken for (seen: 60 s timeouts, re-sent GETs).
+_INHERITED: list[Any] = []
+
+
+def _keep_inherited() -> None:
+    fsspec_spec = sys.modules.get("fsspec.spec")
+    if fsspec_spec is None:
+        return
+    todo = [fsspec_spec.AbstractFileSystem]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        _INHERITED.extend(getattr(cls, "_cache", {}).values())
+
+
+os.register_at_fork(after_in_child=_keep_inherited)
+
+
 class Remote:
     """The fsspec filesystem of ``url``, created lazily in each process."""
 
@@ -143,6 +166,8 @@ class Remote:
         # Why the pid: a DataLoader worker forked from us inherits our filesystem object,
         # whose event loop and connections belong to the parent.
         if self._fs is None or self._pid != os.getpid():
+            if self._fs is not None:
+                _INHERITED.append(self._fs)  # see _INHERITED
             self._pid = os.getpid()
             self._pool = None
             import fsspec.core
