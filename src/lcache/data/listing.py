@@ -83,7 +83,8 @@ class _Progress:
             from rich.progress import Progress, SpinnerColumn, TextColumn
 
             self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                 console=Console(stderr=True), transient=True)
+                                 console=Console(stderr=True, force_terminal=True),
+                                 transient=True)
             self._task = self._bar.add_task("")
             self._bar.start()
         self._bar.update(self._task, description=f"{self.what}: {self.files} files in "

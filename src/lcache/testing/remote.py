@@ -15,7 +15,8 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -60,7 +61,22 @@ class _Handler(SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        with self.server.stats_lock:
+            self.server.in_flight += 1
+            self.server.most_in_flight = max(self.server.most_in_flight, self.server.in_flight)
+        try:
+            yield
+        finally:
+            with self.server.stats_lock:
+                self.server.in_flight -= 1
+
     def do_GET(self) -> None:
+        with self._in_flight():
+            self._get()
+
+    def _get(self) -> None:
         time.sleep(self.server.latency)
         with self.server.stats_lock:
             self.server.requests += 1
@@ -134,8 +150,11 @@ class _Handler(SimpleHTTPRequestHandler):
                     self.server.bytes_sent += len(chunk)
 
     def do_HEAD(self) -> None:
-        time.sleep(self.server.latency)
-        super().do_HEAD()
+        with self._in_flight():
+            time.sleep(self.server.latency)
+            with self.server.stats_lock:
+                self.server.heads[self.path] += 1
+            super().do_HEAD()
 
 
 class ThrottledServer(ThreadingHTTPServer):
@@ -157,6 +176,9 @@ class ThrottledServer(ThreadingHTTPServer):
         self.requests = 0
         self.bytes_sent = 0
         self.paths: Counter[str] = Counter()  # GETs per URL path
+        self.heads: Counter[str] = Counter()  # HEADs per URL path
+        self.in_flight = 0  # GET and HEAD requests being answered, and the most at once
+        self.most_in_flight = 0
         self._thread: threading.Thread | None = None
 
     @property

@@ -1,0 +1,195 @@
+"""Opening a source: listing (concurrent, with timeouts), ``files=`` with or without sizes,
+suffixes that ignore case, a progress line, and a listing kept in the cache directory that
+is reused only when it cannot be staler than a fresh one (same launch) or the user allows
+it (``listing_ttl``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lcache.data import CachedDataset, FileSource, SourceError
+from lcache.data import listing as listing_mod
+from lcache.errors import ConfigError
+from lcache.testing.remote import ThrottledServer
+
+
+def _blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _tree(root: Path, names: list[str]) -> dict[str, bytes]:
+    out = {}
+    for i, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        out[name] = _blob(i, 200 + 31 * i)
+        (root / name).write_bytes(out[name])
+    return out
+
+
+# ------------------------------------------------------------------------ suffixes
+def test_suffixes_ignore_case_and_an_empty_result_names_the_filter(tmp_path: Path) -> None:
+    _tree(tmp_path, ["a.JPEG", "b.jpg", "c.Png", "sub/d.txt"])
+    src = FileSource(str(tmp_path), suffixes=(".jpeg", ".jpg"))
+    assert [os.path.basename(p) for p in src.paths] == ["a.JPEG", "b.jpg"]
+    assert [os.path.basename(p) for p in FileSource(str(tmp_path), suffixes=".PNG").paths] == [
+        "c.Png"]
+    with pytest.raises(SourceError) as info:
+        FileSource(str(tmp_path), suffixes=(".gif",))
+    assert str(info.value) == (f"no samples found under {tmp_path} with suffixes ('.gif',) "
+                               "(case ignored); it holds 4 other files, e.g. a.JPEG, b.jpg, c.Png")
+
+
+# ------------------------------------------------------------------------ files=
+def test_files_with_sizes_ask_the_server_nothing(tmp_path: Path) -> None:
+    written = _tree(tmp_path / "d", [f"{i:02d}.bin" for i in range(6)])
+    with ThrottledServer(str(tmp_path)) as server:
+        url = server.url + "/d/"
+        for files in ({n: len(v) for n, v in written.items()},
+                      [(n, len(v)) for n, v in written.items()]):
+            src = FileSource(url, files=files)
+            assert server.requests == 0 and not server.heads
+            assert src.sizes().tolist() == [len(v) for v in written.values()]
+            assert src.paths == [url + n for n in written]
+        assert src.fetch_many(range(6)) == list(written.values())
+        for bad in ([("a.bin", -1)], [("a.bin", "12")], [("a.bin", True)], [1, 2],
+                    [("a.bin", 1, 2)]):
+            with pytest.raises(ConfigError, match="files="):
+                FileSource(url, files=bad)
+
+
+def test_files_without_sizes_are_asked_concurrently(tmp_path: Path) -> None:
+    written = _tree(tmp_path / "d", [f"{i:02d}.bin" for i in range(30)])
+    with ThrottledServer(str(tmp_path), latency=0.05) as server:
+        src = FileSource(server.url + "/d/", files=list(written), concurrency=8)
+        assert src.sizes().tolist() == [len(v) for v in written.values()]
+        assert server.heads == {f"/d/{n}": 1 for n in written}
+        assert 4 < server.most_in_flight <= 8  # one HEAD each, several at once
+
+
+class _ListingsInFlight:
+    """A fault hook that holds each directory listing briefly, counting those held at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def __call__(self, path: str, nth: int) -> None:
+        if not path.endswith("/"):
+            return
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(0.05)
+        with self.lock:
+            self.now -= 1
+
+
+def test_http_listing_walks_directories_concurrently(tmp_path: Path) -> None:
+    names = [f"s{k:02d}/{i}.bin" for k in range(12) for i in range(3)] + ["top.bin"]
+    written = _tree(tmp_path / "d", names)
+    hook = _ListingsInFlight()
+    with ThrottledServer(str(tmp_path), fault=hook) as server:
+        url = server.url + "/d/"
+        src = FileSource(url, concurrency=16)
+        assert src.paths == sorted(url + n for n in names)
+        assert src.fetch_many(range(len(names))) == [written[n] for n in sorted(names)]
+        assert all(server.paths[f"/d/s{k:02d}/"] == 1 for k in range(12))  # each listed once
+        assert hook.most > 4  # the 12 subdirectories were listed side by side
+
+
+def test_listing_times_out(tmp_path: Path) -> None:
+    _tree(tmp_path / "d", ["a.bin"])
+    stall = {"/d/": "stall", "/d": "stall"}
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: stall.get(path)) as server:
+        server.stall_seconds = 1.0
+        url = server.url + "/d/"
+        with pytest.raises(SourceError, match=r"^cannot list .*/d/?: no answer within 0.3 s"):
+            FileSource(url, timeout=0.3, retries=0)
+
+
+# ------------------------------------------------------------------------ progress
+def test_progress_line_while_listing(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path / "d", ["a.bin", "b.bin"])
+    monkeypatch.setattr(listing_mod, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setenv("COLUMNS", "500")  # the line is cut to the terminal's width
+    FileSource(str(tmp_path / "d"), progress=False)
+    assert capfd.readouterr().err == ""
+    FileSource(str(tmp_path / "d"), progress=True)
+    assert f"listing {tmp_path / 'd'}: 2 files" in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------ a kept listing
+def _listed(server: ThrottledServer) -> int:
+    return server.requests + sum(server.heads.values())
+
+
+def test_listing_reused_within_its_ttl_only(tmp_path: Path) -> None:
+    _tree(tmp_path / "d", [f"{i}.bin" for i in range(5)])
+    cache = tmp_path / "cache"
+    with ThrottledServer(str(tmp_path)) as server:
+        url = server.url + "/d/"
+        first = FileSource(url, cache_dir=cache, listing_ttl=3600)
+        kept = cache / listing_mod.LISTING_FILE
+        assert kept.stat().st_mode & 0o077 == 0  # private, like the rest of the directory
+        asked = _listed(server)
+        again = FileSource(url, cache_dir=cache, listing_ttl=3600)
+        assert _listed(server) == asked  # nothing asked
+        assert (again.paths, again.sizes().tolist(), again.fingerprints().tolist()) == (
+            first.paths, first.sizes().tolist(), first.fingerprints().tolist())
+
+        (tmp_path / "d" / "5.bin").write_bytes(b"new")
+        stale = FileSource(url, cache_dir=cache, listing_ttl=3600)  # allowed to be stale
+        assert len(stale) == 5 and _listed(server) == asked
+        fresh = FileSource(url, cache_dir=cache)  # listing_ttl=0: always listed
+        assert len(fresh) == 6 and _listed(server) > asked
+        asked = _listed(server)
+        other = FileSource(url, cache_dir=cache, listing_ttl=3600, suffixes=(".BIN",))
+        assert len(other) == 6 and _listed(server) > asked  # another listing: not reused
+
+        kept.write_bytes(b"{not json")
+        assert len(FileSource(url, cache_dir=cache, listing_ttl=3600)) == 6  # listed again
+        doc = json.loads(kept.read_text())
+        doc["made"] -= 7200  # older than the TTL
+        kept.write_text(json.dumps(doc))
+        asked = _listed(server)
+        FileSource(url, cache_dir=cache, listing_ttl=3600)
+        assert _listed(server) > asked
+
+
+def test_ranks_of_one_launch_list_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path / "d", [f"{i}.bin" for i in range(4)])
+    cache = tmp_path / "cache"
+    with ThrottledServer(str(tmp_path)) as server:
+        url = server.url + "/d/"
+        FileSource(url, cache_dir=cache)  # outside a launcher: its listing is not shared
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        asked = _listed(server)
+        FileSource(url, cache_dir=cache)  # rank 0 of a launch lists...
+        assert _listed(server) > asked
+        asked = _listed(server)
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        rank1 = FileSource(url, cache_dir=cache)  # ...and rank 1, a sibling, reuses it
+        assert _listed(server) == asked and len(rank1) == 4
+
+        kept = cache / listing_mod.LISTING_FILE
+        doc = json.loads(kept.read_text())
+        doc["launch"] = "another boot:1:2"  # a later launch (another torchrun) lists again
+        kept.write_text(json.dumps(doc))
+        FileSource(url, cache_dir=cache)
+        assert _listed(server) > asked
+
+
+def test_cached_dataset_with_sizes_given(tmp_path: Path) -> None:
+    written = _tree(tmp_path / "d", ["a.bin", "b.bin"])
+    ds = CachedDataset(str(tmp_path / "d"), tmp_path / "cache", "16MiB",
+                       files={"b.bin": len(written["b.bin"]), "a.bin": len(written["a.bin"])},
+                       fingerprint="v1")
+    assert [ds[0], ds[1]] == [written["b.bin"], written["a.bin"]]
