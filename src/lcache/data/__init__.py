@@ -4,13 +4,20 @@ from lcache.data.cache import Access, SampleCache
 from lcache.data.dataset import CachedDataset
 from lcache.data.plan import belady, simulate_lru, simulate_opt
 from lcache.data.sampler import SeedAwareSampler
-from lcache.data.sources import DatasetSource, FileSource, RangeSource, SourceError
+from lcache.data.sources import (
+    DatasetSource,
+    FileSource,
+    ImageFolderSource,
+    RangeSource,
+    SourceError,
+)
 
 __all__ = [
     "Access",
     "CachedDataset",
     "DatasetSource",
     "FileSource",
+    "ImageFolderSource",
     "RangeSource",
     "SampleCache",
     "SeedAwareSampler",

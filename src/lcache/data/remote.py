@@ -113,6 +113,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientError)
 
 
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
 def trace_read(url: str, offset: int, size: int, t0: int, result: int) -> None:
     """Record a read of the source that started at ``t0`` (0: tracing was off)."""
     if t0:
@@ -196,7 +201,10 @@ class Remote:
                       state["options"])
 
     def full_url(self, path: str) -> str:
+        """``path`` as the user names it: a URL, or a local path as it is."""
         fs, _ = self.fs()
+        if "file" in _protocols(fs):
+            return path
         return str(fs.unstrip_protocol(path))
 
     def path(self, relative: str) -> str:

@@ -1,5 +1,6 @@
-"""Where samples come from: objects under an fsspec URL (``FileSource``), byte ranges of
-large files (``RangeSource``), or any map-style dataset. A source numbers its samples
+"""Where samples come from: objects under an fsspec URL (``FileSource``, or
+``ImageFolderSource`` with labels), byte ranges of large files (``RangeSource``), or any
+map-style dataset. A source numbers its samples
 ``0..len-1``, fetches one by number, and several at once with ``fetch_many``.
 
 Remote requests (listing, stat, fetch) go through ``lcache.data.remote.Remote``: concurrent
@@ -13,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import numpy as np
 import numpy.typing as npt
@@ -37,7 +39,7 @@ from lcache.data.remote import (
 from lcache.errors import ConfigError
 from lcache.trace import recorder as _trace
 
-__all__ = ["DatasetSource", "FileSource", "RangeSource", "Source",
+__all__ = ["DatasetSource", "FileSource", "ImageFolderSource", "RangeSource", "Source",
            "SourceError", "as_source", "fetch_many", "object_version"]
 
 
@@ -180,6 +182,66 @@ class FileSource:
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
+
+
+class ImageFolderSource(FileSource):
+    """An ImageNet-style folder, ``root/<class>/**/<image>``: items are ``(bytes, label)``,
+    with ``classes`` (sorted folder names) and ``class_to_idx`` as torchvision's
+    ``ImageFolder`` has them, and samples in its order (by class, then folder, then name).
+
+    Files directly under the root are not samples; ``suffixes`` defaults to torchvision's
+    image extensions (case ignored). The classes are the folders that hold a sample:
+    torchvision refuses an empty class folder unless ``allow_empty=True``, which would then
+    number it. The label travels with the sample's bytes (4 bytes after them, so the cache
+    stores it with its checksum) and is part of the sample's fingerprint: a new class folder
+    that renumbers the labels drops the cached samples whose label changed.
+    """
+
+    EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+    def __init__(self, url: str, *, suffixes: Sequence[str] | None = EXTENSIONS,
+                 **options: Any) -> None:
+        super().__init__(url, suffixes=suffixes, **options)
+        names = [self._class_of(p) for p in self.paths]
+        self.classes = sorted(set(names))
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.labels = np.array([self.class_to_idx[c] for c in names], np.int64)
+        self._sizes = self._sizes + _LABEL.itemsize
+
+    def _class_of(self, path: str) -> str:
+        name = self._relative(path).split("/", 1)[0]
+        # An HTTP listing names "a b/x.jpg" as a%20b/x.jpg: the class is the folder's name.
+        return unquote(name) if self.url.startswith(("http://", "https://")) else name
+
+    def _accepts(self, path: str) -> bool:
+        return "/" in self._relative(path)
+
+    def _order(self, paths: list[str]) -> list[str]:
+        decode = unquote if self.url.startswith(("http://", "https://")) else str
+
+        def key(p: str) -> tuple[str, str, str]:
+            folder, _, name = decode(p).rpartition("/")
+            return self._class_of(p), folder, name
+
+        return sorted(paths, key=key)
+
+    def fingerprints(self) -> npt.NDArray[np.uint64]:
+        return np.array([fingerprint(p, int(n), v, int(c)) for p, n, v, c in
+                         zip(self.paths, self._sizes, self._versions, self.labels,
+                             strict=True)], np.uint64)
+
+    def fetch_many(self, indices: Sequence[int]) -> list[bytes]:
+        datas = super().fetch_many(indices)
+        return [d + int(self.labels[int(i)]).to_bytes(_LABEL.itemsize, "little")
+                for i, d in zip(indices, datas, strict=True)]
+
+    def decode(self, data: bytes | memoryview) -> tuple[bytes, int]:
+        view = memoryview(data)
+        cut = len(view) - _LABEL.itemsize
+        return bytes(view[:cut]), int.from_bytes(view[cut:], "little")
+
+
+_LABEL = np.dtype("<u4")
 
 
 def _check_table(url: str, offsets: npt.NDArray[np.int64],
