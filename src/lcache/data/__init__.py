@@ -2,6 +2,7 @@
 
 from lcache.data.cache import Access, SampleCache
 from lcache.data.dataset import CachedDataset
+from lcache.data.formats import LitDataSource, MDSSource, TableSource, WebDatasetSource
 from lcache.data.plan import belady, simulate_lru, simulate_opt
 from lcache.data.sampler import SeedAwareSampler
 from lcache.data.sources import (
@@ -18,10 +19,14 @@ __all__ = [
     "DatasetSource",
     "FileSource",
     "ImageFolderSource",
+    "LitDataSource",
+    "MDSSource",
     "RangeSource",
     "SampleCache",
     "SeedAwareSampler",
     "SourceError",
+    "TableSource",
+    "WebDatasetSource",
     "belady",
     "simulate_lru",
     "simulate_opt",

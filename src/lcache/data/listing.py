@@ -60,45 +60,47 @@ def suffix_filter(suffixes: Sequence[str] | None) -> Callable[[str], bool]:
 
 
 # ----------------------------------------------------------------------------- progress
-class _Progress:
-    """Counts of a listing, shown on stderr once it takes longer than ``PROGRESS_AFTER_S``
-    (on a terminal, or always with ``show=True``; never with ``show=False``)."""
+class Progress:
+    """Counts of something slow (a listing, an indexing), shown on stderr once it takes
+    longer than ``PROGRESS_AFTER_S`` (on a terminal, or always with ``show=True``; never with
+    ``show=False``) as ``"{what}: 12 files, 3 directories"``."""
 
     def __init__(self, what: str, show: bool | None) -> None:
         self.what = what
         self.show = sys.stderr.isatty() if show is None else show
         self.start = time.monotonic()
-        self.dirs = 0
-        self.files = 0
+        self.counts: dict[str, int] = {}
         self._bar: Any = None
         self._task: Any = None
 
-    def update(self, dirs: int = 0, files: int = 0) -> None:
-        self.dirs += dirs
-        self.files += files
+    def update(self, **counts: int) -> None:
+        for name, n in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + n
         if self._bar is None:
             if not self.show or time.monotonic() - self.start < PROGRESS_AFTER_S:
                 return
             from rich.console import Console
-            from rich.progress import Progress, SpinnerColumn, TextColumn
+            from rich.progress import Progress as Bar
+            from rich.progress import SpinnerColumn, TextColumn
 
-            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                 console=Console(stderr=True, force_terminal=True),
-                                 transient=True)
+            self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"),
+                            console=Console(stderr=True, force_terminal=True),
+                            transient=True)
             self._task = self._bar.add_task("")
             self._bar.start()
-        self._bar.update(self._task, description=f"{self.what}: {self.files} files in "
-                         f"{self.dirs} directories")
+        self._bar.update(self._task, description=self._text())
+
+    def _text(self) -> str:
+        return f"{self.what}: " + ", ".join(f"{n} {name}" for name, n in self.counts.items())
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-            log.info("lcache: %s: %d files in %d directories, %.1f s", self.what, self.files,
-                     self.dirs, time.monotonic() - self.start)
+            log.info("lcache: %s, %.1f s", self._text(), time.monotonic() - self.start)
 
 
 # ----------------------------------------------------------------------------- listing
-async def _walk(remote: Remote, root: str, progress: _Progress) -> dict[str, dict[str, Any]]:
+async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict[str, Any]]:
     """Every object under ``root``: one ``_ls`` per directory, concurrently."""
     fs, _ = remote.fs()
     refresh = {"refresh": True} if "refresh" in _params(fs._ls) else {}
@@ -122,7 +124,7 @@ async def _walk(remote: Remote, root: str, progress: _Progress) -> dict[str, dic
                     subdirs.append(name)
             elif name.startswith(below) or name == folder.rstrip("/"):
                 files[name] = entry
-        progress.update(dirs=1, files=len(entries) - len(subdirs))
+        progress.update(files=len(entries) - len(subdirs), directories=1)
         await asyncio.gather(*(visit(d) for d in subdirs))
 
     await visit(root)
@@ -144,7 +146,7 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
     size and (where the filesystem has one) a version; and the paths it did not accept."""
     fs, root = remote.fs()
     root = root.rstrip("/")
-    bar = _Progress(f"listing {remote.url}", progress)
+    bar = Progress(f"listing {remote.url}", progress)
     try:
         if remote.is_async:
             found = remote.run(lambda: _walk(remote, root, bar))

@@ -18,14 +18,14 @@ import os
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import xxhash
 
-from lcache.errors import ConfigError, LCacheError
+from lcache.errors import ConfigError, CorruptionError, LCacheError
 from lcache.trace import recorder as _trace
 
 T = TypeVar("T")
@@ -33,6 +33,12 @@ T = TypeVar("T")
 
 class SourceError(LCacheError, OSError):
     """A sample could not be read from the source; the message names the URL and the key."""
+
+
+class SourceCorruptionError(SourceError, CorruptionError):
+    """The source's bytes are not what its format says (a truncated shard, a bad checksum,
+    a corrupt index): a SourceError, so ``on_error="skip"`` can skip the sample, and a
+    CorruptionError (a ValueError)."""
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,26 @@ class Remote:
         return await self.attempt(
             lambda: self.in_thread(lambda: bytes(fs.cat_file(path, start=start, end=end))),
             what, traced)
+
+    def get_many(self, parts: Sequence[tuple[str, int | None, int | None]],
+                 what: Callable[[str], str]) -> list[bytes]:
+        """Whole objects or ranges ``(path, start, end)`` that are not samples (an index, a
+        shard's header), concurrently, each retried; errors start with ``what(url)``. The
+        caller checks the lengths."""
+        fs, _ = self.fs()
+        if not self.is_async and len(parts) == 1:
+            path, start, end = parts[0]
+            try:
+                return [bytes(fs.cat_file(path, start=start, end=end))]
+            except Exception as exc:
+                raise SourceError(f"{what(self.full_url(path))}: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+
+        def job(path: str, start: int | None, end: int | None
+                ) -> Callable[[], Awaitable[bytes]]:
+            return lambda: self.cat(path, start, end, lambda: what(self.full_url(path)))
+
+        return self.run(lambda: self.bounded(job(*part) for part in parts))
 
     def infos(self, paths: list[str]) -> list[dict[str, Any]]:
         """fsspec ``info`` of each path, concurrently, each retried."""

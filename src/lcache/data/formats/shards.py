@@ -1,0 +1,133 @@
+"""What the shard formats share: naming the shards (a listing, a list, or a brace pattern as
+WebDataset writes them), reading an index file and the heads of shards, and turning
+per-shard offset tables into the sample table of a ``RangeSource``."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.data.listing import list_objects, suffix_filter
+from lcache.data.remote import FetchOptions, Remote, SourceCorruptionError, SourceError
+from lcache.errors import ConfigError
+
+_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``"shard-{000..002}.tar"`` -> the three names, zero-padded as written (WebDataset's
+    shard notation); several ranges multiply; a name without braces is itself."""
+    match = _BRACES.search(pattern)
+    if match is None:
+        return [pattern]
+    lo, hi = match.group(1), match.group(2)
+    if int(hi) < int(lo):
+        raise ConfigError(f"shard pattern {pattern!r}: {{{lo}..{hi}}} counts down")
+    width = len(lo) if lo.startswith("0") else 0
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    return [name for i in range(int(lo), int(hi) + 1)
+            for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
+
+
+def make_remote(url: str, storage_options: dict[str, Any] | None,
+                fetch_options: dict[str, Any]) -> Remote:
+    try:
+        options = FetchOptions(**fetch_options)
+    except TypeError:
+        known = ", ".join(FetchOptions.__dataclass_fields__)
+        raise ConfigError(f"unknown source options {sorted(fetch_options)}; a source takes "
+                          f"storage_options= and {known}") from None
+    return Remote(url.rstrip("/"), storage_options, options)
+
+
+def shard_names(remote: Remote, shards: str | Sequence[str] | None, suffix: str,
+                progress: bool | None) -> list[str]:
+    """The shards under the URL: as given (names or brace patterns, relative to the URL), or
+    every object ending in ``suffix`` (case ignored), sorted."""
+    if shards is not None:
+        patterns = [shards] if isinstance(shards, str) else list(shards)
+        names = [n for p in patterns for n in expand_braces(p)]
+        if not names:
+            raise ConfigError(f"shards= names no shards under {remote.url}")
+        return names
+    infos, others = list_objects(remote, suffix_filter((suffix,)), progress)
+    root = remote.path("")
+    names = sorted(p[len(root):] if p.startswith(root) else p for p in infos)
+    if not names:
+        seen = ", ".join(sorted(o.rsplit("/", 1)[-1] for o in others)[:3])
+        raise SourceError(f"no {suffix} shards found under {remote.url}"
+                          + (f"; it holds {len(others)} other files, e.g. {seen}" if others
+                             else ""))
+    return names
+
+
+def read_json(remote: Remote, name: str) -> Any:
+    """The JSON document ``name`` under the URL (an index)."""
+    data = remote.get_many([(remote.path(name), None, None)],
+                           lambda url: f"cannot read the index {url}")[0]
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise SourceCorruptionError(f"{remote.full_url(remote.path(name))} is not a JSON "
+                                    f"index: {exc}") from None
+
+
+def read_offsets(remote: Remote, names: Sequence[str], counts: Sequence[int],
+                 sizes: Sequence[int], what: str) -> list[npt.NDArray[np.int64]]:
+    """Per shard, the ``count + 1`` sample offsets of the header MDS shards and litdata chunks
+    share (``uint32 count, uint32 offsets[count + 1]``, little-endian), read concurrently and
+    checked: the count the index gave, offsets that grow, the last within the shard."""
+    parts = [(remote.path(n), 0, 4 * (c + 2)) for n, c in zip(names, counts, strict=True)]
+    heads = remote.get_many(parts, lambda url: f"cannot read the header of {what} {url}")
+    tables = []
+    for name, count, size, head in zip(names, counts, sizes, heads, strict=True):
+        url = remote.full_url(remote.path(name))
+        if len(head) != 4 * (count + 2):
+            raise SourceCorruptionError(
+                f"{url}: {what} header is {len(head)} bytes, not {4 * (count + 2)} for its "
+                f"{count} samples: a truncated {what}")
+        words = np.frombuffer(head, "<u4").astype(np.int64)
+        offsets = words[1:]
+        if words[0] != count:
+            raise SourceCorruptionError(f"{url}: holds {words[0]} samples, its index says "
+                                        f"{count}: the index does not match the {what}")
+        if count and offsets[0] < 4 * (count + 2):
+            raise SourceCorruptionError(f"{url}: sample 0 starts at byte {offsets[0]}, "
+                                        f"inside the {what} header")
+        backwards = np.flatnonzero(np.diff(offsets) < 0)
+        if len(backwards) or offsets[-1] > size:
+            i = int(backwards[0]) if len(backwards) else count - 1
+            raise SourceCorruptionError(
+                f"{url}: sample {i} of the {what} lies at bytes {offsets[i]}-{offsets[i + 1]}"
+                f", before its start or beyond its {size} bytes: a corrupt or truncated {what}")
+        tables.append(offsets)
+    return tables
+
+
+def table(offsets: Sequence[npt.NDArray[np.int64]]) -> tuple[npt.NDArray[np.int32],
+                                                             npt.NDArray[np.int64],
+                                                             npt.NDArray[np.int64]]:
+    """``(file_of, offsets, lengths)`` of every sample, shard after shard."""
+    file_of = np.concatenate([np.full(len(o) - 1, i, np.int32) for i, o in enumerate(offsets)])
+    starts = np.concatenate([o[:-1] for o in offsets]).astype(np.int64)
+    lengths = np.concatenate([np.diff(o) for o in offsets]).astype(np.int64)
+    return file_of, starts, lengths
+
+
+def checked_infos(remote: Remote, names: Sequence[str], expected: Sequence[int] | None,
+                  what: str) -> list[dict[str, Any]]:
+    """fsspec infos of the shards (concurrent), each the size its index says if it says one."""
+    infos = remote.infos([remote.path(n) for n in names])
+    if expected is not None:
+        for name, info, size in zip(names, infos, expected, strict=True):
+            if int(info.get("size") or 0) != size:
+                raise SourceCorruptionError(
+                    f"{remote.full_url(remote.path(name))}: {info.get('size')} bytes, its "
+                    f"index says {size}: a truncated or rewritten {what}")
+    return infos
+

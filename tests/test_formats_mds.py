@@ -1,0 +1,126 @@
+"""``MDSSource`` against shards written by mosaicml-streaming's own ``MDSWriter``
+(tests/data/mds, see its README): every column of every sample as the writer was given it,
+the pickle column as raw bytes and never unpickled, one request per shard over HTTP, the
+cache; compressed shards refused; corrupt index, truncated and unreachable shards named."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lcache.data import CachedDataset, SourceError
+from lcache.data.formats import MDSSource
+from lcache.errors import ConfigError, CorruptionError
+from lcache.testing.remote import ThrottledServer
+
+from .data.make_fixtures import payload
+
+FIXTURE = Path(__file__).parent / "data" / "mds"
+EXPECTED = json.loads((FIXTURE / "expected.json").read_text())["samples"]
+
+
+def _check(i: int, item: dict[str, Any]) -> None:
+    want = EXPECTED[i]
+    assert item["data"] == payload(i, "data")
+    assert hashlib.sha256(item["data"]).hexdigest() == want["data"]
+    assert item["label"] == want["label"] and type(item["label"]) is int
+    assert item["name"] == want["name"]
+    assert item["meta"] == want["meta"]
+    assert item["small"] == want["small"] and item["small"].dtype == np.uint8
+    assert item["vec"].dtype == np.float32 and item["vec"].tolist() == want["vec"]
+    # The pkl column: the writer's pickle bytes, never loaded.
+    assert item["blob"] == pickle.dumps({"never": "unpickled", "i": i})
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FIXTURE / "shards", tmp_path / "remote" / "mds"))
+
+
+def test_columns_are_what_the_writer_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("lcache unpickled something")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    src = MDSSource(str(FIXTURE / "shards"))
+    assert len(src) == len(EXPECTED) == 9 and len(src._files) == 3
+    assert src.columns == ["blob", "data", "label", "meta", "name", "small", "vec"]
+    for i, data in enumerate(src.fetch_many(range(9))):
+        _check(i, src.decode(data))
+
+
+def test_over_http_and_through_the_cache(shards: Path, tmp_path: Path) -> None:
+    with ThrottledServer(str(shards.parent)) as server:
+        src = MDSSource(server.url + "/mds")
+        ds = CachedDataset(src, tmp_path / "cache", "16MiB")
+        before = sum(v for k, v in server.paths.items() if k.endswith(".mds"))
+        for i, item in enumerate(ds.__getitems__(list(range(9)))):
+            _check(i, item)
+        assert sum(v for k, v in server.paths.items() if k.endswith(".mds")) - before == 3
+        for i in range(9):
+            _check(i, ds[i])
+        assert ds.stats()["from_ssd"] == 9
+
+
+def test_compressed_shards_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"shard.00000.mds is compressed \(zstd\).*"
+                                          "compression=None"):
+        MDSSource(str(FIXTURE.parent / "mds-zstd" / "shards"))
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda d: d.update(shards="x"), r"no \"shards\" list"),
+    (lambda d: d["shards"][1].pop("raw_data"), r"shard 1 is not an MDS shard entry"),
+    (lambda d: d["shards"][1].update(samples=4), r"shard.00001.mds: holds 3 samples, its "
+                                                  r"index says 4"),
+    (lambda d: d["shards"][2]["raw_data"].update(bytes=99), r"shard.00002.mds: 2799 bytes, "
+                                                             r"its index says 99"),
+], ids=["no-shards", "no-raw-data", "wrong-count", "wrong-size"])
+def test_corrupt_index_is_named(shards: Path, damage: Any, why: str) -> None:
+    index = json.loads((shards / "index.json").read_text())
+    damage(index)
+    (shards / "index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceError, match=why) as info:
+        MDSSource(str(shards))
+    assert str(shards) in str(info.value) and isinstance(info.value, CorruptionError)
+    (shards / "index.json").write_text("{not json")
+    with pytest.raises(SourceError, match="is not a JSON index"):
+        MDSSource(str(shards))
+
+
+def test_truncated_or_damaged_shard_is_named(shards: Path) -> None:
+    src = MDSSource(str(shards))
+    assert src._file_of.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2]  # samples 5-7 in shard 1
+    raw = (shards / "shard.00001.mds").read_bytes()
+    (shards / "shard.00001.mds").write_bytes(raw[:3000])  # after the source was opened
+    with pytest.raises(SourceError, match=r"^sample 5: .*shard.00001.mds ended after 2662 "
+                                          r"of bytes 338-3294"):
+        src.fetch_many([7, 6, 5])
+    with pytest.raises(SourceError, match=r"shard.00001.mds: 3000 bytes, its index says"):
+        MDSSource(str(shards))
+    # The sizes a sample declares must add up to its length.
+    (shards / "shard.00001.mds").write_bytes(raw)
+    damaged = bytearray(raw)
+    start = int(src.offsets[6])
+    damaged[start:start + 4] = (10**6).to_bytes(4, "little")  # its first column's size
+    (shards / "shard.00001.mds").write_bytes(bytes(damaged))
+    with pytest.raises(SourceError, match=r"^sample 6 \(.*#bytes=.*\): its columns add up"):
+        src.fetch(6)
+
+
+def test_unreachable_shard_is_named(shards: Path) -> None:
+    with ThrottledServer(str(shards.parent)) as server:
+        src = MDSSource(server.url + "/mds", retries=0)
+        (shards / "shard.00002.mds").unlink()
+        with pytest.raises(SourceError) as info:
+            src.fetch_many([0, 8])
+        assert "sample 8" in str(info.value)
+        assert f"{server.url}/mds/shard.00002.mds" in str(info.value)

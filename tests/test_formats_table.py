@@ -1,0 +1,93 @@
+"""``TableSource``: samples listed as (path, offset, length) rows in CSV or JSON, fetched as
+exact byte ranges, coalesced per file; bad rows named with their line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from lcache.data import CachedDataset, SourceError
+from lcache.data.formats import TableSource
+from lcache.errors import ConfigError, CorruptionError
+from lcache.testing.remote import ThrottledServer
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, bytes]:
+    out = {"a.bin": random.Random(1).randbytes(5000),
+           "sub/b.bin": random.Random(2).randbytes(3000)}
+    for name, data in out.items():
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).write_bytes(data)
+    return out
+
+
+ROWS = [("a.bin", 0, 100), ("sub/b.bin", 10, 990), ("a.bin", 100, 400), ("a.bin", 4000, 1000)]
+
+
+def _want(files: dict[str, bytes]) -> list[bytes]:
+    return [files[p][o:o + n] for p, o, n in ROWS]
+
+
+@pytest.mark.parametrize("form", ["csv", "json-rows", "json-columns"])
+def test_table_forms(tmp_path: Path, files: dict[str, bytes], form: str) -> None:
+    data = tmp_path / "data"
+    if form == "csv":
+        lines = ["path,offset,length,comment"] + [f"{p},{o},{n},x" for p, o, n in ROWS]
+        (data / "t.csv").write_text("\n".join(lines) + "\n")
+        name = "t.csv"
+    elif form == "json-rows":
+        rows = [{"url": f"{data}/{p}", "offset": o, "length": n} for p, o, n in ROWS]
+        (data / "t.json").write_text(json.dumps(rows))  # absolute paths under the URL
+        name = "t.json"
+    else:
+        cols = {"paths": [r[0] for r in ROWS], "offsets": [r[1] for r in ROWS],
+                "lengths": [r[2] for r in ROWS]}
+        (data / "t.json").write_text(json.dumps(cols))
+        name = "t.json"
+    src = TableSource(str(data), name)
+    assert src.fetch_many(range(4)) == _want(files)
+    assert src.sizes().tolist() == [r[2] for r in ROWS]
+
+
+def test_over_http_coalesced_and_cached(tmp_path: Path, files: dict[str, bytes]) -> None:
+    lines = ["path,offset,length"] + [f"{p},{o},{n}" for p, o, n in ROWS]
+    (tmp_path / "data" / "t.csv").write_text("\n".join(lines))
+    with ThrottledServer(str(tmp_path)) as server:
+        src = TableSource(server.url + "/data", "t.csv", coalesce_gap=1000)
+        ds = CachedDataset(src, tmp_path / "c", "16MiB")
+        assert ds.__getitems__([0, 1, 2, 3]) == _want(files)
+        assert server.paths["/data/a.bin"] == 2  # bytes 0-500 in one request, 4000-5000
+        assert server.paths["/data/sub/b.bin"] == 1
+        assert [ds[i] for i in range(4)] == _want(files)
+
+
+@pytest.mark.parametrize("body,why", [
+    ("path,offset\na.bin,0\n", r"header \['path', 'offset'\] lacks"),
+    ("path,offset,length\na.bin,0,100\na.bin,-1,5\n", r"row 3: \('a.bin', '-1', '5'\)"),
+    ("path,offset,length\na.bin,zero,5\n", r"row 2:"),
+    ("path,offset,length\n../x.bin,0,5\n", r"row 2: '../x.bin' is not under"),
+    ("path,offset,length\n", "lists no samples"),
+])
+def test_bad_tables_are_named(tmp_path: Path, files: dict[str, bytes], body: str,
+                              why: str) -> None:
+    (tmp_path / "data" / "t.csv").write_text(body)
+    with pytest.raises(CorruptionError, match=why) as info:
+        TableSource(str(tmp_path / "data"), "t.csv")
+    assert str(tmp_path / "data" / "t.csv") in str(info.value)
+
+
+def test_ranges_beyond_a_file_or_missing_files(tmp_path: Path, files: dict[str, bytes]) -> None:
+    data = tmp_path / "data"
+    (data / "t.csv").write_text("path,offset,length\na.bin,4900,200\n")
+    with pytest.raises(ConfigError, match=r"sample 0: bytes 4900-5100 lie beyond the end of "
+                                          r"a.bin \(5000 bytes\)"):
+        TableSource(str(data), "t.csv")
+    (data / "t.csv").write_text("path,offset,length\ngone.bin,0,10\n")
+    with pytest.raises(SourceError, match=r"gone\.bin"):
+        TableSource(str(data), "t.csv")
+    with pytest.raises(SourceError, match="cannot read the table"):
+        TableSource(str(data), "missing.csv")

@@ -1,0 +1,192 @@
+"""``WebDatasetSource`` against tar shards written by webdataset's own ``ShardWriter``
+(tests/data/webdataset, see its README): every sample's members and bytes as the writer was
+given them, locally, over HTTP with one request per shard, and through the cache; truncated,
+corrupt and unreachable shards named with the sample; the kept index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache.data import CachedDataset, SourceError
+from lcache.data.formats import WebDatasetSource
+from lcache.data.formats.webdataset import split_name
+from lcache.errors import CorruptionError
+from lcache.testing.remote import ThrottledServer
+
+from .data.make_fixtures import LONG_KEY, payload
+
+FIXTURE = Path(__file__).parent / "data" / "webdataset"
+EXPECTED = json.loads((FIXTURE / "expected.json").read_text())["samples"]
+SHARDS = ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _written(i: int) -> dict[str, bytes]:
+    """What the writer was given for sample ``i``, as it stores it (make_fixtures.py)."""
+    fields = {"bin": payload(i, "bin"), "cls": str(i % 4).encode(),
+              "json": json.dumps({"i": i, "name": f"n{i}"}).encode()}
+    if i % 2:
+        fields["seg.png"] = payload(i, "seg")
+    return fields
+
+
+def _check_sample(i: int, item: dict[str, Any]) -> None:
+    want = EXPECTED[i]
+    assert item["__key__"] == want["key"]
+    fields = {k: v for k, v in item.items() if k != "__key__"}
+    assert fields == _written(i)
+    assert {k: _sha(v) for k, v in fields.items()} == want["fields"]
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    """A writable copy of the fixture shards under ``tmp_path/remote/wds``."""
+    return Path(shutil.copytree(FIXTURE / "shards", tmp_path / "remote" / "wds"))
+
+
+def test_samples_are_what_the_writer_was_given() -> None:
+    src = WebDatasetSource(str(FIXTURE / "shards"))
+    assert len(src) == len(EXPECTED) == 12
+    assert src.keys == [s["key"] for s in EXPECTED]
+    assert LONG_KEY in src.keys  # a name only a pax header holds
+    items = [src.decode(d) for d in src.fetch_many(range(len(src)))]
+    for i, item in enumerate(items):
+        _check_sample(i, item)
+    assert src.path_of(7) == f"{FIXTURE / 'shards' / 'shard-000001.tar'}#{LONG_KEY}"
+    # A sample is the tar bytes from its first header to its last member's end.
+    assert src.sizes().tolist() == src.lengths.tolist()
+    assert all(n % 512 == 0 for n in src.lengths)
+
+
+def test_names_as_webdataset_groups_them() -> None:
+    assert split_name("a/b.c.JPG") == ("a/b", "c.jpg")
+    assert split_name("x.cls") == ("x", "cls")
+    assert split_name("noext") is None
+    assert split_name("__meta__") is None and split_name("__meta__/x.txt") is None
+    assert split_name("d.1/x.jpg") == ("d.1/x", "jpg")
+
+
+def test_over_http_one_request_per_shard_and_through_the_cache(shards: Path,
+                                                               tmp_path: Path) -> None:
+    with ThrottledServer(str(shards.parent)) as server:
+        src = WebDatasetSource(server.url + "/wds/", shards="shard-{000000..000002}.tar")
+        assert len(src) == 12
+        before = dict(server.paths)
+        ds = CachedDataset(src, tmp_path / "cache", "16MiB")
+        items = ds.__getitems__(list(range(12)))  # the batched path: one fetch_many
+        for i, item in enumerate(items):
+            _check_sample(i, item)
+        for name in SHARDS:  # the samples of one shard came in one ranged GET
+            assert server.paths[f"/wds/{name}"] - before.get(f"/wds/{name}", 0) == 1
+        again = [ds[i] for i in range(12)]  # hits
+        for i, item in enumerate(again):
+            _check_sample(i, item)
+        assert ds.stats()["from_ssd"] == 12
+
+
+def test_kept_index_spares_reading_the_shards(shards: Path, tmp_path: Path) -> None:
+    with ThrottledServer(str(shards.parent)) as server:
+        url = server.url + "/wds/"
+        WebDatasetSource(url, cache_dir=tmp_path / "cache")
+        read = sum(server.paths[f"/wds/{n}"] for n in SHARDS)
+        assert read >= 3  # each shard read once to index it
+        again = WebDatasetSource(url, cache_dir=tmp_path / "cache")
+        assert sum(server.paths[f"/wds/{n}"] for n in SHARDS) == read  # nothing read
+        assert again.keys == [s["key"] for s in EXPECTED]
+        # A shard rewritten (new Last-Modified) is indexed again; the others are not.
+        (shards / SHARDS[2]).write_bytes((shards / SHARDS[2]).read_bytes())
+        WebDatasetSource(url, cache_dir=tmp_path / "cache")
+        assert server.paths[f"/wds/{SHARDS[2]}"] == 2
+        assert server.paths[f"/wds/{SHARDS[0]}"] == 1
+
+
+def test_truncated_shard_is_named(shards: Path) -> None:
+    data = (shards / SHARDS[1]).read_bytes()
+    (shards / SHARDS[1]).write_bytes(data[:12_000])  # cut inside a member
+    with pytest.raises(SourceError) as info:
+        WebDatasetSource(str(shards))
+    message = str(info.value)
+    assert str(shards / SHARDS[1]) in message and "truncated shard" in message, message
+    assert isinstance(info.value, CorruptionError)
+
+
+def test_corrupt_header_of_a_fetched_sample_is_refused(shards: Path) -> None:
+    src = WebDatasetSource(str(shards))
+    start = int(src.offsets[3])
+    raw = bytearray((shards / SHARDS[0]).read_bytes())
+    raw[start + 88] ^= 0x01  # in the first header of sample 3 (its first member's pax header)
+    (shards / SHARDS[0]).write_bytes(bytes(raw))
+    with pytest.raises(SourceError) as info:
+        src.fetch_many([2, 3, 4])
+    message = str(info.value)
+    assert f"sample 3 ({shards / SHARDS[0]} at byte" in message and "checksum" in message, \
+        message
+    assert src.fetch_many([0, 1]) == [src.fetch(0), src.fetch(1)]  # the others still serve
+
+
+def test_shard_rewritten_under_a_sample_is_refused(shards: Path) -> None:
+    src = WebDatasetSource(str(shards))
+    other = WebDatasetSource(str(shards))
+    # Swap two shards of the same size: each sample's range now holds another key.
+    a, b = (shards / SHARDS[0]).read_bytes(), (shards / SHARDS[1]).read_bytes()
+    assert len(a) == len(b)
+    (shards / SHARDS[0]).write_bytes(b)
+    (shards / SHARDS[1]).write_bytes(a)
+    for i in range(5):
+        with pytest.raises(SourceError, match=rf"^sample {i} .*shard changed since it was "
+                                              "indexed"):
+            src.fetch(i)
+    assert other.keys == src.keys
+
+
+def test_unreachable_or_missing_shard_is_named(shards: Path, tmp_path: Path) -> None:
+    with ThrottledServer(str(shards.parent)) as server:
+        src = WebDatasetSource(server.url + "/wds/", retries=0)
+        (shards / SHARDS[2]).unlink()
+        with pytest.raises(SourceError) as info:
+            src.fetch_many([11])
+        assert f"sample 11 (bytes {src.offsets[11]}-" in str(info.value)
+        assert f"{server.url}/wds/{SHARDS[2]}" in str(info.value)
+        with pytest.raises(SourceError, match=f"{SHARDS[2]}"):
+            WebDatasetSource(server.url + "/wds/", shards=SHARDS)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_bytes(b"x")
+    with pytest.raises(SourceError, match=r"no \.tar shards found under .* e\.g\. a\.txt"):
+        WebDatasetSource(str(tmp_path / "empty"))
+
+
+def test_a_short_coalesced_answer_names_the_first_sample_cut(shards: Path) -> None:
+    with ThrottledServer(str(shards.parent), fault=lambda path, nth: "short"
+                         if path.endswith(SHARDS[0]) and nth > 1 else None) as server:
+        src = WebDatasetSource(server.url + "/wds/", shards=[SHARDS[0]])
+        with pytest.raises(SourceError, match=r"^sample [0-4]: .* ended after"):
+            src.fetch_many(range(5))
+
+
+def test_a_sample_under_another_key_is_refused(shards: Path) -> None:
+    """The same layout with other names (checksums right): only the key check tells."""
+    import io
+    import tarfile
+
+    src = WebDatasetSource(str(shards))
+    out = io.BytesIO()
+    with tarfile.open(shards / SHARDS[0]) as old, tarfile.open(fileobj=out, mode="w") as new:
+        for info in old.getmembers():
+            data = old.extractfile(info).read()  # type: ignore[union-attr]
+            info.name = info.name.replace("s0001", "x0001")
+            info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "path"}
+            new.addfile(info, io.BytesIO(data))
+    assert len(out.getvalue()) == (shards / SHARDS[0]).stat().st_size  # the same layout
+    (shards / SHARDS[0]).write_bytes(out.getvalue())
+    assert src.fetch_many([0, 2]) == [src.fetch(0), src.fetch(2)]  # unchanged samples serve
+    with pytest.raises(SourceError, match=r"^sample 1 .* holds key 'x0001', not 's0001'"):
+        src.fetch(1)
