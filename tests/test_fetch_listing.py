@@ -187,9 +187,15 @@ def test_ranks_of_one_launch_list_once(tmp_path: Path, monkeypatch: pytest.Monke
         assert _listed(server) > asked
 
 
-def test_cached_dataset_with_sizes_given(tmp_path: Path) -> None:
+def test_cached_dataset_with_sizes_given(tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
     written = _tree(tmp_path / "d", ["a.bin", "b.bin"])
-    ds = CachedDataset(str(tmp_path / "d"), tmp_path / "cache", "16MiB",
-                       files={"b.bin": len(written["b.bin"]), "a.bin": len(written["a.bin"])},
-                       fingerprint="v1")
+    sizes = {"b.bin": len(written["b.bin"]), "a.bin": len(written["a.bin"])}
+    with caplog.at_level("WARNING", logger="lcache"):
+        ds = CachedDataset(str(tmp_path / "d"), tmp_path / "cache", "16MiB", files=sizes,
+                           fingerprint="v1")
     assert [ds[0], ds[1]] == [written["b.bin"], written["a.bin"]]
+    assert not caplog.records  # the fingerprint names the version: nothing to warn about
+    with caplog.at_level("WARNING", logger="lcache"):
+        CachedDataset(str(tmp_path / "d"), tmp_path / "cache2", "16MiB", files=sizes)
+    assert "files= with sizes" in caplog.text and "pass fingerprint=" in caplog.text

@@ -88,10 +88,12 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
     if listing is None:
         content = getattr(source, "content", None)
         doc["content"] = content if isinstance(content, str) else probe_contents(source)[0]
-    elif not source.versioned():
-        log.warning("lcache: %s gives neither ETags nor modification times: an object "
-                    "rewritten with the same size cannot be told from the cached one; pass "
-                    "fingerprint= (a dataset version) to be safe", source.url)
+    elif not source.versioned() and fingerprint is None:
+        # With a fingerprint the user names the version; without, say what is at stake.
+        log.warning("lcache: %s gives neither ETags nor modification times (an HTTP server "
+                    "without them, or files= with sizes): an object rewritten with the same "
+                    "size cannot be told from the cached one; pass fingerprint= (a dataset "
+                    "version) to be safe", source.url)
     return Identity(doc, listing)
 
 
