@@ -508,3 +508,49 @@ def test_codec_round_trip_tensors_property(dtype: torch.dtype, shape: tuple[int,
     bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
     tensor = bits.view(torch.bfloat16) if dtype == torch.bfloat16 else bits.to(dtype)
     _assert_same(codec.decode(codec.encode(tensor)), tensor)
+
+
+def test_s3_fetch_many_with_sizes_given(s3_endpoint: str, s3_objects: dict[str, bytes]) -> None:
+    keys = sorted(s3_objects)
+    sizes = {k[len("train/"):]: len(s3_objects[k]) for k in keys}
+    src = FileSource("s3://samples/train/", files=sizes, retries=1,
+                     storage_options=_s3_options(s3_endpoint))  # nothing asked of S3
+    order = random.Random(5).sample(range(len(keys)), len(keys))
+    assert src.fetch_many(order) == [s3_objects[keys[i]] for i in order]
+
+
+@pytest.fixture(scope="module")
+def s3_shards(s3_endpoint: str) -> str:
+    """The WebDataset and MDS fixtures (tests/data) in bucket ``shards``."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("shards")
+    data = Path(__file__).parent / "data"
+    for fmt in ("webdataset", "mds"):
+        for path in sorted((data / fmt / "shards").iterdir()):
+            fs.pipe_file(f"shards/{fmt}/{path.name}", path.read_bytes())
+    return "s3://shards"
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "mds"])
+def test_s3_shards_coalesced_exact(s3_endpoint: str, s3_shards: str, tmp_path: Path,
+                                   fmt: str) -> None:
+    import lcache.trace
+    from lcache.data.formats import MDSSource, WebDatasetSource
+
+    make = WebDatasetSource if fmt == "webdataset" else MDSSource
+    local = make(str(Path(__file__).parent / "data" / fmt / "shards"))
+    remote = make(f"{s3_shards}/{fmt}/", storage_options=_s3_options(s3_endpoint))
+    assert len(remote) == len(local) and remote.lengths.tolist() == local.lengths.tolist()
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        got = remote.fetch_many(range(len(remote)))
+    finally:
+        lcache.trace.disable()
+    assert got == local.fetch_many(range(len(local)))  # the same bytes as the files
+    from .test_trace_recorder import _events, _io
+
+    reads = [e for e in _io(_events(trace)) if e["cat"] == "data-source"]
+    assert len(reads) == 3  # one ranged GET per shard
