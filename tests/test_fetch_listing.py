@@ -157,6 +157,11 @@ def test_listing_reused_within_its_ttl_only(tmp_path: Path) -> None:
         kept.write_bytes(b"{not json")
         assert len(FileSource(url, cache_dir=cache, listing_ttl=3600)) == 6  # listed again
         doc = json.loads(kept.read_text())
+        kept.write_text(json.dumps({**doc, "sizes": ["12"] * len(doc["sizes"])}))
+        asked = _listed(server)
+        assert FileSource(url, cache_dir=cache, listing_ttl=3600).sizes().tolist() == \
+            doc["sizes"]  # a damaged listing is listed again, not trusted
+        assert _listed(server) > asked
         doc["made"] -= 7200  # older than the TTL
         kept.write_text(json.dumps(doc))
         asked = _listed(server)

@@ -239,8 +239,7 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         if doc is not None and doc.get("key") == digest:
             age = time.time() - float(doc.get("made", 0))
             if (launch is not None and doc.get("launch") == launch) or 0 <= age < ttl:
-                found = Listing(list(doc["paths"]), np.array(doc["sizes"], np.int64),
-                                list(doc["versions"]))
+                found = _listing(doc)
 
         def keep(listing: Listing) -> None:
             body = {"format": LISTING_FORMAT, "key": digest, "made": time.time(),
@@ -251,6 +250,15 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         yield found, keep
     finally:
         os.close(fd)
+
+
+def _listing(doc: dict[str, Any]) -> Listing | None:
+    """The listing a kept document holds, or None if it is damaged."""
+    paths, sizes, versions = doc["paths"], doc["sizes"], doc["versions"]
+    if not all(isinstance(x, str) for x in (*paths, *versions)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        return None
+    return Listing(paths, np.array(sizes, np.int64), versions)
 
 
 def _load(path: str) -> dict[str, Any] | None:
