@@ -190,3 +190,14 @@ def test_a_sample_under_another_key_is_refused(shards: Path) -> None:
     assert src.fetch_many([0, 2]) == [src.fetch(0), src.fetch(2)]  # unchanged samples serve
     with pytest.raises(SourceError, match=r"^sample 1 .* holds key 'x0001', not 's0001'"):
         src.fetch(1)
+
+
+def test_progress_while_indexing(capfd: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from lcache.data import listing
+
+    monkeypatch.setattr(listing, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setenv("COLUMNS", "500")
+    WebDatasetSource(str(FIXTURE / "shards"), progress=True)
+    err = capfd.readouterr().err
+    assert f"indexing {FIXTURE / 'shards'}: " in err and "12 samples" in err, err

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -72,8 +73,13 @@ class Progress:
         self.counts: dict[str, int] = {}
         self._bar: Any = None
         self._task: Any = None
+        self._lock = threading.Lock()
 
     def update(self, **counts: int) -> None:
+        with self._lock:  # shards are indexed by several threads
+            self._update(counts)
+
+    def _update(self, counts: dict[str, int]) -> None:
         for name, n in counts.items():
             self.counts[name] = self.counts.get(name, 0) + n
         if self._bar is None:
