@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,9 @@ class CachedDataset:
     fraction of the dataset's bytes (``0.4`` or ``"40%"``). ``staging_bytes`` of memory (/dev/shm)
     hold prefetched samples the plan does not keep until they are read. ``transform`` turns
     the raw item (bytes for files and ranges, the original structure for datasets) into what
-    training needs; it runs on every read, so random augmentations belong there.
+    training needs; it runs on every read, so random augmentations belong there. A transform
+    that takes an ``index`` or ``path`` keyword gets the sample's number and where it came
+    from (``source.path_of(index)``: a URL or path, ``URL#bytes=A-B`` for ranges and shards).
 
     The directory serves only the source it was made for: ``name`` and ``fingerprint`` (a
     dataset version, say) are part of that identity, on top of the URL or, for a dataset
@@ -36,16 +39,20 @@ class CachedDataset:
 
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | float | str, *,
-                 transform: Callable[[Any], Any] | None = None,
+                 transform: Callable[..., Any] | None = None,
                  segment_size: int | str | None = None,
                  staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
                  fingerprint: str | None = None, check: bool = True,
                  on_error: str = "raise", **source_options: Any) -> None:
-        self.cache = SampleCache(as_source(source, **source_options), cache_dir, capacity,
+        self.cache = SampleCache(as_source(source, cache_dir=cache_dir, **source_options),
+                                 cache_dir, capacity,
                                  segment_size=segment_size, staging_bytes=staging_bytes,
                                  name=name, fingerprint=fingerprint, check=check,
                                  on_error=on_error)
         self.transform = transform
+        # A transform may ask for the sample's index and path (e.g. to derive a label).
+        self._transform_extras = tuple(name for name in ("index", "path")
+                                       if transform is not None and _accepts(transform, name))
 
     def __len__(self) -> int:
         return len(self.cache.source)
@@ -75,11 +82,34 @@ class CachedDataset:
             indices.append(index)
             keeps.append(keep)
         items = self.cache.get_many(indices, keeps)
-        if self.transform is not None:
-            items = [item if item is SKIPPED else self.transform(item) for item in items]
-        return items
+        if self.transform is None:
+            return items
+        if not self._transform_extras:
+            return [item if item is SKIPPED else self.transform(item) for item in items]
+        path_of = getattr(self.cache.source, "path_of", None)
+        out = []
+        for index, item in zip(indices, items, strict=True):
+            extras: dict[str, Any] = {"index": index} if "index" in self._transform_extras \
+                else {}
+            if "path" in self._transform_extras:
+                extras["path"] = path_of(index) if path_of is not None else None
+            out.append(item if item is SKIPPED else self.transform(item, **extras))
+        return out
 
     def stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
         """The node's counts (see ``SampleCache.stats``): all time, or since an earlier
         ``stats()``."""
         return self.cache.stats(since)
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    named = params.get(name)
+    if named is not None and named.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                            inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
