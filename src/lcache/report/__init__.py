@@ -21,8 +21,8 @@ def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
 
     Returns a dict whose ``classes`` maps each I/O class to ``ops, bytes, read_bytes,
     write_bytes, size_p50, size_p99, seq_fraction, MBps_mean, MBps_peak, lat_p50_us,
-    lat_p99_us`` (and a few more counts), plus ``total``, ``top_files``, ``processes``,
-    ``devices`` and ``trace``. Definitions: docs/trace.md.
+    lat_p99_us`` (and a few more counts), plus ``total``, ``top_files``, ``filesystems``,
+    ``processes``, ``devices`` and ``trace``. Definitions: docs/trace.md.
 
     Raises:
         lcache.trace.TraceFormatError: a file is missing, truncated or not a trace.
@@ -94,6 +94,11 @@ def print_summary(summary: dict[str, Any]) -> None:
                       f"{c['MBps_mean']:,.0f}/{c['MBps_peak']:,.0f}",
                       f"{c['lat_p50_us']:,.0f}/{c['lat_p99_us']:,.0f}")
     Console().print(table)
+    for f in summary["filesystems"].values():
+        Console().print(f"filesystem {f['mount']} ({f['fs'] or 'type unknown'}"
+                        f"{', in memory' if f['memory'] else ''}): read "
+                        f"{f['read_bytes'] / 2**20:,.1f} MiB, wrote "
+                        f"{f['write_bytes'] / 2**20:,.1f} MiB", markup=False, highlight=False)
     for dev, d in summary["devices"].items():
         if d["read_bytes"] or d["write_bytes"]:
             Console().print(f"device {dev}: read {d['read_bytes'] / 2**20:,.1f} MiB, "

@@ -83,11 +83,23 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
         parts.append(f'<figure><h2>{_e(title)}</h2><img class="plot" id="plot-{i}" '
                      f'alt="{_e(title)}" src="data:image/png;base64,{png}">'
                      f"<figcaption>{_e(caption)}</figcaption></figure>")
+    if summary["filesystems"]:
+        parts.append("<h2>Where the bytes went (filesystems)</h2>")
+        parts.append('<p class="small">The filesystem each file lives on (device number, '
+                     "mount point, type). A file in memory (tmpfs, ramfs) never reaches a "
+                     "storage device; cache I/O there is class cache-ram.</p>")
+        parts.append(_table(["mount", "fs", "device", "in memory", "ops", "read_bytes",
+                             "write_bytes", "bytes per class"], [
+            [_e(f["mount"]), _e(f["fs"]), _e(f["dev"]), "yes" if f["memory"] else "no",
+             f"{f['ops']:,}", f"{f['read_bytes']:,}", f"{f['write_bytes']:,}",
+             _e(", ".join(f"{c} {b:,}" for c, b in f["classes"].items()))]
+            for f in summary["filesystems"].values()], left=4))
     if summary["top_files"]:
         parts.append("<h2>Top files</h2>")
-        parts.append(_table(["file", "bytes", "ops", "classes"], [
-            [_e(f["file"]), f"{f['bytes']:,}", f"{f['ops']:,}", _e(", ".join(f["classes"]))]
-            for f in summary["top_files"]]))
+        parts.append(_table(["file", "filesystem", "bytes", "ops", "classes"], [
+            [_e(f["file"]), _e(f"{f['fs']} {f['mount']}".strip()), f"{f['bytes']:,}",
+             f"{f['ops']:,}", _e(", ".join(f["classes"]))]
+            for f in summary["top_files"]], left=2))
     if summary["processes"]:
         parts.append("<h2>Processes (/proc/&lt;pid&gt;/io)</h2>")
         parts.append(_table(["pid", "command", "read_bytes", "write_bytes", "rchar", "wchar",

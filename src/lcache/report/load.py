@@ -21,7 +21,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from lcache.trace.schema import DISKSTATS, PROC_IO, TraceFormatError
+from lcache.trace.mounts import MEMORY_FS
+from lcache.trace.schema import DISKSTATS, PROC_IO, RAM_CLASS, TraceFormatError
 
 PROC_FIELDS = ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")
 DISK_FIELDS = ("reads", "read_sectors", "writes", "write_sectors", "io_ms")
@@ -51,6 +52,8 @@ class Trace:
     #: device -> (timestamps in us, counters: one row per sample, columns DISK_FIELDS)
     disks: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]] = field(
         default_factory=dict)
+    #: per file: ``{"dev", "fs", "mnt"}`` as the recorder found them (``{}``: not known)
+    file_where: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     events: int = 0
     ignored: int = 0
@@ -175,6 +178,7 @@ class _Builder:
         self.classes: dict[str, int] = {}
         self.files: dict[str, int] = {}
         self.fid_names: dict[tuple[int, int, int], str] = {}  # (source, pid, fid) -> path
+        self.where: dict[str, dict[str, str]] = {}  # path -> {"dev", "fs", "mnt"}
         self.process_names: dict[int, str] = {}
         self.proc: dict[int, list[tuple[float, list[int]]]] = {}
         self.disks: dict[str, list[tuple[float, list[int]]]] = {}
@@ -206,7 +210,11 @@ class _Builder:
                     _int(args.get("off", -1)), _int(args.get("size", 0)),
                     _int(args.get("ret", 0))))
             elif ph == "M" and ev.get("name") == "file_name":
-                self.fid_names[(source, pid, _int(args["fid"]))] = str(args["name"])
+                name = str(args["name"])
+                self.fid_names[(source, pid, _int(args["fid"]))] = name
+                if "dev" in args and not self.where.get(name):
+                    self.where[name] = {k: str(args[k])[:4096] for k in ("dev", "fs", "mnt")
+                                        if k in args}
             elif ph == "M" and ev.get("name") == "process_name":
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
@@ -264,7 +272,7 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         return (np.array([r[0] for r in rows], np.float64),
                 np.array([r[1] for r in rows], np.int64).reshape(len(rows), -1))
 
-    return Trace(
+    trace = Trace(
         pid=arr(0, np.int64), tid=arr(1, np.int64), op=arr(2, np.int32), cls=arr(3, np.int32),
         file=arr(4, np.int32), ts_us=arr(5, np.float64), dur_us=arr(6, np.float64),
         offset=arr(7, np.int64), size=arr(8, np.int64), result=arr(9, np.int64),
@@ -272,4 +280,30 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         process_names=b.process_names,
         proc={pid: series(rows) for pid, rows in b.proc.items()},
         disks={dev: series(rows) for dev, rows in b.disks.items()},
+        file_where=[b.where.get(name, {}) for name in b.files],
         paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored)
+    _cache_in_memory_apart(trace)
+    return trace
+
+
+def in_memory(path: str, where: dict[str, str]) -> bool:
+    """Whether a file lives in memory (tmpfs, ramfs). Traces written before the recorder
+    noted filesystems say nothing: there a path under /dev/shm is taken for tmpfs."""
+    if "fs" in where:
+        return where["fs"] in MEMORY_FS
+    return path.startswith("/dev/shm/")
+
+
+def _cache_in_memory_apart(trace: Trace) -> None:
+    """Cache I/O to files in memory (lcache's prefetch staging area in /dev/shm) becomes
+    class ``cache-ram``: counted as cache-read/cache-write it was taken for SSD traffic."""
+    ram = np.array([in_memory(f, w) for f, w in zip(trace.files, trace.file_where,
+                                                    strict=True)], dtype=bool)
+    cache = np.array([c.startswith("cache-") for c in trace.classes], dtype=bool)
+    if not len(trace) or not ram.any() or not cache.any():
+        return
+    moved = ram[trace.file] & cache[trace.cls]
+    if moved.any():
+        if RAM_CLASS not in trace.classes:
+            trace.classes.append(RAM_CLASS)
+        trace.cls[moved] = trace.classes.index(RAM_CLASS)

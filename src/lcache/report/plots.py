@@ -14,6 +14,7 @@ import numpy as np
 
 from lcache.report.load import PROC_FIELDS, Trace
 from lcache.report.stats import SECTOR, data_mask, nearest_rank, rates, time_bins
+from lcache.trace.mounts import MEMORY_FS
 
 Plot = tuple[str, str, str]
 
@@ -181,12 +182,27 @@ def top_files(summary: dict[str, Any]) -> Plot:
     if not files:
         _empty(ax, "no bytes moved")
     else:
-        labels = [("..." + f["file"][-47:]) if len(f["file"]) > 50 else f["file"]
-                  for f in files][::-1]
-        ax.barh(labels, [f["bytes"] / 2**20 for f in files][::-1], color="#72b7b2")
+        labels = [_file_label(f) for f in files][::-1]
+        ax.barh(labels, [f["bytes"] / 2**20 for f in files][::-1],
+                color=[_MEMORY if f["fs"] in MEMORY_FS else _STORAGE for f in files][::-1])
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlabel("MiB")
-    return ("Top files by bytes", "Files that moved the most bytes (all classes).", _png(fig))
+    return ("Top files by bytes", "Files that moved the most bytes (all classes), with the "
+            "filesystem each lives on; orange: files in memory (tmpfs, ramfs), blue: the "
+            "rest.", _png(fig))
+
+
+_STORAGE, _MEMORY = "#0072B2", "#E69F00"
+
+
+def _file_label(f: dict[str, Any], width: int = 60) -> str:
+    """``[fs] path`` with the middle of a long path elided: the start (/dev/shm, the cache
+    directory) tells files apart as much as the end does."""
+    path = f["file"]
+    if len(path) > width:
+        keep = (width - 3) // 2
+        path = path[:keep] + "..." + path[-(width - 3 - keep):]
+    return f"[{f['fs']}] {path}" if f.get("fs") else path
 
 
 def processes(trace: Trace) -> Plot:

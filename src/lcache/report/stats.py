@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.report.load import DISK_FIELDS, PROC_FIELDS, Trace
+from lcache.report.load import DISK_FIELDS, PROC_FIELDS, Trace, in_memory
 
 SECTOR = 512
 
@@ -126,12 +126,14 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
                            minlength=len(trace.files)) if len(trace) else np.zeros(0)
     ranked = [int(i) for i in np.argsort(-per_file, kind="stable")[:top_files]
               if per_file[i] > 0]
+    where = [file_system(trace, i) for i in range(len(trace.files))]
     files = []
     for i in ranked:
         rows = trace.file == i
         files.append({"file": trace.files[i], "bytes": int(per_file[i]),
                       "ops": int((rows & data).sum()),
-                      "classes": sorted({trace.classes[c] for c in np.unique(trace.cls[rows])})})
+                      "classes": sorted({trace.classes[c] for c in np.unique(trace.cls[rows])}),
+                      "mount": where[i]["mount"], "fs": where[i]["fs"]})
     span = 0.0
     if len(trace):
         span = (float((trace.ts_us + trace.dur_us).max()) - float(trace.ts_us.min())) / 1e6
@@ -142,9 +144,48 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
         "classes": classes,
         "total": _class_stats(trace, lib, data, seq, read_code, write_code),
         "top_files": files,
+        "filesystems": _fs_summary(trace, where, data, lib, moved),
         "processes": _proc_summary(trace),
         "devices": _disk_summary(trace),
     }
+
+
+def file_system(trace: Trace, i: int) -> dict[str, Any]:
+    """Where file ``i`` lives: ``mount``, ``fs``, ``dev`` and ``memory`` (tmpfs, ramfs)."""
+    path, w = trace.files[i], trace.file_where[i] if trace.file_where else {}
+    memory = in_memory(path, w)
+    if "mnt" in w:
+        return {"mount": w["mnt"], "fs": w.get("fs", ""), "dev": w["dev"], "memory": memory}
+    if memory:  # an older trace: known from the path alone
+        return {"mount": "/dev/shm", "fs": "tmpfs", "dev": "", "memory": True}
+    unknown = ("(remote)" if "://" in path else "(unknown)" if path.startswith("/")
+               else "(not a file)")
+    return {"mount": unknown, "fs": "", "dev": w.get("dev", ""), "memory": False}
+
+
+def _fs_summary(trace: Trace, where: list[dict[str, Any]], data: npt.NDArray[np.bool_],
+                lib: npt.NDArray[np.bool_], moved: npt.NDArray[np.int64]) -> dict[str, Any]:
+    """Bytes per filesystem the files of the events live on. ``ops`` and the byte counts
+    leave out strace's events, as ``total`` does; ``classes`` has every class's bytes."""
+    out: dict[str, Any] = {}
+    read = trace.ops.index("read") if "read" in trace.ops else -1
+    keys = [f"{w['mount']} ({w['dev']})" if w["dev"] else w["mount"] for w in where]
+    for key in sorted(set(keys)):
+        rows = data & np.isin(trace.file, [i for i, k in enumerate(keys) if k == key])
+        if not rows.any():
+            continue
+        w = where[keys.index(key)]
+        reads = rows & lib & (trace.op == read)
+        writes = rows & lib & (trace.op != read)
+        per_class = np.bincount(trace.cls[rows], weights=moved[rows].astype(np.float64),
+                                minlength=len(trace.classes))
+        out[key] = {"mount": w["mount"], "fs": w["fs"], "dev": w["dev"], "memory": w["memory"],
+                    "ops": int((rows & lib).sum()), "read_bytes": int(moved[reads].sum()),
+                    "write_bytes": int(moved[writes].sum()),
+                    "classes": {trace.classes[c]: int(per_class[c])
+                                for c in np.argsort(-per_class, kind="stable")
+                                if per_class[c] > 0}}
+    return out
 
 
 def _proc_summary(trace: Trace) -> dict[str, Any]:

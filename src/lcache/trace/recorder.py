@@ -23,6 +23,7 @@ from typing import Any
 
 from lcache.io import tracer as _io_tracer
 from lcache.io.tracer import IOEvent
+from lcache.trace.mounts import MountTable
 from lcache.trace.schema import CLASSES
 from lcache.trace.writer import (
     EVENT_REST,
@@ -61,6 +62,7 @@ class Recorder:
         self._buffers_lock = threading.Lock()
         self._paths: dict[int, list[Any]] = {}  # fd -> [st_dev, st_ino, path, checked_ns]
         self._fids: dict[str, int] = {}
+        self._mounts = MountTable()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,7 +87,7 @@ class Recorder:
             events = self._local.events
         except AttributeError:
             events = self._new_buffer()
-        events.append((known[2], event))
+        events.append((known, event))
 
     def _check_fd(self, fd: int, known: list[Any] | None, now_ns: int) -> list[Any]:
         try:
@@ -105,8 +107,8 @@ class Recorder:
             events = self._local.events
         except AttributeError:
             events = self._new_buffer()
-        events.append((file, IOEvent(op, -1, offset, size, result, start_ns, duration_ns,
-                                     io_class)))
+        events.append(([0, 0, file, 0], IOEvent(op, -1, offset, size, result, start_ns,
+                                                duration_ns, io_class)))
 
     # -- flushing ------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,11 +148,13 @@ class Recorder:
                 tid = buf.tid
                 prefixes: dict[tuple[str, str], str] = {}
                 append = lines.append
-                for path, ev in chunk:
+                for known, ev in chunk:
+                    path = known[2]
                     fid = fids.get(path)
                     if fid is None:
                         fid = fids[path] = len(fids) + 1
-                        append(file_metadata(pid, fid, path))
+                        append(file_metadata(pid, fid, path,
+                                             self._mounts.lookup(known[0], path)))
                     key = (ev.op, ev.io_class)
                     prefix = prefixes.get(key)
                     if prefix is None:

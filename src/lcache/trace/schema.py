@@ -21,10 +21,12 @@ FORMAT_VERSION = 1
 #: uses for reopen-after-crash scans, ``lcache fsck`` and index/metadata files; they are kept
 #: as classes of their own. ``syscall`` holds the events that ``lcache trace --syscalls``
 #: recovers from strace (all file I/O of the traced processes, whatever it was for).
+#: ``cache-ram`` is given by the report, not by lcache.store: cache I/O to files in memory.
 CLASSES = (
     "data-source",
     "cache-read",
     "cache-write",
+    "cache-ram",
     "cache-gc",
     "cache-recovery",
     "cache-fsck",
@@ -34,6 +36,11 @@ CLASSES = (
     "other",
     "syscall",
 )
+
+#: Cache I/O to a file on a memory filesystem (tmpfs, ramfs), such as lcache's prefetch
+#: staging area in /dev/shm: it never reaches a storage device, so the report counts it apart
+#: from ``cache-read``/``cache-write``, whatever class the store gave it.
+RAM_CLASS = "cache-ram"
 
 #: Operations that move bytes; the others (fsync, fdatasync, open, unlink, lseek...) are
 #: counted apart.

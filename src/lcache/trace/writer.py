@@ -80,9 +80,10 @@ def process_metadata(pid: int, name: str, ppid: int | None = None) -> list[str]:
     return [dumps({"name": "process_name", "ph": "M", "pid": pid, "tid": pid, "args": args})]
 
 
-def file_metadata(pid: int, fid: int, path: str) -> str:
+def file_metadata(pid: int, fid: int, path: str, where: dict[str, str] | None = None) -> str:
+    """The ``file_name`` line; ``where`` adds the file's ``dev``, ``fs`` and ``mnt``."""
     return dumps({"name": "file_name", "ph": "M", "pid": pid, "tid": pid,
-                  "args": {"fid": fid, "name": path}})
+                  "args": {"fid": fid, "name": path, **(where or {})}})
 
 
 def event_prefix(pid: int, tid: int, op: str, io_class: str) -> str:
