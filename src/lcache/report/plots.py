@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 
 from lcache.report.load import PROC_FIELDS, Trace
-from lcache.report.stats import SECTOR, data_mask, nearest_rank, rates, time_bins
+from lcache.report.stats import (
+    SECTOR,
+    data_mask,
+    nearest_rank,
+    rates,
+    time_bins,
+    trace_start_us,
+)
 from lcache.trace.mounts import MEMORY_FS
 
 Plot = tuple[str, str, str]
@@ -131,7 +138,7 @@ def over_time(trace: Trace) -> tuple[Plot, Plot]:
         t0 = float(trace.ts_us[data].min())
         span = (float((trace.ts_us[data] + trace.dur_us[data]).max()) - t0) / 1e6
         bin_s, nbins = time_bins(span)
-        x = np.arange(nbins) * bin_s
+        x = (t0 - trace_start_us(trace)) / 1e6 + np.arange(nbins) * bin_s
         moved = np.where(trace.result > 0, trace.result, 0)
         for code, name in _classes(trace):
             m = data & (trace.cls == code)
@@ -140,7 +147,7 @@ def over_time(trace: Trace) -> tuple[Plot, Plot]:
                 figs[0][1].plot(x, mb, label=name)
                 figs[1][1].plot(x, iops, label=name)
         for (_, ax), ylabel in zip(figs, ("MB/s", "IOPS"), strict=True):
-            ax.set_xlabel(f"seconds (bins of {bin_s * 1000:.3g} ms)")
+            ax.set_xlabel(f"seconds since the trace's start (bins of {bin_s * 1000:.3g} ms)")
             ax.set_ylabel(ylabel)
             ax.legend(fontsize=7)
     return (("Bandwidth over time", "MB/s per class (10^6 bytes).", _png(figs[0][0])),
@@ -211,7 +218,7 @@ def processes(trace: Trace) -> Plot:
     rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
     rc, wc = PROC_FIELDS.index("rchar"), PROC_FIELDS.index("wchar")
     drawn = 0
-    t0 = min((float(ts[0]) for ts, _ in trace.proc.values()), default=0.0)
+    t0 = trace_start_us(trace)
     for pid, (ts, vals) in sorted(trace.proc.items()):
         if len(ts) < 2:
             continue
@@ -232,7 +239,7 @@ def processes(trace: Trace) -> Plot:
     if not drawn:
         _empty(ax, "no /proc samples with I/O (only `lcache trace` samples /proc)")
     else:
-        ax.set_xlabel("seconds")
+        ax.set_xlabel("seconds since the trace's start")
         ax.set_ylabel("MB/s")
         ax.legend(fontsize=6, ncol=2)
     return ("Bandwidth per process (/proc/<pid>/io)",
@@ -245,7 +252,7 @@ def devices(trace: Trace) -> Plot:
     plt = _plt()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
     drawn = 0
-    t0 = min((float(ts[0]) for ts, _ in trace.disks.values()), default=0.0)
+    t0 = trace_start_us(trace)
     for dev, (ts, vals) in sorted(trace.disks.items()):
         if len(ts) < 2:
             continue
@@ -263,7 +270,7 @@ def devices(trace: Trace) -> Plot:
         ax.set_ylabel("MB/s")
         ax2.set_ylabel("IOPS")
         for a in (ax, ax2):
-            a.set_xlabel("seconds")
+            a.set_xlabel("seconds since the trace's start")
             a.legend(fontsize=7)
     return ("Devices (/proc/diskstats)", "Bandwidth and IOPS per block device (whole disks).",
             _png(fig))

@@ -60,6 +60,14 @@ def sequential(trace: Trace, mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool
     return seq
 
 
+def trace_start_us(trace: Trace) -> float:
+    """The one time origin of every plot: the first event or /proc sample of the trace."""
+    starts = [float(trace.ts_us.min())] if len(trace) else []
+    starts += [float(ts[0]) for ts, _ in (*trace.proc.values(), *trace.disks.values())
+               if len(ts)]
+    return min(starts, default=0.0)
+
+
 def time_bins(span_s: float) -> tuple[float, int]:
     """(bin width in seconds, number of bins): equal bins that tile the span exactly."""
     nbins = min(100, max(1, int(span_s / 0.001)))
