@@ -123,8 +123,10 @@ def seq_random(summary: dict[str, Any]) -> Plot:
         ax.set_xlabel("fraction of operations")
         ax.legend(fontsize=8)
     return ("Sequential vs random",
-            "An op is sequential when it starts where the previous op of the same process, "
-            "file and kind ended.", _png(fig))
+            "As the device sees it: per file and direction, whatever process made them, an "
+            "op is sequential when it starts where one of the 32 most recently continued "
+            "streams ends, or where an op that started while it was in flight ends (writes "
+            "in flight that start in any order are sequential).", _png(fig))
 
 
 def over_time(trace: Trace) -> tuple[Plot, Plot]:

@@ -4,9 +4,14 @@ Definitions, per class, over its data operations (``read`` and ``write``):
 - ``ops``: data operations; ``other_ops``: the rest (fsync, open...); ``errors``: failed ops.
 - ``bytes``/``read_bytes``/``write_bytes``: bytes transferred (the result of successful ops).
 - ``size_p50``/``size_p99``: nearest-rank percentiles of the requested sizes.
-- ``seq_fraction``: of the ops with a known offset, those whose offset equals the end
-  (offset + bytes transferred) of the previous op of the same process on the same file with
-  the same op, in start-time order. The first op of each (process, file, op) is not sequential.
+- ``seq_fraction``: of the ops with a known offset, those the device sees as sequential.
+  Per file and direction (read or write), whatever process made the ops, the ops are taken
+  in start order and the ends (offset + bytes transferred) of the ``STREAMS`` most recently
+  continued streams are kept: an op that starts at one of them continues that stream and
+  is sequential, as is an op that starts where another op ends that started while it was in
+  flight. Several writes in flight in one file (a checkpoint) or several streams through
+  one file are sequential however their starts interleave; the first op of a file and
+  direction is not.
 - ``MBps_mean``: bytes / 10^6 over the class's active span (first start to last end).
 - ``MBps_peak``: the highest rate over equal time bins that tile the span (100 bins, or one per
   millisecond for spans under 0.1 s), each op counted in the bin where it starts; it is never
@@ -17,6 +22,7 @@ Definitions, per class, over its data operations (``read`` and ``write``):
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -41,21 +47,47 @@ def data_mask(trace: Trace) -> npt.NDArray[np.bool_]:
     return np.isin(trace.op, codes)
 
 
+#: Streams followed per file and direction: a device queue's worth. Random 4 KiB reads in a
+#: 100 MiB file meet one of 32 stream ends by chance 32 / 25,600 of the time; up to 32
+#: streams interleaved through one file still read as sequential.
+STREAMS = 32
+
+
 def sequential(trace: Trace, mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
-    """Per row of ``mask``: whether the op continues the previous one (see module doc)."""
+    """Per row of ``mask``: whether the device sees the op as sequential (module doc).
+
+    "Starts where the previous op in start order ended" called a checkpoint written as
+    8 writes in flight 100% random: the threads start their writes in any order."""
     idx = np.flatnonzero(mask & (trace.offset >= 0))
     seq = np.zeros(len(trace), dtype=bool)
     if len(idx) == 0:
         return seq
-    order = idx[np.lexsort((trace.ts_us[idx], trace.op[idx], trace.file[idx],
-                            trace.pid[idx]))]
-    end = trace.offset[order] + np.maximum(trace.result[order], 0)
-    same = np.zeros(len(order), dtype=bool)
-    same[1:] = ((trace.pid[order][1:] == trace.pid[order][:-1])
-                & (trace.file[order][1:] == trace.file[order][:-1])
-                & (trace.op[order][1:] == trace.op[order][:-1]))
+    order = idx[np.lexsort((trace.ts_us[idx], trace.op[idx], trace.file[idx]))]
+    off, got = trace.offset[order], trace.result[order]
+    end = np.where(got > 0, off + got, -1)  # an op that moved nothing continues nothing
+    start, stop = trace.ts_us[order], trace.ts_us[order] + trace.dur_us[order]
+    group = trace.file[order].astype(np.int64) * (len(trace.ops) + 1) + trace.op[order]
     hit = np.zeros(len(order), dtype=bool)
-    hit[1:] = same[1:] & (trace.offset[order][1:] == end[:-1])
+    # An op that started after this one, while it was in flight, and ends where it starts.
+    for lag in range(1, min(STREAMS, len(order) - 1) + 1):
+        hit[:-lag] |= ((group[lag:] == group[:-lag]) & (end[lag:] == off[:-lag])
+                       & (start[lag:] < stop[:-lag]))
+    # A stream that started before: the ends of the STREAMS most recently continued ones.
+    streams: OrderedDict[int, None] = OrderedDict()
+    previous = -1
+    for k, (g, o, e) in enumerate(zip(group.tolist(), off.tolist(), end.tolist(),
+                                      strict=True)):
+        if g != previous:
+            streams.clear()
+            previous = g
+        if o in streams:
+            hit[k] = True
+            del streams[o]
+        if e >= 0:
+            streams[e] = None
+            streams.move_to_end(e)
+            if len(streams) > STREAMS:
+                streams.popitem(last=False)
     seq[order] = hit
     return seq
 
