@@ -80,7 +80,9 @@ def print_summary(summary: dict[str, Any]) -> None:
               "lat p50/p99 us"):
         table.add_column(c, justify="right")
 
-    def size(n: int) -> str:
+    def size(n: int | None) -> str:
+        if n is None:  # a p99 of fewer than 100 ops
+            return "-"
         for unit in ("B", "K", "M", "G"):
             if n < 1024:
                 return f"{n:g}{unit}"
@@ -92,7 +94,8 @@ def print_summary(summary: dict[str, Any]) -> None:
                       f"{c['write_bytes'] / 2**20:,.1f}",
                       f"{size(c['size_p50'])}/{size(c['size_p99'])}", f"{c['seq_fraction']:.2f}",
                       f"{c['MBps_mean']:,.0f}/{c['MBps_peak']:,.0f}",
-                      f"{c['lat_p50_us']:,.0f}/{c['lat_p99_us']:,.0f}")
+                      f"{c['lat_p50_us']:,.0f}/"
+                      + ("-" if c["lat_p99_us"] is None else f"{c['lat_p99_us']:,.0f}"))
     Console().print(table)
     for f in summary["filesystems"].values():
         Console().print(f"filesystem {f['mount']} ({f['fs'] or 'type unknown'}"

@@ -44,6 +44,8 @@ def _e(value: Any) -> str:
 
 
 def _fmt(key: str, value: Any) -> str:
+    if value is None:  # a p99 of fewer than 100 ops
+        return "n/a"
     if isinstance(value, float):
         return f"{value:.3f}" if key == "seq_fraction" else f"{value:,.1f}"
     if isinstance(value, int):
@@ -78,7 +80,8 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
                 [_fmt(k, summary["total"].get(k, 0)) for k in _CLASS_COLS])
     parts.append(_table(["class", *_CLASS_COLS], rows))
     parts.append('<p class="small">Bytes are bytes transferred; MB = 10<sup>6</sup> bytes; '
-                 "percentiles are nearest-rank; definitions in docs/trace.md.</p>")
+                 "percentiles are nearest-rank, and a p99 is n/a for a class of fewer than "
+                 "100 ops (no op would lie above it); definitions in docs/trace.md.</p>")
     for i, (title, caption, png) in enumerate(plots):
         parts.append(f'<figure><h2>{_e(title)}</h2><img class="plot" id="plot-{i}" '
                      f'alt="{_e(title)}" src="data:image/png;base64,{png}">'
@@ -109,6 +112,13 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
             for pid, p in summary["processes"].items()], left=2))
     if summary["devices"]:
         parts.append("<h2>Devices (/proc/diskstats)</h2>")
+        tv = summary["traced_vs_devices"]
+        if tv["share"] is not None:
+            parts.append(f'<p class="small">The traced processes made the block layer move '
+                         f'{tv["traced_bytes"]:,} bytes; the devices moved '
+                         f'{tv["device_bytes"]:,} in the same time: the traced job made '
+                         f'{tv["share"]:.1%} of the devices\' traffic (the rest is other '
+                         "jobs' or the kernel's).</p>")
         cols = ["read_bytes", "write_bytes", "reads", "writes", "MBps_mean", "MBps_peak",
                 "IOPS_mean", "IOPS_peak", "busy_fraction"]
         parts.append(_table(["device", *cols], [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,12 @@ from lcache.report.load import PROC_FIELDS, Trace
 from lcache.report.stats import (
     SECTOR,
     data_mask,
+    enough_ops,
     nearest_rank,
     rates,
     time_bins,
     trace_start_us,
+    traced_storage_bytes,
 )
 from lcache.trace.mounts import MEMORY_FS
 
@@ -60,6 +63,25 @@ def _classes(trace: Trace) -> list[tuple[int, str]]:
     return sorted(enumerate(trace.classes), key=lambda c: c[1])
 
 
+#: Okabe and Ito's colour-blind-safe palette: any two stay apart (CIELAB distance >= 16) under
+#: simulated protanopia, deuteranopia and tritanopia, where matplotlib's default falls to 5.
+OKABE_ITO = ("#0072B2", "#E69F00", "#D55E00", "#56B4E9", "#009E73", "#CC79A7", "#000000",
+             "#F0E442")
+_SOLID = ("data-source", "cache-read", "cache-write", "cache-ram", "checkpoint", "offload",
+          "other", "cache-gc")
+_DASHED = ("cache-recovery", "cache-fsck", "cache-meta", "syscall")
+
+
+def class_style(name: str) -> tuple[str, str, str]:
+    """(colour, line style, bar hatch) of a class, the same in every plot. Eight colours,
+    so the rarer classes reuse one with a dashed line (hatched bar); other names are dotted."""
+    if name in _SOLID:
+        return OKABE_ITO[_SOLID.index(name)], "-", ""
+    if name in _DASHED:
+        return OKABE_ITO[1 + _DASHED.index(name)], "--", "//"
+    return OKABE_ITO[sum(map(ord, name)) % len(OKABE_ITO)], ":", ".."
+
+
 def size_histogram(trace: Trace) -> Plot:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 3.6))
@@ -78,17 +100,22 @@ def size_histogram(trace: Trace) -> Plot:
                 m = data & (trace.cls == code) & (trace.op == trace.ops.index(op))
                 if m.any():
                     e = np.floor(np.log2(trace.size[m])).astype(int)
-                    series.append((f"{name} {op}", np.bincount(e - lo, minlength=len(bins))))
+                    series.append((name, op, np.bincount(e - lo, minlength=len(bins))))
         width = 0.8 / max(len(series), 1)
-        for i, (label, counts) in enumerate(series):
-            ax.bar(np.arange(len(bins)) + i * width, counts, width, label=label)
+        for i, (name, op, counts) in enumerate(series):
+            colour, _, hatch = class_style(name)
+            # reads filled, writes outlined: the class colour stays the class's
+            ax.bar(np.arange(len(bins)) + i * width, counts, width, label=f"{name} {op}",
+                   color=colour if op == "read" else "white", edgecolor=colour,
+                   hatch=hatch or (None if op == "read" else "xx"))
         ax.set_xticks(np.arange(len(bins)) + 0.4 - width / 2)
         ax.set_xticklabels([_size_label(2.0 ** b) for b in bins], rotation=45, fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("operations")
         ax.set_xlabel("request size (power-of-two bin: [2^k, 2^(k+1)))")
         ax.legend(fontsize=7, ncol=2)
-    return ("Request sizes", "Operations per request-size bin, per class and op.", _png(fig))
+    return ("Request sizes", "Operations per request-size bin, per class and op (reads "
+            "filled, writes cross-hatched in the class's colour).", _png(fig))
 
 
 def rw_mix(summary: dict[str, Any]) -> Plot:
@@ -146,8 +173,9 @@ def over_time(trace: Trace) -> tuple[Plot, Plot]:
             m = data & (trace.cls == code)
             if m.any():
                 mb, iops = rates(trace.ts_us[m], moved[m], t0, bin_s, nbins)
-                figs[0][1].plot(x, mb, label=name)
-                figs[1][1].plot(x, iops, label=name)
+                colour, style, _ = class_style(name)
+                figs[0][1].plot(x, mb, label=name, color=colour, linestyle=style)
+                figs[1][1].plot(x, iops, label=name, color=colour, linestyle=style)
         for (_, ax), ylabel in zip(figs, ("MB/s", "IOPS"), strict=True):
             ax.set_xlabel(f"seconds since the trace's start (bins of {bin_s * 1000:.3g} ms)")
             ax.set_ylabel(ylabel)
@@ -156,32 +184,43 @@ def over_time(trace: Trace) -> tuple[Plot, Plot]:
             ("IOPS over time", "Operations per second per class.", _png(figs[1][0])))
 
 
+_PERCENTILES = (50, 90, 99, 99.9)
+
+
 def latency(trace: Trace) -> Plot:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 3.2))
     data = data_mask(trace)
-    rows = []
+    rows: list[tuple[str, list[float], int]] = []
     for code, name in _classes(trace):
         for op in ("read", "write"):
             if op in trace.ops:
                 m = data & (trace.cls == code) & (trace.op == trace.ops.index(op))
                 if m.any():
                     d = trace.dur_us[m]
-                    rows.append((f"{name} {op}", [nearest_rank(d, p) for p in
-                                                  (50, 90, 99, 99.9)]))
+                    # a percentile that the ops cannot support is left out (nan: no bar)
+                    rows.append((f"{name} {op}", [nearest_rank(d, p) if len(d) >= enough_ops(p)
+                                                  else math.nan for p in _PERCENTILES], len(d)))
+    caption = "Per class and op (nearest-rank percentiles)."
     if not rows:
         _empty(ax, "no read/write events")
     else:
         width = 0.2
-        for j, p in enumerate(("p50", "p90", "p99", "p99.9")):
-            ax.bar(np.arange(len(rows)) + j * width, [max(r[1][j], 0.01) for r in rows],
-                   width, label=p)
+        for j, p in enumerate(_PERCENTILES):
+            heights = [r[1][j] if math.isnan(r[1][j]) else max(r[1][j], 0.01) for r in rows]
+            ax.bar(np.arange(len(rows)) + j * width, heights, width, label=f"p{p:g}",
+                   color=OKABE_ITO[j])
         ax.set_xticks(np.arange(len(rows)) + 0.3)
-        ax.set_xticklabels([r[0] for r in rows], rotation=20, fontsize=8)
+        ax.set_xticklabels([f"{r[0]}\n({r[2]:,} ops)" for r in rows], rotation=20, fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("microseconds")
         ax.legend(fontsize=8)
-    return ("Latency percentiles", "Per class and op (nearest-rank percentiles).", _png(fig))
+        short = [r[0] for r in rows if any(math.isnan(v) for v in r[1])]
+        if short:
+            caption += (" A percentile is drawn only where at least one op lies above it (p90: "
+                        "10 ops, p99: 100, p99.9: 1,000); too few ops for the missing bars of: "
+                        + ", ".join(short) + ".")
+    return ("Latency percentiles", caption, _png(fig))
 
 
 def top_files(summary: dict[str, Any]) -> Plot:
@@ -265,6 +304,13 @@ def devices(trace: Trace) -> Plot:
         ax.plot(x, (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt, label=dev)
         ax2.plot(x, (step[:, 0] + step[:, 2]) / dt, label=dev)
         drawn += 1
+    grid = next((ts for ts, _ in sorted(trace.disks.values(), key=lambda d: -len(d[0]))), None)
+    if drawn and trace.proc and grid is not None:
+        # set against the devices: what share of their traffic the traced job made
+        dt = np.diff(grid) / 1e6
+        dt[dt <= 0] = np.nan
+        ax.plot((grid[1:] - t0) / 1e6, np.diff(traced_storage_bytes(trace, grid)) / 1e6 / dt,
+                color="#000000", linestyle="--", label="traced processes (all devices)")
     if not drawn:
         _empty(ax, "no /proc/diskstats samples")
         _empty(ax2, "no /proc/diskstats samples")
@@ -274,8 +320,10 @@ def devices(trace: Trace) -> Plot:
         for a in (ax, ax2):
             a.set_xlabel("seconds since the trace's start")
             a.legend(fontsize=7)
-    return ("Devices (/proc/diskstats)", "Bandwidth and IOPS per block device (whole disks).",
-            _png(fig))
+    return ("Devices (/proc/diskstats)", "Bandwidth and IOPS per block device (whole disks). "
+            "Dashed black: the bytes the traced processes made the block layer move "
+            "(/proc/<pid>/io read_bytes + write_bytes, all devices together); the rest of a "
+            "device's traffic is other jobs' (or the kernel's).", _png(fig))
 
 
 def all_plots(trace: Trace, summary: dict[str, Any]) -> list[Plot]:

@@ -17,6 +17,8 @@ Definitions, per class, over its data operations (``read`` and ``write``):
   millisecond for spans under 0.1 s), each op counted in the bin where it starts; it is never
   below ``MBps_mean``.
 - ``lat_p50_us``/``lat_p99_us``: nearest-rank percentiles of op durations in microseconds.
+- A p99 (``size_p99``, ``lat_p99_us``) is ``None`` for a class of fewer than 100 ops: no op
+  would lie above it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def nearest_rank(values: npt.NDArray[Any], p: float) -> float:
     ordered = np.sort(values)
     k = max(1, math.ceil(p / 100.0 * len(ordered)))
     return float(ordered[k - 1])
+
+
+def enough_ops(p: float) -> int:
+    """Fewest ops for which percentile ``p`` is given: at least one op must lie above it
+    (p90: 10, p99: 100, p99.9: 1,000); with 3 ops a "p99.9" is only the slowest op."""
+    return math.ceil(100 / (100 - p) - 1e-9) if p >= 90 else 1
 
 
 def data_mask(trace: Trace) -> npt.NDArray[np.bool_]:
@@ -129,11 +137,12 @@ def _class_stats(trace: Trace, rows: npt.NDArray[np.bool_], data: npt.NDArray[np
         "bytes": int(moved[d].sum()), "read_bytes": int(moved[reads].sum()),
         "write_bytes": int(moved[writes].sum()),
         "size_p50": int(nearest_rank(trace.size[d], 50)),
-        "size_p99": int(nearest_rank(trace.size[d], 99)),
+        "size_p99": int(nearest_rank(trace.size[d], 99)) if n >= enough_ops(99) else None,
         "seq_fraction": float(seq[known].sum() / known.sum()) if known.any() else 0.0,
         "MBps_mean": 0.0, "MBps_peak": 0.0,
         "lat_p50_us": round(nearest_rank(trace.dur_us[d], 50), 3),
-        "lat_p99_us": round(nearest_rank(trace.dur_us[d], 99), 3),
+        "lat_p99_us": (round(nearest_rank(trace.dur_us[d], 99), 3) if n >= enough_ops(99)
+                       else None),
     }
     if n:
         start = float(trace.ts_us[d].min())
@@ -187,6 +196,7 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
         "filesystems": _fs_summary(trace, where, data, lib, moved),
         "processes": _proc_summary(trace),
         "devices": _disk_summary(trace),
+        "traced_vs_devices": _traced_vs_devices(trace),
     }
 
 
@@ -265,3 +275,26 @@ def _disk_summary(trace: Trace) -> dict[str, Any]:
                     "IOPS_peak": round(peak_iops, 1),
                     "busy_fraction": round(f["io_ms"] / 1000 / secs, 4) if secs > 0 else 0.0}
     return out
+
+
+def traced_storage_bytes(trace: Trace, grid: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Cumulative bytes the traced processes made the block layer move (read_bytes +
+    write_bytes of /proc/<pid>/io, summed over processes) at the times ``grid``."""
+    rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
+    total = np.zeros(len(grid))
+    for ts, vals in trace.proc.values():
+        cum = (vals[:, rb] + vals[:, wb] - vals[0, rb] - vals[0, wb]).astype(np.float64)
+        total += np.interp(grid, ts, cum)
+    return total
+
+
+def _traced_vs_devices(trace: Trace) -> dict[str, Any]:
+    """How much of the devices' traffic the traced job made: a device may be busy with
+    other jobs' I/O. /proc/<pid>/io does not say which device, so this is over all devices."""
+    rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
+    traced = sum(int(v[-1, rb] - v[0, rb] + v[-1, wb] - v[0, wb]) for _, v in trace.proc.values())
+    rs, ws = DISK_FIELDS.index("read_sectors"), DISK_FIELDS.index("write_sectors")
+    device = sum(int(v[-1, rs] - v[0, rs] + v[-1, ws] - v[0, ws]) * SECTOR
+                 for _, v in trace.disks.values())
+    share = round(traced / device, 4) if device > 0 and trace.proc else None
+    return {"traced_bytes": traced, "device_bytes": device, "share": share}
