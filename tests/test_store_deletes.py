@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lcache.store import Store, fsck
+from lcache.store.compaction import live_bytes, live_records
 from lcache.store.deletes import decode, encode, encode_few
 from lcache.store.files import existing_generations
+from lcache.store.segment import list_segments
 from lcache.testing import faults, flip_bit, locate, pattern_bytes
 
 from .conftest import KIB, SEG
@@ -115,3 +117,29 @@ def test_one_at_a_time_encoder_matches_the_batch_encoder(keys: list[tuple[int, i
     kinds, keys64, floors, bad = decode(few)
     assert bad == 0 and list(zip(kinds.tolist(), keys64.tolist(), strict=True)) == keys
     assert (floors == floor).all()
+
+
+def test_a_full_planned_store_cleans_the_deadest_segment_first(open_store: Any,
+                                                              store_dir: Path) -> None:
+    """The planned policy (the sample cache's) compares the live bytes of the oldest segments
+    at every allocation, with one index lookup for all of them (``live_bytes``): the segment
+    whose records were deleted goes first, the older full ones stay."""
+    store = open_store(capacity=12 * SEG, policy="planned")
+    key = 0
+    while len(list_segments(str(store_dir))[1]) < 6:  # six sealed segments
+        store.put_many([key], [pattern_bytes(VALUE, key)])
+        key += 1
+    sealed = sorted(list_segments(str(store_dir))[1])
+    dead = sealed[3]
+    summary = store._summary(dead)
+    for k in summary.keys.tolist():
+        store.delete(int(k))
+    summaries = [store._summary(s) for s in sealed]
+    expected = [int(s.lengths[live_records(s, store._ints(), store._hashes())].sum())
+                for s in summaries]
+    assert live_bytes(summaries, store._ints(), store._hashes()) == expected
+    assert expected[3] == 0 and all(b > 0 for i, b in enumerate(expected) if i != 3)
+    while dead in list_segments(str(store_dir))[0]:  # fill until something is cleaned
+        store.put_many([key], [pattern_bytes(VALUE, key)])
+        key += 1
+    assert set(sealed) - {dead} <= set(list_segments(str(store_dir))[0])

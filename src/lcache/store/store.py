@@ -37,6 +37,7 @@ from lcache.store import record
 from lcache.store.compaction import (
     copy_forward,
     evict_records,
+    live_bytes,
     live_records,
     referenced_records,
 )
@@ -548,7 +549,10 @@ class Store(Reader):
         if used + size * segments > budget:
             victims = self.policy.victim_order(sealed)
             if self.policy.greedy:  # the deadest of the oldest (bounded work per allocation)
-                victims[:GREEDY_WINDOW] = sorted(victims[:GREEDY_WINDOW], key=self._live_bytes)
+                window = victims[:GREEDY_WINDOW]
+                live = live_bytes([self._summary(s) for s in window], self._ints(),
+                                  self._hashes())
+                victims[:GREEDY_WINDOW] = [window[i] for i in np.argsort(live, kind="stable")]
             for victim in victims:
                 used -= self._clean_segment(victim, dest, need=need)
                 used -= self._compact_journal()  # older segments gone: entries may go too
@@ -611,10 +615,6 @@ class Store(Reader):
                     os.close(fd)
             self._summaries[seg] = summary
         return summary
-
-    def _live_bytes(self, seg: int) -> int:
-        summary = self._summary(seg)
-        return int(summary.lengths[live_records(summary, self._ints(), self._hashes())].sum())
 
     def _clean_segment(self, seg: int, dest: SegmentWriter | None, keep_all: bool = False,
                        need: int = 0) -> int:
