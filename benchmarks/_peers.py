@@ -10,7 +10,8 @@ through a torch DataLoader with the same batch size and workers; the index is th
 bytes of each sample, so each epoch can be checked for duplicates and gaps.
 
 How each system reaches the remote (all of it is one ThrottledServer run by the parent):
-  lcache, none      HTTP GET per sample file (fsspec's HTTP filesystem, as lcache uses it)
+  lcache, none      HTTP GET per sample file (fsspec's HTTP filesystem, as lcache uses it);
+                    with --shape shards, lcache reads ranges of WebDataset tars instead
   fsspec-filecache  HTTP GET per sample file through fsspec's ``filecache`` (no size limit)
   mosaicml-streaming, litdata
                     S3 GetObject of whole shards: the server answers path-style S3 reads
@@ -34,6 +35,7 @@ from typing import Any
 
 BUCKET = "bench"  # the "S3 bucket": ROOT/bench on the server
 SAMPLES_DIR = "samples"
+WDS_DIR = "wds"  # --shape shards: WebDataset tars of the samples
 
 
 def sample_name(index: int) -> str:
@@ -104,6 +106,7 @@ def stored_bytes(folder: str) -> int:
 @dataclass(frozen=True)
 class Config:
     system: str
+    shape: str  # objects, shards (lcache reads WebDataset tars) or scarce
     url: str  # the server's base URL
     fraction: float
     budget: int | None  # cache bytes the system may use (None: no cache or no limit)
@@ -132,7 +135,11 @@ def collate(items: list[bytes | memoryview]) -> tuple[Any, Any]:
 
 
 def _payload(item: Any) -> bytes:
-    return item["data"] if isinstance(item, dict) else item
+    """The sample's bytes: MDS and litdata items are {"data": ...}, a WebDataset sample
+    {"__key__": ..., "bin": ...}."""
+    if isinstance(item, dict):
+        return item["data"] if "data" in item else item["bin"]
+    return item
 
 
 def _collate_payloads(items: list[Any]) -> tuple[Any, Any]:
@@ -173,9 +180,13 @@ def _shuffled(cfg: Config) -> dict[str, Any]:
 
 
 def build_lcache(cfg: Config) -> Built:
-    from lcache.data import CachedDataset, SeedAwareSampler
+    from lcache.data import CachedDataset, SeedAwareSampler, WebDatasetSource
 
-    ds = CachedDataset(f"{cfg.url}/{SAMPLES_DIR}/", cfg.cache_dir, cfg.budget)
+    # capacity as a fraction of the dataset's bytes as the source gives them (a WebDataset
+    # sample is its members' tar bytes, headers included)
+    source: Any = WebDatasetSource(f"{cfg.url}/{WDS_DIR}/") if cfg.shape == "shards" else \
+        f"{cfg.url}/{SAMPLES_DIR}/"
+    ds = CachedDataset(source, cfg.cache_dir, cfg.fraction)
     sampler = SeedAwareSampler(ds, seed=cfg.seed, loader_workers=cfg.workers)
     return ds, {"sampler": sampler}, sampler.set_epoch
 
