@@ -264,3 +264,27 @@ def test_every_request_is_a_data_source_event(tmp_path: Path, big: bytes) -> Non
     served = [(url, 0, 1000, 1000), (url, 10_000, 700, 700)]
     assert [e for e in got if e[3] > 0] == served
     assert [e for e in got if e[3] < 0] in ([(url, 0, 1000, -5)], [(url, 10_000, 700, -5)])
+
+
+def test_opening_a_source_is_traced(tmp_path: Path, objects: list[bytes]) -> None:
+    """Listing a directory and asking each object's size (an HTML listing has none) are
+    data-source events too: a traced run shows the seconds a source takes to open."""
+    trace = tmp_path / "t.trace"
+    with ThrottledServer(str(tmp_path)) as server:
+        lcache.trace.enable(str(trace))
+        try:
+            src = FileSource(server.url + "/d/", **FAST)
+        finally:
+            lcache.trace.disable()
+        heads = dict(server.heads)
+    assert len(src) == 40
+    events = _events(trace)
+    names = _files(events)
+    ops = [(e["name"], names[(e["pid"], e["args"]["fid"])], e["args"]["ret"])
+           for e in _io(events) if e["cat"] == "data-source"]
+    url = server.url + "/d/"
+    assert [(op, ret) for op, name, ret in ops if op == "list"] == [("list", 40)]
+    assert [name for op, name, _ in ops if op == "list"] in ([url], [url.rstrip("/")])
+    stats = sorted(name for op, name, ret in ops if op == "stat" and ret == 0)
+    assert stats == sorted(server.url + path for path in heads)
+    assert len(stats) == 40

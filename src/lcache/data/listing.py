@@ -118,7 +118,8 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
         async with sem:
             entries = await remote.attempt(
                 lambda: fs._ls(folder, detail=True, **refresh),
-                lambda: f"cannot list {remote.url if folder == root else remote.full_url(folder)}")
+                lambda: f"cannot list {remote.url if folder == root else remote.full_url(folder)}",
+                (remote.full_url(folder), 0, 0), "list")
         below = folder.rstrip("/") + "/"
         subdirs = []
         for entry in entries:

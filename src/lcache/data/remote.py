@@ -124,10 +124,12 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
-def trace_read(url: str, offset: int, size: int, t0: int, result: int) -> None:
-    """Record a read of the source that started at ``t0`` (0: tracing was off)."""
+def trace_read(url: str, offset: int, size: int, t0: int, result: int,
+               op: str = "read") -> None:
+    """Record a request to the source that started at ``t0`` (0: tracing was off): a
+    ``read``, or opening the source (``list`` a directory, ``stat`` an object)."""
     if t0:
-        _trace.record("read", url, offset, size, "data-source", t0,
+        _trace.record(op, url, offset, size, "data-source", t0,
                       time.perf_counter_ns() - t0, result)
 
 
@@ -236,10 +238,11 @@ class Remote:
         return asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def attempt(self, call: Callable[[], Awaitable[T]], what: Callable[[], str],
-                      traced: tuple[str, int, int] | None = None) -> T:
+                      traced: tuple[str, int, int] | None = None, op: str = "read") -> T:
         """``await call()`` with the timeout, retried with backoff while the error is
         transient; then a SourceError that starts with ``what()`` ("cannot read sample 3
-        (URL)"). ``traced`` (url, offset, size): record each attempt as a data-source read."""
+        (URL)"). ``traced`` (url, offset, size): record each attempt as a data-source ``op``
+        (result: the bytes read, the entries listed, or 0)."""
         opts = self.options
         for attempt in range(opts.retries + 1):
             t0 = time.perf_counter_ns() if traced and _trace._active is not None else 0
@@ -247,15 +250,16 @@ class Remote:
                 result = await asyncio.wait_for(call(), opts.timeout)
             except Exception as exc:
                 if traced:
-                    trace_read(*traced, t0, -errno.EIO)
+                    trace_read(*traced, t0, -errno.EIO, op)
                 if attempt == opts.retries or not is_transient(exc):
                     tries = f" after {attempt + 1} attempts" if attempt else ""
                     raise SourceError(f"{what()}{tries}: {_why(exc, opts.timeout)}") from exc
                 await asyncio.sleep(random.uniform(0, min(5.0, opts.backoff * 2 ** attempt)))
                 continue
             if traced:
-                got = len(result) if isinstance(result, (bytes, bytearray, memoryview)) else 0
-                trace_read(traced[0], traced[1], got, t0, got)
+                got = len(result) if isinstance(result, (bytes, bytearray, memoryview, list)) \
+                    else 0
+                trace_read(traced[0], traced[1], got if op == "read" else 0, t0, got, op)
             return result
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -328,6 +332,7 @@ class Remote:
 
         def ask(p: str) -> Callable[[], Awaitable[dict[str, Any]]]:
             return lambda: self.attempt(lambda: fs._info(p),
-                                        lambda: f"cannot stat {self.full_url(p)}")
+                                        lambda: f"cannot stat {self.full_url(p)}",
+                                        (self.full_url(p), 0, 0), "stat")
 
         return self.run(lambda: self.bounded(ask(p) for p in paths))
