@@ -54,11 +54,13 @@ also on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -297,14 +299,20 @@ def run_system(python: str, system: str, fraction: float, url: str, opt: Options
            "samples": opt.samples, "epochs": opt.epochs, "workers": opt.workers,
            "batch_size": opt.batch_size, "seed": opt.seed}
     base = {"system": system, "cache_fraction": fraction}
+    # Its own session, killed whole on a timeout: DataLoader workers (and streaming's
+    # helpers) outlive a killed parent and would go on writing into the next run's cache.
+    child = subprocess.Popen([python, str(PEER_SCRIPT), "run", json.dumps(cfg)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=child_env(url), start_new_session=True)
     try:
-        out = subprocess.run([python, str(PEER_SCRIPT), "run", json.dumps(cfg)],
-                             capture_output=True, text=True, timeout=opt.timeout,
-                             env=child_env(url))
-        stdout, stderr, code = out.stdout, out.stderr, out.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        stdout, stderr = child.communicate(timeout=opt.timeout)
+        code = child.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, _ = child.communicate()
         stderr, code = f"timed out after {opt.timeout} s", -1
+    with contextlib.suppress(ProcessLookupError):  # what it left behind, if anything
+        os.killpg(child.pid, signal.SIGKILL)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     logfile = opt.cache_dir / "logs" / f"{system}-{fraction}.log"
     logfile.parent.mkdir(exist_ok=True)
