@@ -102,6 +102,11 @@ def workloads(work: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
 def sh(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -324,6 +329,16 @@ def main() -> None:
     ap.add_argument("--new-venv", type=Path, default=Path("/var/tmp/dlio-new-venv"))
     ap.add_argument("--json", action="store_true", help="print JSON (the only output form)")
     args = ap.parse_args()
+    # lcache's runs use this interpreter: without lcache's dependencies every one of them
+    # would fail, each with a traceback in its row
+    check = subprocess.run([sys.executable, "-c", "import lcache.cli.main"],
+                           env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+                           capture_output=True, text=True)
+    if check.returncode:
+        print(f"lcache cannot run under {sys.executable} ({_last_line(check.stderr)}); run "
+              "this script with the repo's venv: .venv/bin/python benchmarks/dlio_compare.py "
+              "(make test creates it)", file=sys.stderr)
+        sys.exit(2)
     report: dict[str, Any] = {"dlio_version": "2.0.0", "ranks": args.ranks,
                               "note": "one shared 2-core VM; both tools run one after the "
                                       "other on the same files; page cache dropped before "
