@@ -6,9 +6,12 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -161,3 +164,36 @@ def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@contextmanager
+def moto_s3() -> Iterator[str]:
+    """A real moto S3 server on 127.0.0.1 (its endpoint URL), killed on exit; skips the test
+    when moto_server is not installed."""
+    moto = Path(sys.executable).with_name("moto_server")
+    if not moto.exists():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                pytest.fail(f"moto_server exited with {proc.returncode}: {err[-2000:]}")
+            try:
+                opener.open(url + "/moto-api/", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("moto_server did not answer within 60 s")
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(30)

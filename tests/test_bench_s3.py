@@ -4,11 +4,6 @@ names, and every byte read is an object's."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,43 +12,15 @@ import pytest
 from lcache.bench import BenchOptions, load_workload, run_workload
 from lcache.errors import ConfigError
 
+from .conftest import moto_s3
+
 DLIO = Path(__file__).parent / "data" / "dlio" / "dlio_benchmark"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1, stopped when the module's tests are done."""
-    moto = Path(sys.executable).with_name("moto_server")
-    if not moto.exists():
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = _free_port()
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                pytest.fail(f"moto_server exited with {proc.returncode}: {err[-2000:]}")
-            try:
-                opener.open(url + "/moto-api/", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("moto_server did not answer within 60 s")
-                time.sleep(0.1)
+    with moto_s3() as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait(30)
 
 
 def shrunk(name: str, endpoint: str, bucket: str, tmp: Path, *more: str) -> list[str]:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +33,8 @@ from lcache.data import (
 )
 from lcache.data.codec import CodecError
 from lcache.testing.remote import ThrottledServer
+
+from .conftest import moto_s3
 
 CAPACITY = "16MiB"
 
@@ -210,43 +208,14 @@ def test_http_range_source(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------ S3 (moto_server)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    moto = Path(sys.executable).with_name("moto_server")
-    if not moto.exists():
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     with pytest.MonkeyPatch.context() as mp:
         for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"),
                             ("AWS_DEFAULT_REGION", "us-east-1")):
             mp.setenv(name, value)
-        port = _free_port()
-        proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        deadline = time.monotonic() + 60
-        try:
-            while True:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"moto_server exited with {proc.returncode}: {err[-2000:]}")
-                try:
-                    opener.open(url + "/moto-api/", timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        pytest.fail("moto_server did not answer within 60 s")
-                    time.sleep(0.1)
+        with moto_s3() as url:
             yield url
-        finally:
-            proc.kill()
-            proc.wait(30)
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:
