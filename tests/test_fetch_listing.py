@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ from lcache.data import CachedDataset, FileSource, SourceError
 from lcache.data import listing as listing_mod
 from lcache.errors import ConfigError
 from lcache.testing.remote import ThrottledServer
+
+from .test_fetch_remote import InFlight
 
 
 def _blob(seed: int, size: int) -> bytes:
@@ -73,28 +73,10 @@ def test_files_without_sizes_are_asked_concurrently(tmp_path: Path) -> None:
         assert 4 < server.most_in_flight <= 8  # one HEAD each, several at once
 
 
-class _ListingsInFlight:
-    """A fault hook that holds each directory listing briefly, counting those held at once."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.now = self.most = 0
-
-    def __call__(self, path: str, nth: int) -> None:
-        if not path.endswith("/"):
-            return
-        with self.lock:
-            self.now += 1
-            self.most = max(self.most, self.now)
-        time.sleep(0.05)
-        with self.lock:
-            self.now -= 1
-
-
 def test_http_listing_walks_directories_concurrently(tmp_path: Path) -> None:
     names = [f"s{k:02d}/{i}.bin" for k in range(12) for i in range(3)] + ["top.bin"]
     written = _tree(tmp_path / "d", names)
-    hook = _ListingsInFlight()
+    hook = InFlight(only=lambda path: path.endswith("/"))  # listings only
     with ThrottledServer(str(tmp_path), fault=hook) as server:
         url = server.url + "/d/"
         src = FileSource(url, concurrency=16)

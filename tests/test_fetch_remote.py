@@ -58,14 +58,18 @@ def _by_script(script: dict[int, str | None]) -> Callable[[str, int], str | None
 
 
 # ------------------------------------------------------------------------ concurrency
-class _InFlight:
-    """A fault hook that holds each GET briefly and records how many were held at once."""
+class InFlight:
+    """A fault hook that holds each GET (of a path ``only`` accepts) briefly and records how
+    many were held at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: Callable[[str], bool] = lambda path: True) -> None:
         self.lock = threading.Lock()
         self.now = self.most = 0
+        self.only = only
 
     def __call__(self, path: str, nth: int) -> None:
+        if not self.only(path):
+            return
         with self.lock:
             self.now += 1
             self.most = max(self.most, self.now)
@@ -77,7 +81,7 @@ class _InFlight:
 @pytest.mark.parametrize("concurrency", [1, 6, 24])
 def test_requests_in_flight_are_bounded(tmp_path: Path, objects: list[bytes],
                                         concurrency: int) -> None:
-    hook = _InFlight()
+    hook = InFlight()
     with ThrottledServer(str(tmp_path), fault=hook) as server:
         src = FileSource(server.url + "/d/", files=_names(40), concurrency=concurrency)
         order = [*random.Random(1).sample(range(40), 40), 5, 5]  # any order, repeats

@@ -52,7 +52,7 @@ def test_missing_dir_without_create(tmp_path: Path) -> None:
 def test_own_symlink_is_followed(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    private_dir(tmp_path / "link")
+    assert os.path.samefile(private_dir(tmp_path / "link"), tmp_path / "real")
 
 
 @needs_root
