@@ -24,6 +24,7 @@ from lcache.data.formats.shards import (
     make_remote,
     read_json,
     read_offsets,
+    split_sized,
     table,
 )
 from lcache.data.remote import SourceCorruptionError
@@ -64,19 +65,7 @@ class LitDataSource(RangeSource):
         self._setup(remote, names, infos, file_of, offsets, lengths)
 
     def _split(self, data: bytes | memoryview, where: str) -> list[memoryview]:
-        view = memoryview(data)
-        n = len(self.formats)
-        if len(view) < 4 * n:
-            raise SourceCorruptionError(f"{where}: {len(view)} bytes, shorter than its {n} "
-                                        "leaf sizes")
-        pos, parts = 4 * n, []
-        for size in np.frombuffer(view[:4 * n], "<u4").tolist():
-            parts.append(view[pos:pos + size])
-            pos += size
-        if pos != len(view):
-            raise SourceCorruptionError(f"{where}: its leaves add up to {pos} bytes, not its "
-                                        f"{len(view)}: corrupt bytes")
-        return parts
+        return split_sized(data, [None] * len(self.formats), where, ("leaf", "leaves"))
 
     def check(self, index: int, data: bytes) -> None:
         self._split(data, f"item {index} ({self.path_of(index)})")

@@ -25,6 +25,7 @@ from lcache.data.formats.shards import (
     make_remote,
     read_json,
     read_offsets,
+    split_sized,
     table,
 )
 from lcache.data.remote import SourceCorruptionError
@@ -58,21 +59,7 @@ class MDSSource(RangeSource):
         self._setup(remote, names, infos, file_of, offsets, lengths)
 
     def _split(self, data: bytes | memoryview, where: str) -> list[memoryview]:
-        view = memoryview(data)
-        nvar = sum(1 for n in self._fixed if n is None)
-        if len(view) < 4 * nvar:
-            raise SourceCorruptionError(f"{where}: {len(view)} bytes, shorter than its "
-                                        f"{nvar} column sizes")
-        var = iter(np.frombuffer(view[:4 * nvar], "<u4").tolist())
-        pos, parts = 4 * nvar, []
-        for fixed in self._fixed:
-            size = next(var) if fixed is None else fixed
-            parts.append(view[pos:pos + size])
-            pos += size
-        if pos != len(view):
-            raise SourceCorruptionError(f"{where}: its columns add up to {pos} bytes, not its "
-                                        f"{len(view)}: corrupt bytes")
-        return parts
+        return split_sized(data, self._fixed, where, ("column", "columns"))
 
     def check(self, index: int, data: bytes) -> None:
         self._split(data, f"sample {index} ({self.path_of(index)})")

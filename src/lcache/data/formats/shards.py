@@ -131,3 +131,25 @@ def checked_infos(remote: Remote, names: Sequence[str], expected: Sequence[int] 
                     f"index says {size}: a truncated or rewritten {what}")
     return infos
 
+
+
+def split_sized(data: bytes | memoryview, fixed: Sequence[int | None], where: str,
+                part: tuple[str, str]) -> list[memoryview]:
+    """The parts of a record as MDS samples and LitData items lay them out: a little-endian
+    u32 size per part whose ``fixed`` size is None, then the parts in order. ``part`` names
+    them (singular, plural) in the error a record that does not add up gets."""
+    view = memoryview(data)
+    nvar = sum(1 for n in fixed if n is None)
+    if len(view) < 4 * nvar:
+        raise SourceCorruptionError(f"{where}: {len(view)} bytes, shorter than its {nvar} "
+                                    f"{part[0]} sizes")
+    var = iter(np.frombuffer(view[:4 * nvar], "<u4").tolist())
+    pos, parts = 4 * nvar, []
+    for size in fixed:
+        size = next(var) if size is None else size
+        parts.append(view[pos:pos + size])
+        pos += size
+    if pos != len(view):
+        raise SourceCorruptionError(f"{where}: its {part[1]} add up to {pos} bytes, not its "
+                                    f"{len(view)}: corrupt bytes")
+    return parts
