@@ -28,6 +28,7 @@ from lcache.io import (
     sync_fd,
 )
 from lcache.io import engine as engine_module
+from lcache.io import tracer as tracer_module
 from lcache.testing import pattern_bytes
 
 SIZE = 1 << 20
@@ -221,7 +222,9 @@ def test_untraced_io_does_not_even_read_the_clock(data_file: tuple[int, bytes],
         calls.append(1)
         return 0
 
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter_ns=clock))
+    fake_time = types.SimpleNamespace(perf_counter_ns=clock)
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    monkeypatch.setattr(tracer_module, "time", fake_time)
     previous = set_tracer(None)
     try:
         engine = IOEngine(4)

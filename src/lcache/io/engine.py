@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from lcache.errors import DiskFullError
 from lcache.io import tracer as _tracing
-from lcache.io.tracer import IOEvent
+from lcache.io.tracer import emit as _emit
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
@@ -49,12 +49,6 @@ class ReadRequest:
     fd: int
     offset: int
     buf: memoryview
-
-
-def _emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_class: str) -> None:
-    tracer = _tracing._tracer
-    if tracer is not None:
-        tracer(IOEvent(op, fd, offset, size, result, t0, time.perf_counter_ns() - t0, io_class))
 
 
 def pread_full(fd: int, offset: int, buf: memoryview, io_class: str = "other") -> int:

@@ -6,6 +6,7 @@ global load and one ``is None`` test. The tracing issue installs a recorder here
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Protocol
 
 
@@ -51,3 +52,10 @@ def set_tracer(tracer: Tracer | None) -> Tracer | None:
 def get_tracer() -> Tracer | None:
     """The installed tracer, or ``None`` when tracing is off."""
     return _tracer
+
+
+def emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_class: str) -> None:
+    """Hand one finished operation, started at ``t0`` (``perf_counter_ns``), to the tracer."""
+    tracer = _tracer
+    if tracer is not None:
+        tracer(IOEvent(op, fd, offset, size, result, t0, time.perf_counter_ns() - t0, io_class))
