@@ -257,7 +257,7 @@ def test_read_batch_after_fork(data_file: tuple[int, bytes]) -> None:
                 [ReadRequest(fd, i * 700, memoryview(b)) for i, b in enumerate(child_bufs)])
             ok = got == [700] * 32 and all(
                 bytes(b) == data[i * 700 : (i + 1) * 700] for i, b in enumerate(child_bufs))
-            ok = ok and engine._pid == os.getpid() and len(engine._threads) == 7
+            ok = ok and engine._pid == os.getpid() and len(engine._threads) == 8
             os.write(w, b"ok" if ok else b"bad")
             status = 0
         finally:

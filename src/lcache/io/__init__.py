@@ -3,9 +3,12 @@
 from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer, aligned_empty
 from lcache.io.dirs import check_private_dir, make_private_dirs, private_dir
 from lcache.io.engine import (
+    EngineError,
     IOEngine,
+    Pending,
     ReadRequest,
     SyncPolicy,
+    default_engine,
     pread_full,
     pwrite_full,
     sync_fd,
@@ -16,8 +19,10 @@ from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
 
 __all__ = [
     "BufferPool",
+    "EngineError",
     "IOEngine",
     "IOEvent",
+    "Pending",
     "ReadRequest",
     "SyncPolicy",
     "Tracer",
@@ -27,6 +32,7 @@ __all__ = [
     "aligned_empty",
     "atomic_write",
     "check_private_dir",
+    "default_engine",
     "drop_page_cache",
     "fsync_dir",
     "get_tracer",

@@ -1,16 +1,28 @@
-"""Batched positional I/O with a configurable queue depth.
+"""Positional file I/O on a bounded pool of threads: one engine per process.
 
 ``os.preadv``/``os.pwritev`` release the GIL, so a small pool of threads keeps ``queue_depth``
-requests in flight at the device. A batch is handed to the pool once (one wake-up per thread,
-not one per request) and the calling thread works on it too; workers pull requests from a shared
-counter, so a slow request does not hold up the rest.
+requests in flight at the device. Two ways in:
+
+- ``submit_read``/``submit_write`` hand one operation to the pool and return a ``Pending``
+  handle at once; ``submit_*`` blocks while ``queue_depth`` operations are in flight, so memory
+  held by queued buffers stays bounded.
+- ``read_batch`` hands a whole batch over once (one wake-up per thread, not one per request)
+  and the calling thread works on it too; workers pull requests from a shared counter, so a
+  slow request does not hold up the rest.
+
+On an ``O_DIRECT`` descriptor, an operation whose offset, length or memory is not aligned is
+split: the aligned body goes direct from an aligned bounce buffer and the
+unaligned head and tail go through the page cache, so every byte is written (DeepSpeed #1070
+wrote a 0-byte file for a 4,000-byte tensor).
 
 The pool is created lazily and re-created after ``fork()``: DataLoader workers never inherit a
-running thread pool (../shared/DESIGN.md, "Speed in Python").
+running thread pool (../shared/DESIGN.md, "Speed in Python"). ``default_engine()`` is the
+process's engine, shared by every layer.
 """
 
 from __future__ import annotations
 
+import _thread
 import enum
 import errno
 import itertools
@@ -18,13 +30,15 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lcache.errors import DiskFullError
+from lcache.errors import ConfigError, DiskFullError, LCacheError
 from lcache.io import tracer as _tracing
 from lcache.io.tracer import emit as _emit
 
+Buffer = bytes | bytearray | memoryview
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
 
@@ -112,6 +126,88 @@ def sync_fd(fd: int, data_only: bool = True, io_class: str = "other") -> None:
     _emit("fdatasync" if data_only else "fsync", fd, 0, 0, 0, t0, io_class)
 
 
+class EngineError(LCacheError, RuntimeError):
+    """The engine was used in a way it cannot serve (e.g. a handle waited on across fork)."""
+
+
+class Pending:
+    """The completion handle of one submitted operation.
+
+    ``wait()`` returns the bytes transferred (the full length; short only where a read meets
+    the end of the file) or re-raises the error the operation met (``DiskFullError`` for a
+    full device). ``done()`` tells without blocking.
+    """
+
+    __slots__ = ("_error", "_lock", "_pid", "_result")
+
+    def __init__(self, pid: int) -> None:
+        # A held lock the worker releases: cheaper than an Event, and waiting releases the GIL.
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self._result = 0
+        self._error: BaseException | None = None
+        self._pid = pid
+
+    def done(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the operation finished; its byte count, or its error raised here.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the operation goes on).
+            EngineError: the operation was submitted before a ``fork()``; the child never
+                sees it complete.
+        """
+        lock = self._lock
+        if lock.locked():
+            if self._pid != os.getpid():
+                raise EngineError("this I/O was submitted by the parent before fork(); "
+                                  "wait for it there, or submit it again in the child")
+            if not lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"I/O not finished after {timeout} s")
+            lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: int, error: BaseException | None) -> None:
+        self._result = result
+        self._error = error
+        self._lock.release()
+
+
+class _Op:
+    """One submitted read or write; a worker runs it and finishes its ``Pending``."""
+
+    __slots__ = ("buf", "fd", "io_class", "offset", "pending", "tokens", "write")
+
+    def __init__(self, fd: int, offset: int, buf: Buffer, write: bool, io_class: str,
+                 pending: Pending, tokens: queue.SimpleQueue[None]) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.buf = buf
+        self.write = write
+        self.io_class = io_class
+        self.pending = pending
+        self.tokens = tokens
+
+    def work(self) -> None:
+        try:
+            if self.write:
+                n = pwrite_full(self.fd, self.offset, [self.buf], self.io_class)
+            else:
+                n = pread_full(self.fd, self.offset, memoryview(self.buf), self.io_class)
+        except BaseException as exc:
+            self.tokens.put(None)
+            self.pending._finish(0, exc)
+            return
+        # The slot is freed before the waiter wakes, so a caller that waits then submits
+        # never blocks on its own finished operation.
+        self.tokens.put(None)
+        self.pending._finish(n, None)
+
+
 class _Batch:
     """One batch of reads shared by the workers; each pulls the next index from a counter."""
 
@@ -146,11 +242,17 @@ class _Batch:
                 self.done.set()
 
 
+_engines: weakref.WeakSet[IOEngine] = weakref.WeakSet()
+
+
 class IOEngine:
-    """Runs batches of positional reads with up to ``queue_depth`` of them in flight.
+    """Runs positional reads and writes with up to ``queue_depth`` of them in flight.
+
+    Prefer ``default_engine()``, shared by every layer of the process, to a private one.
+    Do not wait for an operation from inside an ``on_done`` callback: it runs on a worker.
 
     Args:
-        queue_depth: requests kept in flight (threads, counting the caller's).
+        queue_depth: operations kept in flight (worker threads).
     """
 
     def __init__(self, queue_depth: int = 16) -> None:
@@ -158,9 +260,11 @@ class IOEngine:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.queue_depth = queue_depth
         self._pid = -1
-        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Batch | _Op | None] = queue.SimpleQueue()
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        _engines.add(self)
 
     def _ensure_pool(self) -> None:
         if self._pid == os.getpid():
@@ -168,10 +272,13 @@ class IOEngine:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            # After fork the parent's threads do not exist here: start afresh.
+            # After fork the parent's threads and in-flight operations do not exist here.
             self._queue = queue.SimpleQueue()
+            self._tokens = queue.SimpleQueue()
+            for _ in range(self.queue_depth):
+                self._tokens.put(None)
             self._threads = []
-            for i in range(self.queue_depth - 1):
+            for i in range(self.queue_depth):
                 t = threading.Thread(target=self._worker, name=f"lcache-io-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
@@ -180,10 +287,36 @@ class IOEngine:
     def _worker(self) -> None:
         q = self._queue
         while True:
-            batch = q.get()
-            if batch is None:
+            item = q.get()
+            if item is None:
                 return
-            batch.work()
+            item.work()
+
+    def _submit(self, fd: int, offset: int, buf: Buffer, write: bool, io_class: str) -> Pending:
+        self._ensure_pool()
+        tokens = self._tokens
+        tokens.get()  # blocks while queue_depth operations are in flight
+        pending = Pending(self._pid)
+        self._queue.put(_Op(fd, offset, buf, write, io_class, pending, tokens))
+        return pending
+
+    def submit_read(self, fd: int, offset: int, buf: memoryview,
+                    io_class: str = "other") -> Pending:
+        """Start reading ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf``.
+
+        ``buf`` must stay untouched until the handle is done. Blocks while ``queue_depth``
+        operations are in flight.
+        """
+        return self._submit(fd, offset, buf, False, io_class)
+
+    def submit_write(self, fd: int, offset: int, data: Buffer,
+                     io_class: str = "other") -> Pending:
+        """Start writing all of ``data`` to ``fd`` at ``offset``.
+
+        ``data`` must stay unchanged until the handle is done. Blocks while ``queue_depth``
+        operations are in flight.
+        """
+        return self._submit(fd, offset, data, True, io_class)
 
     def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
                    on_done: Callable[[int, int], None] | None = None) -> list[int]:
@@ -208,7 +341,8 @@ class IOEngine:
         return batch.results
 
     def close(self) -> None:
-        """Stop the worker threads (they are daemons; closing is optional but tidy)."""
+        """Finish what was submitted, then stop the worker threads (they are daemons; closing
+        is optional but tidy). The engine starts afresh if used again."""
         with self._lock:
             if self._pid == os.getpid():
                 for _ in self._threads:
@@ -217,3 +351,54 @@ class IOEngine:
                     t.join(timeout=5)
             self._threads = []
             self._pid = -1
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at fork()
+        self._threads = []
+        self._pid = -1
+
+
+_default: IOEngine | None = None
+_default_lock = threading.Lock()
+DEFAULT_QUEUE_DEPTH = 16
+_DEPTH_ENV = "LCACHE_IO_QUEUE_DEPTH"
+
+
+def default_engine() -> IOEngine:
+    """The process's engine, shared by every layer (created on first use).
+
+    Its queue depth is ``$LCACHE_IO_QUEUE_DEPTH`` (default 16) when it is created. A forked
+    child gets the same object with a fresh pool of its own.
+
+    Raises:
+        ConfigError: ``$LCACHE_IO_QUEUE_DEPTH`` is not a whole number from 1 to 1024.
+    """
+    global _default
+    engine = _default
+    if engine is None:
+        with _default_lock:
+            if _default is None:
+                _default = IOEngine(_queue_depth_from_env())
+            engine = _default
+    return engine
+
+
+def _queue_depth_from_env() -> int:
+    raw = os.environ.get(_DEPTH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_QUEUE_DEPTH
+    if not raw.isdigit() or not 1 <= int(raw) <= 1024:
+        raise ConfigError(f"{_DEPTH_ENV}={raw!r} is not a queue depth; "
+                          "set a whole number from 1 to 1024, or unset it")
+    return int(raw)
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    for engine in list(_engines):
+        engine._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
