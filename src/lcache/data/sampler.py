@@ -16,10 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.data.cache import Access, SampleCache
-from lcache.data.order import node_order, rank_order, samples_per_rank
+from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
 from lcache.data.plan import PlanResult, belady
-from lcache.data.prefetch import Prefetcher
+from lcache.data.prefetch import GROUP, Prefetcher
 from lcache.errors import ConfigError
+
+# Misses handed to one coalescing fetch in a shard-local order: enough that those of one shard
+# merge into ranged requests, few enough that several such fetches stay in flight.
+SHARD_GROUP = 64
 
 
 def _distributed() -> tuple[int, int]:
@@ -49,6 +53,10 @@ class SeedAwareSampler:
         prefetch_bytes: memory the fetches in flight may hold.
         loader_workers: DataLoader workers per rank. Each worker that admits a sample holds a
             store segment of its own; the plan leaves room for that many per rank.
+        shard_window: with a source of shards (WebDataset, MDS, LitData, a table), shuffle
+            the shards, then the samples within runs of this many shards, instead of all
+            samples at once (0). Nearby misses then share shards, and the prefetcher fetches
+            them in coalesced ranged requests.
     """
 
     def __init__(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
@@ -56,7 +64,7 @@ class SeedAwareSampler:
                  rank: int | None = None, local_world_size: int | None = None,
                  prefetch: bool = True, prefetch_threads: int = 16,
                  prefetch_window: int = 256, prefetch_bytes: int = 64 << 20,
-                 loader_workers: int = 4) -> None:
+                 loader_workers: int = 4, shard_window: int = 0) -> None:
         self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
         d_rank, d_world = _distributed()
         self.world = d_world if num_replicas is None else num_replicas
@@ -72,6 +80,8 @@ class SeedAwareSampler:
         if self.num_samples == 0:
             raise ConfigError(f"{self.n} samples cannot be split over {self.world} ranks "
                               "with drop_last")
+        self.shard_window = shard_window
+        self.local = self._shard_window(shard_window) if shard_window else None
         self.prefetch = prefetch
         self.prefetch_threads = prefetch_threads
         mean = max(1, self.cache.dataset_bytes // self.n)
@@ -87,6 +97,17 @@ class SeedAwareSampler:
         self._yielded = 0
         self._plans: dict[int, PlanResult] = {}
 
+    def _shard_window(self, window: int) -> ShardWindow:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ConfigError(f"shard_window={window!r}: give a number of shards (0: a "
+                              "global shuffle)")
+        shards = getattr(self.cache.source, "shards", None)
+        if shards is None:
+            raise ConfigError(f"shard_window needs a source of shards (WebDataset, MDS, "
+                              f"LitData, a table); {type(self.cache.source).__name__} has "
+                              "one object per sample")
+        return ShardWindow(np.asarray(shards(), np.int64), window)
+
     # ------------------------------------------------------------------- order and plan
     def __len__(self) -> int:
         return self.num_samples - self._start
@@ -99,7 +120,7 @@ class SeedAwareSampler:
     def node_sequence(self, epoch: int) -> npt.NDArray[np.int64]:
         """The node's accesses of ``epoch`` in order (every local rank's, interleaved)."""
         return node_order(self.n, self.seed, epoch, self.node_ranks, self.world,
-                          shuffle=self.shuffle, drop_last=self.drop_last)
+                          shuffle=self.shuffle, drop_last=self.drop_last, local=self.local)
 
     def plan(self, epoch: int) -> PlanResult:
         """Belady's plan for the node's accesses of ``epoch`` (computed from epoch 0 on, as
@@ -117,7 +138,8 @@ class SeedAwareSampler:
     def order(self, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """This rank's sample indices for ``epoch`` (default: the current one)."""
         return rank_order(self.n, self.seed, self.epoch if epoch is None else epoch,
-                          self.rank, self.world, shuffle=self.shuffle, drop_last=self.drop_last)
+                          self.rank, self.world, shuffle=self.shuffle, drop_last=self.drop_last,
+                          local=self.local)
 
     def __iter__(self) -> Iterator[Access]:
         order = self.order()
@@ -128,7 +150,9 @@ class SeedAwareSampler:
         self._yielded = start
         prefetcher = Prefetcher(self.cache, order, keep, start, hits=hits,
                                 threads=self.prefetch_threads, window=self.prefetch_window,
-                                budget_bytes=self.prefetch_bytes) if self.prefetch else None
+                                budget_bytes=self.prefetch_bytes,
+                                group=GROUP if self.local is None else SHARD_GROUP) \
+            if self.prefetch else None
         samples, keeps = order.tolist(), keep.tolist()
         try:
             for i in range(start, len(samples)):
@@ -152,14 +176,16 @@ class SeedAwareSampler:
         """
         return {"epoch": self.epoch, "consumed": self._yielded if consumed is None else consumed,
                 "seed": self.seed, "samples": self.n, "world": self.world,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "shard_window": self.shard_window}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state_dict`` was taken: the rest of that epoch (nothing, when it
         was taken at the epoch's end), then the next epochs as ``set_epoch`` says."""
         for key, mine in (("seed", self.seed), ("samples", self.n), ("world", self.world),
-                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
-            if state.get(key) != mine:
+                          ("shuffle", self.shuffle), ("drop_last", self.drop_last),
+                          ("shard_window", self.shard_window)):
+            if state.get(key, 0 if key == "shard_window" else None) != mine:
                 raise ConfigError(f"sampler state has {key}={state.get(key)!r}, this sampler "
                                   f"{mine!r}; resume with the same settings")
         consumed = int(state["consumed"])

@@ -318,6 +318,10 @@ class RangeSource:
     def sizes(self) -> npt.NDArray[np.int64]:
         return self.lengths
 
+    def shards(self) -> npt.NDArray[np.int32]:
+        """Per sample, the number of the file it lies in (for a shard-local order)."""
+        return self._file_of
+
     def path_of(self, index: int) -> str:
         """``URL#bytes=START-END`` of sample ``index``."""
         start = int(self.offsets[index])
