@@ -187,7 +187,10 @@ def build_lcache(cfg: Config) -> Built:
     source: Any = WebDatasetSource(f"{cfg.url}/{WDS_DIR}/") if cfg.shape == "shards" else \
         f"{cfg.url}/{SAMPLES_DIR}/"
     ds = CachedDataset(source, cfg.cache_dir, cfg.fraction)
-    sampler = SeedAwareSampler(ds, seed=cfg.seed, loader_workers=cfg.workers)
+    # In shards, a shard-local order (shards shuffled, then samples within runs of 4 shards),
+    # as litdata shuffles chunks, so nearby misses coalesce; objects have no shards.
+    sampler = SeedAwareSampler(ds, seed=cfg.seed, loader_workers=cfg.workers,
+                               shard_window=4 if cfg.shape == "shards" else 0)
     return ds, {"sampler": sampler}, sampler.set_epoch
 
 

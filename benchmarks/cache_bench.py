@@ -27,8 +27,9 @@ Three source shapes (``--shape``; the flags override a shape's figures):
   objects  3,000 x 32 KiB samples, one object each; 3 ms per request, 200 MB/s; the peers'
            shards of 1 MiB
   shards   the same samples in 4 MiB shards: lcache reads WebDataset tars (written here with
-           the standard library's tarfile, as WebDataset's TarWriter does), the peers their
-           own 4 MiB shards (``none`` and fsspec-filecache still read one object per sample)
+           the standard library's tarfile, as WebDataset's TarWriter does) in a shard-local
+           order (``shard_window=4``, as litdata shuffles chunks), the peers their own 4 MiB
+           shards (``none`` and fsspec-filecache still read one object per sample)
   scarce   1,500 x 128 KiB samples, one object each; 5 ms per request, 50 MB/s
 
 Every epoch row carries ``floor_s``, the least time the epoch's traffic allows,
