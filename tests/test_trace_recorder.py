@@ -239,3 +239,9 @@ def test_trace_never_appends_through_a_planted_symlink(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         TraceWriter(str(tmp_path / "run.trace"))
     assert target.read_bytes() == b"keep"
+
+
+def test_offload_classes_are_documented_classes() -> None:
+    # lcache.offload tags its I/O with these; the report names them like the other classes
+    assert {"offload-read", "offload-write", "offload-act-read",
+            "offload-act-write"} <= set(lcache.trace.CLASSES)

@@ -22,6 +22,9 @@ FORMAT_VERSION = 1
 #: as classes of their own. ``syscall`` holds the events that ``lcache trace --syscalls``
 #: recovers from strace (all file I/O of the traced processes, whatever it was for).
 #: ``cache-ram`` is given by the report, not by lcache.store: cache I/O to files in memory.
+#: ``offload-read``/``offload-write`` are optimizer-state offload (lcache.offload) and
+#: ``offload-act-read``/``offload-act-write`` activation offload, split by direction so the
+#: report shows each stream; ``offload`` stays for traces and callers that name it.
 CLASSES = (
     "data-source",
     "cache-read",
@@ -33,6 +36,10 @@ CLASSES = (
     "cache-meta",
     "checkpoint",
     "offload",
+    "offload-read",
+    "offload-write",
+    "offload-act-read",
+    "offload-act-write",
     "other",
     "syscall",
 )
