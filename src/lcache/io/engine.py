@@ -25,7 +25,9 @@ from __future__ import annotations
 import _thread
 import enum
 import errno
+import fcntl
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -34,11 +36,18 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from lcache.errors import ConfigError, DiskFullError, LCacheError
 from lcache.io import tracer as _tracing
+from lcache.io.buffers import PAGE, align_down, align_up, aligned_empty
+from lcache.io.files import O_DIRECT, open_file
 from lcache.io.tracer import emit as _emit
 
 Buffer = bytes | bytearray | memoryview
+_log = logging.getLogger("lcache")
+_ALIGN_MASK = PAGE - 1  # O_DIRECT alignment: a page satisfies every common logical block size
+_BOUNCE = 4 << 20  # most bytes an unaligned O_DIRECT operation copies at a time
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
 
@@ -91,6 +100,12 @@ def pwrite_full(
     Raises:
         DiskFullError: the device is full (ENOSPC/EDQUOT). Part of the data may be on disk.
     """
+    return _pwrite_all(fd, fd, offset, bufs, io_class)
+
+
+def _pwrite_all(fd: int, traced_fd: int, offset: int,
+                bufs: Sequence[bytes | bytearray | memoryview], io_class: str) -> int:
+    """``pwrite_full`` through ``fd``, traced as ``traced_fd`` (the descriptor the caller knows)."""
     t0 = time.perf_counter_ns() if _tracing._tracer is not None else 0
     size = sum(len(b) for b in bufs)
     total = 0
@@ -106,13 +121,13 @@ def pwrite_full(
             while total < size:
                 total += os.pwrite(fd, rest[total - n :], offset + total)
     except OSError as exc:
-        _emit("write", fd, offset, size, -(exc.errno or 1), t0, io_class)
+        _emit("write", traced_fd, offset, size, -(exc.errno or 1), t0, io_class)
         if exc.errno in _NO_SPACE:
             raise DiskFullError(
                 f"no space left on the device writing {size} bytes at offset {offset}"
             ) from exc
         raise
-    _emit("write", fd, offset, size, total, t0, io_class)
+    _emit("write", traced_fd, offset, size, total, t0, io_class)
     return total
 
 
@@ -124,6 +139,95 @@ def sync_fd(fd: int, data_only: bool = True, io_class: str = "other") -> None:
     else:
         os.fsync(fd)
     _emit("fdatasync" if data_only else "fsync", fd, 0, 0, 0, t0, io_class)
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
+
+
+def _aligned(offset: int, buf: Buffer) -> bool:
+    """Whether O_DIRECT takes this operation as it is: offset, length and memory aligned."""
+    if (offset | len(buf)) & _ALIGN_MASK:
+        return False
+    address: int = np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
+    return not address & _ALIGN_MASK
+
+
+def _buffered_twin(fd: int) -> int:
+    """A second, buffered descriptor of ``fd``'s file (same access mode), for the bytes
+    O_DIRECT cannot take.
+
+    Opened through ``/proc/self/fd``: a link the kernel made to a file this process already
+    holds, so it cannot be a planted symbolic link (which ``open_file`` refuses with
+    O_NOFOLLOW). The page cache stays coherent with O_DIRECT: the kernel writes dirty pages
+    back before a direct read of them, and ``fdatasync`` of either descriptor flushes both.
+    """
+    access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    try:
+        return os.open(f"/proc/self/fd/{fd}", access | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise ConfigError("unaligned O_DIRECT I/O needs /proc to reach the file buffered; "
+                          "align offsets and lengths to 4096 bytes or open without O_DIRECT"
+                          ) from exc
+
+
+def _write_direct_unaligned(fd: int, offset: int, data: memoryview, io_class: str) -> int:
+    """Write ``data`` to an O_DIRECT ``fd``: whole blocks direct (through an aligned bounce
+    buffer where the memory is not aligned), the partial head and tail blocks buffered."""
+    end = offset + len(data)
+    a0, a1 = align_up(offset, PAGE), align_down(end, PAGE)
+    if a1 <= a0:  # no whole block
+        a0 = a1 = end
+    pieces = [(off, piece) for off, piece in ((offset, data[: a0 - offset]),
+                                              (a1, data[a1 - offset :])) if len(piece)]
+    twin = _buffered_twin(fd) if pieces else -1
+    written = 0
+    try:
+        if a1 > a0:
+            bounce = aligned_empty(min(a1 - a0, _BOUNCE))
+            for pos in range(a0, a1, _BOUNCE):
+                chunk = data[pos - offset : min(a1, pos + _BOUNCE) - offset]
+                if not _aligned(0, chunk):
+                    bounce[: len(chunk)] = chunk
+                    chunk = bounce[: len(chunk)]
+                written += pwrite_full(fd, pos, [chunk], io_class)
+        for off, piece in pieces:
+            written += _pwrite_all(twin, fd, off, [piece], io_class)
+    finally:
+        if twin >= 0:
+            os.close(twin)
+    return written
+
+
+def _read_direct_unaligned(fd: int, offset: int, buf: memoryview, io_class: str) -> int:
+    """Read into ``buf`` from an O_DIRECT ``fd`` through an aligned bounce buffer."""
+    size = len(buf)
+    bounce = aligned_empty(min(align_up(size, PAGE) + PAGE, _BOUNCE))
+    done = 0
+    while done < size:
+        pos = offset + done
+        skew = pos & _ALIGN_MASK
+        want = min(len(bounce), align_up(skew + size - done, PAGE))
+        got = pread_full(fd, pos - skew, bounce[:want], io_class)
+        n = max(0, min(got - skew, size - done))
+        buf[done : done + n] = bounce[skew : skew + n]
+        done += n
+        if got < want:  # the end of the file
+            break
+    return done
+
+
+def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
+    """Open ``path`` with O_DIRECT where the platform and filesystem allow, else buffered.
+
+    Returns the descriptor and whether it is direct. The engine moves every byte either way
+    (unaligned parts of a direct file go through the page cache).
+    """
+    try:
+        return open_file(path, flags, direct=True, mode=mode), True
+    except ConfigError:
+        _log.debug("O_DIRECT refused for %s; using buffered I/O", path)
+        return open_file(path, flags, mode=mode), False
 
 
 class EngineError(LCacheError, RuntimeError):
@@ -194,10 +298,16 @@ class _Op:
 
     def work(self) -> None:
         try:
+            fd, offset, buf = self.fd, self.offset, memoryview(self.buf)
+            if buf.format != "B" or buf.ndim != 1:
+                buf = buf.cast("B")  # lengths and offsets are in bytes (e.g. a tensor's view)
+            slow = not _aligned(offset, buf) and _is_direct(fd)
             if self.write:
-                n = pwrite_full(self.fd, self.offset, [self.buf], self.io_class)
+                n = (_write_direct_unaligned(fd, offset, buf, self.io_class) if slow
+                     else pwrite_full(fd, offset, [buf], self.io_class))
             else:
-                n = pread_full(self.fd, self.offset, memoryview(self.buf), self.io_class)
+                n = (_read_direct_unaligned(fd, offset, buf, self.io_class) if slow
+                     else pread_full(fd, offset, buf, self.io_class))
         except BaseException as exc:
             self.tokens.put(None)
             self.pending._finish(0, exc)
