@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lcache import __version__
+from lcache.cli.advise import advise_cmd
 from lcache.cli.bench import bench
 from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
@@ -243,5 +244,5 @@ def main() -> None:
 
 
 # The subcommands that live in their own modules.
-for _command in (model_cmd, ckpt, trace_cmd, report_cmd, bench):
+for _command in (model_cmd, ckpt, trace_cmd, report_cmd, bench, advise_cmd):
     cli.add_command(_command)

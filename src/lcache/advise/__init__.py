@@ -1,0 +1,74 @@
+"""``lcache advise``: from a trace to what storage must do, whether it does, and what to change.
+
+Fit the trace (steps, per-class bytes per step, request sizes, mix, concurrency, the dataset,
+the checkpoints), emit a DLIO workload that reproduces it, scale it to a cluster with
+``lcache model``, run it on candidate storage with ``lcache bench``, and advise, with the
+arithmetic behind every figure. See docs/advise.md.
+
+Example:
+    >>> from lcache.advise import Targets
+    >>> Targets().hit_ratio
+    0.9
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from lcache.advise.advice import Targets, advise_all
+from lcache.advise.emit import to_yaml, workload
+from lcache.advise.fit import fit
+from lcache.io import atomic_write
+from lcache.report.load import load
+
+__all__ = ["Targets", "advise"]
+
+PathLike = str | os.PathLike[str]
+
+
+def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None, *,
+           scale_gpus: int | None = None, model: str | None = None, gpus_per_node: int = 8,
+           traced_gpus: int = 1, storage: str | None = None, check_epochs: int = 1,
+           html_path: PathLike | None = None, show_progress: bool = False) -> dict[str, Any]:
+    """Fit, emit, scale (with ``scale_gpus`` or ``model``), check (with ``storage``) and advise.
+
+    Returns ``{"fit", "workload": {"doc", "yaml", "notes"}, "scale", "check", "advice",
+    "unfitted"}``; writes the advice page to ``html_path``.
+
+    Raises:
+        lcache.trace.TraceFormatError: a trace file is missing, truncated or not a trace.
+        ConfigError: an unknown ``model``, or a ``storage`` directory that cannot be used.
+    """
+    t = targets or Targets()
+    trace = load(paths)
+    fitted = fit(trace)
+    doc, notes = workload(fitted)
+    names = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike))
+                                    else paths)]
+    out: dict[str, Any] = {"fit": fitted, "workload": {"doc": doc, "notes": notes,
+                                                       "yaml": to_yaml(doc, notes,
+                                                                       ", ".join(names))},
+                           "scale": None, "check": None, "unfitted": fitted["unfitted"]}
+    if scale_gpus is not None or model is not None:
+        from lcache.advise.scale import scale
+
+        out["scale"] = scale(fitted, scale_gpus or gpus_per_node, gpus_per_node, traced_gpus,
+                             t, model)
+    if storage is not None:
+        from lcache.advise.check import run_check
+
+        if not doc["workflow"]["train"] and not doc["workflow"]["checkpoint"]:
+            out["check"] = None
+            out["unfitted"].append({"what": "check", "why": "the emitted workload does "
+                                    "nothing (no data reads, no checkpoints) to run"})
+        else:
+            out["check"] = run_check(doc, storage, fitted, t.max_stall, check_epochs,
+                                     show_progress)
+    out["advice"] = advise_all(fitted, out["scale"], t)
+    if html_path is not None:
+        from lcache.advise.page import render_page
+
+        atomic_write(os.fspath(html_path), render_page(trace, out).encode(), mode=0o644)
+    return out

@@ -1,0 +1,61 @@
+"""Check candidate storage: run the emitted workload there (``lcache bench``) and say per class
+whether it keeps up, with the margin (what the storage gave / what the job needs)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lcache.bench import BenchOptions, parse_workload, run_workload
+
+
+def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_stall: float,
+              epochs: int = 1, show_progress: bool = True) -> dict[str, Any]:
+    """Run ``doc`` (the emitted workload) with its data, checkpoints and output under
+    ``storage``, for at most ``epochs`` epochs; the verdict per class.
+
+    Raises:
+        ConfigError: the storage directory cannot be used (not yours, cannot hold files).
+    """
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
+    if "train" in doc:
+        doc["train"]["epochs"] = min(doc["train"]["epochs"], epochs)
+    w = parse_workload(doc, "<lcache advise>")
+    opts = BenchOptions(data_dir=os.path.join(storage, "data"),
+                        output=os.path.join(storage, "output"),
+                        checkpoint_dir=os.path.join(storage, "checkpoints"), generate=True,
+                        show_progress=show_progress, progress_label="advise check: ")
+    summary = run_workload(w, opts)
+    m = summary["metric"]
+    classes: dict[str, Any] = {}
+    steps = fitted["steps"]
+    data = fitted["groups"].get("data")
+    if w.do_train and data is not None and steps["count"] and w.computation_time > 0:
+        need = data["read_bytes"] / steps["count"] / w.computation_time
+        have = m.get("train_io_measured_mean_MB_per_second", 0.0) * 2**20
+        au = m.get("train_au_mean_percentage", 0.0) / 100
+        classes["data"] = {
+            "needed_MBps": round(need / 1e6, 3),
+            "measured_MBps": round(have / 1e6, 3), "au": round(au, 4),
+            "keeps_up": au >= w.au,
+            "margin": round(au / w.au, 3),
+            "arithmetic": (f"a step reads {data['read_bytes'] / steps['count'] / 1e6:,.3f} MB "
+                           f"in {w.computation_time:.4f} s of compute: "
+                           f"{need / 1e6:,.1f} MB/s needed; AU {au:.1%} against "
+                           f"{w.au:.0%} (margin = AU / target)")}
+    ck = fitted["checkpoint"]
+    saved = [c for c in summary.get("checkpoints", []) if c.get("kind") == "save"]
+    if ck is not None and saved and steps["step_s"] and ck["interval_steps"]:
+        window = max_stall / (1 - max_stall) * ck["interval_steps"] * steps["step_s"]
+        need = ck["bytes_p50"] / window
+        have = m.get("save_checkpoint_io_mean_GB_per_second", 0.0) * 2**30
+        classes["checkpoint"] = {
+            "needed_MBps": round(need / 1e6, 3), "measured_MBps": round(have / 1e6, 3),
+            "keeps_up": have >= need, "margin": round(have / need, 3),
+            "arithmetic": (f"a {ck['bytes_p50'] / 1e9:,.3f} GB save every "
+                           f"{ck['interval_steps']} steps of {steps['step_s']:.4f} s may stall "
+                           f"{max_stall:g} of the time: {window:.3f} s, so "
+                           f"{need / 1e6:,.1f} MB/s needed")}
+    return {"storage": storage, "summary": os.path.join(summary["output_folder"],
+                                                        "summary.json"),
+            "verdict": summary["verdict"], "classes": classes}

@@ -1,0 +1,85 @@
+"""Several runs in one trace (files of different jobs given together, a trace appended to).
+
+The processes that read samples are grouped by time: processes whose reads overlap belong to
+one run (ranks, DataLoader workers, reader threads). Groups that follow each other are one
+run when they read alike (a DataLoader's fresh workers every epoch), and different runs when
+they read differently (other classes, other files): ``lcache demo`` reads the remote without
+a cache, then through lcache. Then one run is fitted, and the others are named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lcache.report.load import Trace
+
+Mask = npt.NDArray[np.bool_]
+SAMPLE_CLASSES = ("data-source", "cache-read")
+
+
+@dataclass
+class Runs:
+    spans: list[tuple[float, float, list[str]]]  # start, end (s from the trace start), classes
+    chosen: Mask
+    index: int = 0
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": len(self.spans), "fitted": self.index + 1 if self.spans else None,
+                "spans_s": [[round(a, 3), round(b, 3)] for a, b, _ in self.spans],
+                "classes": [c for _, _, c in self.spans]}
+
+
+def split_runs(trace: Trace) -> Runs:
+    everything = np.ones(len(trace), dtype=bool)
+    codes = [i for i, n in enumerate(trace.classes) if n in SAMPLE_CLASSES]
+    reads = np.isin(trace.cls, codes) & (trace.op == (trace.ops.index("read")
+                                                       if "read" in trace.ops else -1))
+    if not reads.any():
+        return Runs([], everything)
+    pids = np.unique(trace.pid[reads])
+    spans = sorted((float(trace.ts_us[reads & (trace.pid == p)].min()),
+                    float((trace.ts_us + trace.dur_us)[reads & (trace.pid == p)].max()))
+                   for p in pids)
+    groups: list[list[float]] = []
+    for a, b in spans:  # merge processes whose reads overlap in time
+        if groups and a <= groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], b)
+        else:
+            groups.append([a, b])
+    starts = [g[0] for g in groups]
+    edges = [-np.inf, *starts[1:], np.inf]
+    masks = [(trace.ts_us >= edges[k]) & (trace.ts_us < edges[k + 1])
+             for k in range(len(groups))]
+    kinds = [_kind(trace, m & reads) for m in masks]
+    # Consecutive groups that read alike are one run.
+    runs: list[int] = [0]
+    for k in range(1, len(groups)):
+        if kinds[k] != kinds[runs[-1]]:
+            runs.append(k)
+    bounds = [*runs, len(groups)]
+    merged = [np.logical_or.reduce(masks[bounds[i]:bounds[i + 1]]) for i in range(len(runs))]
+    t0 = float(trace.ts_us.min())
+    out = [((groups[bounds[i]][0] - t0) / 1e6, (groups[bounds[i + 1] - 1][1] - t0) / 1e6,
+            sorted({trace.classes[c] for c in np.unique(trace.cls[merged[i]])}))
+           for i in range(len(runs))]
+    counts = [int((m & reads).sum()) for m in merged]
+    best = max(range(len(runs)), key=lambda i: (counts[i], i))  # ties: the later run
+    why = ""
+    if len(runs) > 1:
+        listed = "; ".join(f"run {i + 1}: {a:.1f}-{b:.1f} s, {', '.join(c)}"
+                           for i, (a, b, c) in enumerate(out))
+        why = (f"the trace holds {len(runs)} runs that read differently ({listed}); fitted "
+               f"run {best + 1}, the one with the most sample reads; trace each run apart "
+               "to fit the others")
+    return Runs(out, merged[best], best, why)
+
+
+def _kind(trace: Trace, rows: Mask) -> tuple[frozenset[int], frozenset[int]]:
+    """What a group of reads looks like: its classes and the files it reads."""
+    return frozenset(np.unique(trace.cls[rows]).tolist()), frozenset(
+        np.unique(trace.file[rows]).tolist())

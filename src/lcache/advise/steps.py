@@ -1,0 +1,139 @@
+"""Training steps found in a trace: from step markers, else from the rhythm of data reads.
+
+A step marker is an event that ``lcache.trace.record("step", name, step, 0, "step", t0,
+compute_ns, 0)`` writes when a training loop (a sampler, a DataLoader) advances: op ``step``,
+class ``step``, its duration the step's compute. Without markers the steps come from the
+data reads: a loop that reads a batch then computes leaves bursts of reads separated by idle
+gaps, one burst per step.
+
+* Reads made by the process's main thread alone (``tid == pid``: a loader without reader
+  threads) are not overlapped with compute: the idle gap between bursts *is* the compute.
+* Reads made by reader threads or worker processes run ahead of compute: in a compute-bound
+  loop the readers wait for room, so bursts still come one per step and the period is the
+  step; compute fills it (``compute_s = step_s``).
+* Reads that never pause (read-bound readers, always busy) show no step: the loop's compute
+  cannot be seen, and only a marker gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: Steps needed before a rhythm counts: the first bursts are the readers' warm-up.
+MIN_STEPS = 8
+#: An idle gap between bursts must be this many times the longest gap inside a burst...
+SEPARATION = 5.0
+#: ... and at least this long: no training step is shorter than half a millisecond.
+MIN_GAP_US = 500.0
+#: The bursts must be alike: their sizes vary by at most this (stdev / mean, steady bursts).
+MAX_SPREAD = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """What the trace says about the training loop's steps (``None``: not visible)."""
+
+    source: str  # "markers", "rhythm" or "" (not found)
+    count: int = 0
+    step_s: float | None = None
+    compute_s: float | None = None
+    batch_samples: int | None = None
+    inline: bool = False
+    prefetch_batches: int | None = None
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": self.source or None, "count": self.count, "step_s": self.step_s,
+            "compute_s": self.compute_s, "batch_samples": self.batch_samples,
+            "reads_in_training_thread": self.inline, "prefetch_batches": self.prefetch_batches}
+        if self.step_s and self.compute_s is not None:
+            out["au_estimate"] = round(min(1.0, self.compute_s / self.step_s), 4)
+        if self.why:
+            out["why"] = self.why
+        return out
+
+
+def from_markers(ts_us: npt.NDArray[np.float64], dur_us: npt.NDArray[np.float64],
+                 read_ts_us: npt.NDArray[np.float64]) -> Steps:
+    """Steps from marker events (start and compute of each step)."""
+    order = np.argsort(ts_us)
+    ts, dur = ts_us[order], dur_us[order]
+    if len(ts) < MIN_STEPS + 1:
+        return Steps("", len(ts), why=_too_short(len(ts), None))
+    step_s = float(np.median(np.diff(ts))) / 1e6
+    # Reads between one step's start and the next: that step's batch (the first warms up).
+    reads = np.histogram(read_ts_us, bins=np.append(ts, np.inf))[0]
+    batch = int(np.median(reads[1:])) if len(read_ts_us) else None
+    return Steps("markers", len(ts), round(step_s, 6), round(float(np.median(dur)) / 1e6, 6),
+                 batch or None)
+
+
+def _too_short(steps: int, step_s: float | None) -> str:
+    need = f" (at {step_s:.3g} s a step: {(MIN_STEPS + 2) * step_s:.3g} s of training)" \
+        if step_s else ""
+    return (f"the trace holds {steps} step(s); fitting steps needs at least {MIN_STEPS + 1} "
+            f"after the readers' warm-up{need}: trace a longer stretch of the run")
+
+
+def from_rhythm(start_us: npt.NDArray[np.float64], end_us: npt.NDArray[np.float64],
+                inline: bool) -> Steps:
+    """Steps from bursts of data reads (module doc). ``start_us``/``end_us``: the reads."""
+    if len(start_us) < 2:
+        return Steps("", why=_too_short(0, None))
+    order = np.argsort(start_us, kind="stable")
+    start, end = start_us[order], np.maximum.accumulate(end_us[order])
+    idle = np.maximum(start[1:] - end[:-1], 0.0)  # nothing in flight between read k and k+1
+    split = _split(idle)
+    if split is None:
+        return Steps("", why="the data reads never pause, so no step shows in them (the "
+                     "readers were always busy: a read-bound loop); record a step marker "
+                     "(docs/advise.md) to fit the compute per step")
+    cut = np.flatnonzero(idle > split) + 1
+    bursts = np.split(np.arange(len(start)), cut)
+    sizes = np.array([len(b) for b in bursts])
+    firsts = start[[b[0] for b in bursts]]
+    steady = sizes[1:]
+    if len(steady) < MIN_STEPS:
+        period = float(np.median(np.diff(firsts))) / 1e6 if len(firsts) > 1 else None
+        return Steps("", len(bursts), why=_too_short(len(bursts), period))
+    if steady.std() > MAX_SPREAD * steady.mean():
+        return Steps("", len(bursts), why="the data reads pause irregularly (bursts of "
+                     f"{int(steady.min())}-{int(steady.max())} reads), not once per step; "
+                     "record a step marker (docs/advise.md) to fit the steps")
+    batch = int(np.median(steady))
+    step_s = float(np.median(np.diff(firsts[1:]))) / 1e6
+    gaps = idle[cut - 1][1:]
+    compute_s = float(np.median(gaps)) / 1e6 if inline else step_s
+    ahead = None if inline else max(1, round(sizes[0] / batch) - 1)
+    return Steps("rhythm", len(start) // batch, round(step_s, 6),
+                 round(compute_s, 6), batch, inline, ahead)
+
+
+def _split(idle: npt.NDArray[np.float64]) -> float | None:
+    """The idle time that separates steps (Otsu's threshold on log idle times), or None when
+    idle times are not in two well-apart groups."""
+    positive = idle[idle > 0]
+    if len(positive) < MIN_STEPS:
+        return None
+    logs = np.log10(np.maximum(idle, 0.01))  # 10 ns floor: a back-to-back read
+    values = np.sort(logs)
+    n = len(values)
+    k = np.arange(1, n)
+    csum = np.cumsum(values)
+    between = k * (n - k) * (csum[:-1] / k - (csum[-1] - csum[:-1]) / (n - k)) ** 2
+    between[values[1:] == values[:-1]] = -1.0  # split only between distinct values
+    best = int(np.argmax(between))
+    if between[best] < 0:
+        return None
+    best_t = (values[best] + values[best + 1]) / 2
+    inside, outside = idle[logs <= best_t], idle[logs > best_t]
+    if len(outside) < MIN_STEPS or not len(inside):
+        return None
+    if np.median(outside) < max(MIN_GAP_US, SEPARATION * float(np.percentile(inside, 90))):
+        return None
+    return float(10 ** best_t)

@@ -1,0 +1,135 @@
+"""``lcache advise TRACE...``: fit a trace, emit a DLIO workload, scale, check and advise."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+from rich.console import Console
+
+from lcache.errors import ConfigError
+from lcache.store.layout import parse_size
+
+console = Console()
+
+
+class _OneLineErrors(click.Command):
+    """Bad options are one line on stderr and exit status 2, like every lcache error (click
+    would print its usage block)."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise ConfigError(f"lcache advise: {exc.format_message()} (see lcache advise "
+                              "--help)") from None
+
+
+def _number(value: str, option: str, kind: type, lo: float, hi: float) -> Any:
+    try:
+        n = kind(value)
+    except ValueError:
+        raise ConfigError(f"{option} {value!r:.40} is not a number; give one in "
+                          f"{lo:g}..{hi:g}") from None
+    if not lo <= n <= hi:
+        raise ConfigError(f"{option} {n:g} is out of range; give one in {lo:g}..{hi:g}")
+    return n
+
+
+@click.command("advise", cls=_OneLineErrors)
+@click.argument("traces", nargs=-1)
+@click.option("--scale-gpus", default=None, metavar="N",
+              help="Scale the traced job to N GPUs (per GPU, per node, per day, DWPD).")
+@click.option("--model", default=None, metavar="PRESET",
+              help="lcache model preset of the target (llama3-70b...): the cluster's own I/O, "
+                   "and whether optimizer offload fits.")
+@click.option("--gpus-per-node", default="8", show_default=True)
+@click.option("--traced-gpus", default="1", show_default=True,
+              help="GPUs (ranks) the trace holds.")
+@click.option("--storage", default=None, metavar="DIR",
+              help="Run the emitted workload in DIR and say per class whether it keeps up.")
+@click.option("--check-epochs", default="1", show_default=True,
+              help="Epochs of the emitted workload that --storage runs.")
+@click.option("--hit-ratio", default="0.9", show_default=True,
+              help="Target hit ratio of the sample cache.")
+@click.option("--max-stall", default="0.05", show_default=True,
+              help="Share of step time checkpoints may stall.")
+@click.option("--ssds", default="8", show_default=True, help="SSDs per node.")
+@click.option("--ssd-capacity", default="3.84TB", show_default=True, help="One SSD's size.")
+@click.option("--ssd-write", default="3.8GB", show_default=True,
+              help="One SSD's write bandwidth per second.")
+@click.option("--ssd-read", default="7GB", show_default=True,
+              help="One SSD's read bandwidth per second.")
+@click.option("--rated-dwpd", default="1", show_default=True,
+              help="Drive writes per day the SSDs are rated for.")
+@click.option("--emit", "emit_path", default=None, metavar="FILE",
+              help="Write the fitted DLIO workload YAML to FILE.")
+@click.option("-o", "--output", "html_path", default=None, metavar="FILE",
+              help="Write advice.html: the report's page with an Advice section.")
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | None,
+               gpus_per_node: str, traced_gpus: str, storage: str | None, check_epochs: str,
+               hit_ratio: str, max_stall: str, ssds: str, ssd_capacity: str, ssd_write: str,
+               ssd_read: str, rated_dwpd: str, emit_path: str | None, html_path: str | None,
+               as_json: bool) -> None:
+    """Advise on storage from TRACE (files `lcache trace` or LCACHE_TRACE wrote).
+
+    Fits steps, per-class bytes per step, request sizes, mix and concurrency; emits a DLIO
+    workload that reproduces them; advises cache capacity, reader threads and prefetch, the
+    checkpoint interval and optimizer offload, with the arithmetic behind each figure.
+    """
+    from lcache.advise import Targets, advise
+    from lcache.io import atomic_write
+
+    if not traces:
+        raise ConfigError("lcache advise: give a trace file (lcache trace -o FILE -- CMD "
+                          "writes one)")
+    t = Targets(hit_ratio=_number(hit_ratio, "--hit-ratio", float, 0.001, 1.0),
+                max_stall=_number(max_stall, "--max-stall", float, 0.0001, 0.99),
+                ssd_write_Bps=parse_size(ssd_write), ssd_read_Bps=parse_size(ssd_read),
+                ssd_capacity_bytes=parse_size(ssd_capacity),
+                ssds=_number(ssds, "--ssds", int, 1, 1024),
+                rated_dwpd=_number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
+    gpus = None if scale_gpus is None else _number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
+    for path in (emit_path, html_path):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ConfigError(f"cannot write {path}: its directory does not exist")
+    doc = advise(list(traces), t, scale_gpus=gpus, model=model,
+                 gpus_per_node=_number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
+                 traced_gpus=_number(traced_gpus, "--traced-gpus", int, 1, 1 << 24),
+                 storage=storage,
+                 check_epochs=_number(check_epochs, "--check-epochs", int, 1, 1000),
+                 html_path=html_path, show_progress=not as_json)
+    if emit_path is not None:
+        atomic_write(emit_path, doc["workload"]["yaml"].encode(), mode=0o644)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+        return
+    _print(doc, emit_path, html_path)
+
+
+def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None) -> None:
+    # Lines, not a table: the arithmetic is a sentence that a narrow column would shred.
+    for a in doc["advice"]:
+        if "missing" in a:
+            console.print(f"[bold]{a['topic']}[/]: [yellow]not fitted[/]: {a['missing']}",
+                          highlight=False)
+        else:
+            console.print(f"[bold]{a['topic']}[/]: {a['figure']} = {a['value']}\n  "
+                          f"{a['arithmetic']}", highlight=False)
+    for u in doc["unfitted"]:
+        console.print(f"[yellow]not fitted:[/] {u['what']}: {u['why']}", highlight=False)
+    if doc["check"]:
+        for name, c in doc["check"]["classes"].items():
+            console.print(f"[bold]check {name}[/]: "
+                          f"{'keeps up' if c['keeps_up'] else 'does NOT keep up'} (margin "
+                          f"{c['margin']:.2f}x): {c['arithmetic']}", highlight=False)
+    if emit_path:
+        console.print(f"workload: {emit_path}", highlight=False)
+    else:
+        console.print(doc["workload"]["yaml"], highlight=False, markup=False)
+    if html_path:
+        console.print(f"advice page: {html_path}", highlight=False)
