@@ -1,0 +1,16 @@
+"""SSD offload of training state (see docs/offload.md).
+
+    from lcache.offload import OffloadedOptimizer
+
+    opt = OffloadedOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3,
+                             dir="/nvme/offload", host_budget="2GB")
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    opt.close()                      # removes the swap file
+
+The fp32 master weights and the optimizer's moments live in one preallocated swap file per
+rank and stream through a bounded pool of host buffers, one sub-group at a time.
+"""
+
+from lcache.offload.optimizer import OffloadedOptimizer
+
+__all__ = ["OffloadedOptimizer"]

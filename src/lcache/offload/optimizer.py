@@ -1,0 +1,415 @@
+"""``OffloadedOptimizer``: an elementwise torch optimizer whose state lives on the SSD.
+
+A step is a pipeline over sub-groups (``plan.py``) through ``buffers`` host buffers: while
+sub-group i is updated on the CPU, i+1 is being read and i-1 written by the process's I/O
+engine. The update is the wrapped optimizer's own ``step()`` on fp32 views of the buffer, so
+the bits are the optimizer's (fused or foreach, on torch's intra-op threads).
+
+Lifecycle of a step: every sub-group with gradients is read from its committed slot, updated,
+its parameters set from the new master weights, and written to its other slot; only when
+every write is done do those slots become the committed ones. A step that fails (a full
+device, any I/O error) puts the parameters back from the committed slots and raises: memory
+and swap are as before the step, and it can be retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import mmap
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lcache.checkpoint.dist import rank_and_world
+from lcache.errors import ConfigError
+from lcache.io import Pending, aligned_buffer
+from lcache.offload.plan import F32, SubGroup, buffer_bytes, choose_numel, plan
+from lcache.offload.swap import SwapFile, wait_all
+from lcache.store.layout import parse_size
+
+MASTER = "master"
+
+
+def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dict[str, Any]]]:
+    """(names, tensors, groups) from tensors, ``(name, tensor)`` pairs or param-group dicts;
+    each group dict keeps its options and gets ``"params"``: the indices of its tensors."""
+    items = list(params)
+    if not items:
+        raise ConfigError("OffloadedOptimizer got an empty parameter list")
+    raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
+    names: list[str] = []
+    tensors: list[Any] = []
+    groups: list[dict[str, Any]] = []
+    for g, raw in enumerate(raw_groups):
+        if not isinstance(raw, dict) or "params" not in raw:
+            raise ConfigError("parameters must be all tensors, all (name, tensor) pairs, or "
+                              "all param-group dicts with a 'params' key")
+        members = list(raw["params"])
+        group = {k: v for k, v in raw.items() if k != "params"}
+        group["params"] = []
+        for i, item in enumerate(members):
+            name, tensor = item if isinstance(item, tuple) else (f"{g}.{i}", item)
+            if not getattr(tensor, "is_floating_point", lambda: False)():
+                raise ConfigError(f"parameter {name!r} is not a floating-point tensor")
+            group["params"].append(len(tensors))
+            names.append(str(name))
+            tensors.append(tensor)
+        groups.append(group)
+    if len(set(names)) != len(names):
+        raise ConfigError("parameter names must be unique (they name the state in the swap "
+                          "file and in checkpoints)")
+    if len({id(t) for t in tensors}) != len(tensors):
+        raise ConfigError("a parameter appears twice in the parameter list")
+    return names, tensors, groups
+
+
+class _Pins:
+    """Slots a checkpoint in progress reads: a step must not overwrite them meanwhile."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.live: dict[int, list[int]] = {}
+        self._next = 0
+
+    def pin(self, slots: list[int]) -> Callable[[], None]:
+        with self.cond:
+            key = self._next
+            self._next += 1
+            self.live[key] = list(slots)
+
+        def release() -> None:
+            with self.cond:
+                self.live.pop(key, None)
+                self.cond.notify_all()
+
+        return release
+
+    def wait_free(self, sub_group: int, slot: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: all(s[sub_group] != slot for s in self.live.values()))
+
+
+class OffloadedOptimizer:
+    """Wraps an elementwise torch optimizer (AdamW, Adam...) and keeps its state on the SSD.
+
+    Args:
+        params: tensors, ``model.named_parameters()`` (the names then name the state in the
+            swap file and in checkpoints), or param-group dicts with per-group options.
+        optimizer_class: the torch optimizer to run (default ``torch.optim.AdamW``).
+        dir: directory of the swap files (one per rank, removed by ``close()``).
+        host_budget: host memory for the pipeline's buffers, an int or a size such as
+            ``"2GB"``; it sets the sub-group size.
+        sub_group_size: elements per sub-group, instead of the largest the budget allows.
+        buffers: host buffers in the pipeline (3: read i+1, update i, write i-1).
+        direct: O_DIRECT I/O where the filesystem allows it.
+        preallocate: reserve the swap file's blocks at construction (a full device is then
+            refused here with ``DiskFullError``, not found in the middle of a step).
+        **options: the optimizer's options (``lr``, ``betas``, ``weight_decay``...). Unless
+            ``fused`` or ``foreach`` is given, ``fused=True`` is used where the optimizer
+            has it (torch's fastest CPU path).
+
+    Raises:
+        ConfigError: bad parameters or options, or a budget too small for one sub-group per
+            buffer (the message says the minimum).
+        DiskFullError: ``preallocate`` and the swap file does not fit.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: Any = None, *,
+                 dir: Any, host_budget: int | str = "2GB", sub_group_size: int | None = None,
+                 buffers: int = 3, direct: bool = True, preallocate: bool = True,
+                 **options: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.optimizer_class = optimizer_class or torch.optim.AdamW
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
+            raise ConfigError(f"buffers={buffers!r}: the pipeline needs at least 2 buffers")
+        self.names, self._params, self.param_groups = _named_groups(params)
+        accepted = inspect.signature(self.optimizer_class).parameters
+        if "fused" in accepted and "fused" not in options and "foreach" not in options:
+            options["fused"] = True
+        self.defaults = options
+        self.state_names = self._probe()
+        self.arrays = 1 + len(self.state_names)
+        self.host_budget = parse_size(host_budget)
+        sizes = [[(p, self._params[p].numel()) for p in g["params"]] for g in self.param_groups]
+        numel = choose_numel(self.host_budget, buffers, self.arrays,
+                             max(sum(n for _, n in g) for g in sizes), sub_group_size)
+        self.sub_groups = plan(sizes, numel, self.arrays)
+        self.sub_group_size = numel
+        self.slot_bytes = sum(sg.nbytes for sg in self.sub_groups)
+        self._on_cuda = any(p.device.type == "cuda" for p in self._params)
+        self._pieces_of: list[list[tuple[SubGroup, Any]]] = [[] for _ in self._params]
+        for sg in self.sub_groups:
+            for piece in sg.pieces:
+                self._pieces_of[piece.param].append((sg, piece))
+        self._inner = [self.optimizer_class([torch.zeros(1)], **self._options(g))
+                       for g in range(len(self.param_groups))]
+        self._scalars: list[dict[str, Any]] = [{} for _ in self._params]  # e.g. "step"
+        self._slot_of = [0] * len(self.sub_groups)
+        self._pins = _Pins()
+        rank, world = rank_and_world()
+        self._swap = SwapFile(dir, rank, 2 * self.slot_bytes, self._manifest(world),
+                              direct=direct, preallocate=preallocate)
+        self._closer = weakref.finalize(self, self._swap.close)
+        self._buffers = [self._new_buffer(buffer_bytes(numel, self.arrays))
+                         for _ in range(buffers)]
+        self.read_bytes = 0
+        self.write_bytes = 0
+        self._write_initial()
+
+    # --- construction --------------------------------------------------------------------
+    def _options(self, group: int) -> dict[str, Any]:
+        opts = {**self.defaults, **self.param_groups[group]}
+        opts.pop("params")
+        return opts
+
+    def _probe(self) -> list[str]:
+        """Names of the optimizer's per-element state tensors (one step on a dummy)."""
+        torch = self._torch
+        dummy = torch.zeros(2, requires_grad=True)
+        dummy.grad = torch.ones(2)
+        try:
+            probe = self.optimizer_class([dummy], **self.defaults)
+            probe.step()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"{self.optimizer_class.__name__}({self.defaults}) cannot run: "
+                              f"{exc}") from exc
+        state = probe.state[dummy]
+        return sorted(k for k, v in state.items()
+                      if isinstance(v, torch.Tensor) and v.shape == dummy.shape)
+
+    def _manifest(self, world: int) -> dict[str, Any]:
+        return {"world": world, "optimizer": self.optimizer_class.__name__,
+                "arrays": [MASTER, *self.state_names], "slot_bytes": self.slot_bytes,
+                "sub_groups": [[sg.offset, sg.numel, sg.nbytes] for sg in self.sub_groups],
+                "params": [{"name": n, "shape": list(p.shape),
+                            "pieces": [[sg.index, pc.start, pc.stop, pc.at]
+                                       for sg, pc in self._pieces_of[i]]}
+                           for i, (n, p) in enumerate(zip(self.names, self._params,
+                                                          strict=True))]}
+
+    def _new_buffer(self, nbytes: int) -> Any:
+        if self._on_cuda:  # pinned: device copies run asynchronously at full speed
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return aligned_buffer(nbytes)
+
+    def _view(self, buf: Any) -> memoryview:
+        if isinstance(buf, mmap.mmap):
+            return memoryview(buf)
+        return memoryview(buf.numpy()).cast("B")
+
+    def _f32(self, buf: Any, offset_elems: int, count: int) -> Any:
+        """A leaf fp32 tensor over ``count`` elements of ``buf`` from element ``offset``."""
+        if isinstance(buf, mmap.mmap):
+            return self._torch.frombuffer(buf, dtype=self._torch.float32, count=count,
+                                          offset=offset_elems * F32)
+        return buf[offset_elems * F32 : (offset_elems + count) * F32].view(self._torch.float32)
+
+    def _write_initial(self) -> None:
+        """Slot 0 gets the master weights (the states start empty: the optimizer makes them
+        on a parameter's first update, as it would in memory)."""
+        buf = self._buffers[0]
+        for sg in self.sub_groups:
+            master = self._f32(buf, 0, sg.numel)
+            for piece in sg.pieces:
+                src = self._flat(self._params[piece.param])[piece.start : piece.stop]
+                master[piece.at : piece.at + piece.numel].copy_(src)
+            self._io(self._swap.write(self._offset(sg, 0), self._view(buf)[: sg.nbytes]),
+                     sg.nbytes, write=True)
+
+    # --- helpers -------------------------------------------------------------------------
+    def _flat(self, tensor: Any) -> Any:
+        return (tensor if tensor.is_contiguous() else tensor.contiguous()).detach().view(-1)
+
+    def _offset(self, sg: SubGroup, slot: int) -> int:
+        return slot * self.slot_bytes + sg.offset
+
+    def _io(self, pending: list[Pending], nbytes: int, write: bool) -> None:
+        wait_all(pending)
+        if write:
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+
+    # --- the step ------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (as ``torch.optim.Optimizer.zero_grad``)."""
+        for p in self._params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every parameter that has a gradient.
+
+        Raises:
+            DiskFullError, OSError: the step failed; parameters and swap are as before it,
+                and it can be retried.
+        """
+        loss = None
+        if closure is not None:
+            with self._torch.enable_grad():
+                loss = closure()
+        if self._swap.fd < 0:
+            raise ConfigError("this OffloadedOptimizer is closed")
+        with self._torch.no_grad():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        work = [sg for sg in self.sub_groups
+                if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
+        if not work:
+            return
+        free = list(self._buffers)
+        reads: dict[int, tuple[Any, list[Pending]]] = {}
+        writes: deque[tuple[Any, list[Pending], int]] = deque()
+        scalars: dict[int, dict[str, Any]] = {}
+        updated: list[SubGroup] = []
+
+        def take() -> Any:
+            if not free:
+                buf, pending, nbytes = writes.popleft()
+                self._io(pending, nbytes, write=True)
+                free.append(buf)
+            return free.pop()
+
+        def start_read(k: int) -> None:
+            sg = work[k]
+            buf = take()
+            view = self._view(buf)[: sg.nbytes]
+            reads[k] = (buf, self._swap.read(self._offset(sg, self._slot_of[sg.index]), view))
+
+        try:
+            start_read(0)
+            for k, sg in enumerate(work):
+                if k + 1 < len(work):
+                    start_read(k + 1)
+                buf, pending = reads.pop(k)
+                self._io(pending, sg.nbytes, write=False)
+                updated.append(sg)
+                self._update(sg, buf, scalars)
+                target = 1 - self._slot_of[sg.index]
+                self._pins.wait_free(sg.index, target)
+                view = self._view(buf)[: sg.nbytes]
+                writes.append((buf, self._swap.write(self._offset(sg, target), view),
+                               sg.nbytes))
+            while writes:
+                buf, pending, nbytes = writes.popleft()
+                self._io(pending, nbytes, write=True)
+        except BaseException:
+            for _, pending in reads.values():
+                _drain(pending)
+            for _, pending, _ in writes:
+                _drain(pending)
+            self._params_from_slots(updated)
+            raise
+        for sg in work:
+            self._slot_of[sg.index] ^= 1
+        for p, values in scalars.items():
+            self._scalars[p] = values
+
+    def _update(self, sg: SubGroup, buf: Any, scalars: dict[int, dict[str, Any]]) -> None:
+        """Run the optimizer on sub-group ``sg``'s block in ``buf``; set its parameters."""
+        torch = self._torch
+        n = sg.numel
+        grads = self._f32(buf, sg.nbytes // F32, n)
+        inner = self._inner[sg.group]
+        proxies: list[tuple[Any, Any]] = []
+        fresh: list[int] = []
+        for piece in sg.pieces:
+            param = self._params[piece.param]
+            if param.grad is None:
+                continue
+            at, count = piece.at, piece.numel
+            proxy = self._f32(buf, at, count)
+            grad = self._flat(param.grad)[piece.start : piece.stop]
+            if grad.dtype != torch.float32 or grad.device.type != "cpu":
+                grads[at : at + count].copy_(grad)
+                grad = grads[at : at + count]
+            proxy.grad = grad
+            known = self._scalars[piece.param]
+            if known:
+                state = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in known.items()}
+                for a, name in enumerate(self.state_names, start=1):
+                    state[name] = self._f32(buf, a * n + at, count)
+                inner.state[proxy] = state
+            else:
+                fresh.append(len(proxies))  # the optimizer makes its state, as in memory
+            proxies.append((piece, proxy))
+        group = inner.param_groups[0]
+        group.update(self._options(sg.group))
+        group["params"] = [proxy for _, proxy in proxies]
+        try:
+            inner.step()
+            for i, (piece, proxy) in enumerate(proxies):
+                state = inner.state[proxy]
+                if i in fresh:
+                    for a, name in enumerate(self.state_names, start=1):
+                        self._f32(buf, a * n + piece.at, piece.numel).copy_(state[name])
+                scalars[piece.param] = {k: v for k, v in state.items()
+                                        if k not in self.state_names}
+                self._set_param(piece, proxy)
+            if self._on_cuda:  # the buffer is read into again once written
+                torch.cuda.synchronize()
+        finally:
+            inner.state.clear()
+            group["params"] = []
+
+    def _set_param(self, piece: Any, master: Any) -> None:
+        param = self._params[piece.param]
+        dst = param.detach().view(-1)[piece.start : piece.stop]
+        dst.copy_(master, non_blocking=dst.device.type == "cuda")
+
+    def _params_from_slots(self, sub_groups: list[SubGroup]) -> None:
+        """Set the parameters of ``sub_groups`` from their committed master weights."""
+        buf = self._buffers[0]
+        for sg in sub_groups:
+            view = self._view(buf)[: sg.nbytes]
+            self._io(self._swap.read(self._offset(sg, self._slot_of[sg.index]), view),
+                     sg.nbytes, write=False)
+            for piece in sg.pieces:
+                self._set_param(piece, self._f32(buf, piece.at, piece.numel))
+        if self._on_cuda:
+            self._torch.cuda.synchronize()
+
+    # --- life ----------------------------------------------------------------------------
+    @property
+    def swap_path(self) -> str:
+        return self._swap.path
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (master weights and per-element states) in the swap."""
+        return int(sum(p.numel() for p in self._params)) * self.arrays * F32
+
+    def close(self) -> None:
+        """Remove the swap file and its manifest, and free the host buffers."""
+        self._closer()
+        self._buffers = []
+
+    def __enter__(self) -> OffloadedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"OffloadedOptimizer({self.optimizer_class.__name__}, {len(self._params)} "
+                f"params, {len(self.sub_groups)} sub-groups of {self.sub_group_size:,} "
+                f"elements, swap {self._swap.path})")
+
+
+def _drain(pending: list[Pending]) -> None:
+    for p in pending:
+        with contextlib.suppress(Exception):  # the step's first error is the one raised
+            p.wait()
+

@@ -1,0 +1,177 @@
+"""The swap file of one rank: a stable name, a manifest, a kernel lock, aligned I/O.
+
+``DIR/rankNNNNN.swap`` holds the state; ``DIR/rankNNNNN.json`` describes its layout (written
+with ``atomic_write``). Names depend only on the rank, never on Python object ids, so the files
+of a killed run are found by the next start in the same directory (DeepSpeed PR #4416: swap
+files named by ``id()`` piled up). The owner holds an exclusive ``flock`` on the swap file,
+released by the kernel when it dies: a start that gets the lock reuses the file (a killed
+run's), one that does not is refused (a live run's). ``close()`` removes both files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+from lcache.errors import ConfigError, DiskFullError
+from lcache.io import (
+    Pending,
+    atomic_write,
+    default_engine,
+    logical_block_size,
+    open_file,
+    private_dir,
+)
+
+log = logging.getLogger("lcache.offload")
+
+IO_READ = "offload-read"
+IO_WRITE = "offload-write"
+CHUNK = 4 << 20  # one engine operation: several in flight keep the device busy
+FORMAT = "lcache-offload-swap"
+VERSION = 1
+
+
+def swap_names(directory: str, rank: int) -> tuple[str, str]:
+    """(swap file, manifest) paths of ``rank`` in ``directory``."""
+    base = os.path.join(directory, f"rank{rank:05d}")
+    return base + ".swap", base + ".json"
+
+
+class SwapFile:
+    """An open, locked, sized swap file.
+
+    Args:
+        directory: where the files live (created owner-only; another user's is refused).
+        rank: this process's rank (names the files).
+        size: bytes the file holds.
+        manifest: the layout, stored beside it as JSON.
+        direct: use O_DIRECT where the filesystem allows it (the page cache would hold a
+            second copy of the state the offload exists to keep out of memory).
+        preallocate: reserve the blocks now (``posix_fallocate``), so a full device is found
+            here and not in the middle of a step.
+
+    Raises:
+        ConfigError: a running process holds this rank's swap file in ``directory``.
+        DiskFullError: ``preallocate`` and the device cannot hold ``size`` bytes.
+        StorePermissionError: ``directory`` is not private to this user.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], rank: int, size: int,
+                 manifest: dict[str, Any], *, direct: bool = True,
+                 preallocate: bool = True) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        private_dir(self.directory, "offload directory")
+        self.path, self.manifest_path = swap_names(self.directory, rank)
+        self.size = size
+        self.reused = os.path.lexists(self.path)
+        self.direct = direct and logical_block_size(self.directory) <= 4096
+        self.plain_fd = -1
+        self.fd = self._open_locked()
+        try:
+            # a buffered descriptor for the unaligned reads and writes of checkpoints
+            self.plain_fd = open_file(self.path, os.O_RDWR) if self.direct else self.fd
+            self._size_file(preallocate)
+            body = {"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
+                    "bytes": size, **manifest}
+            atomic_write(self.manifest_path, json.dumps(body).encode(), io_class=IO_WRITE,
+                         durable=False)
+        except BaseException:
+            self.close()
+            raise
+        if self.reused:
+            log.info("reusing the swap file of a run that ended without close(): %s", self.path)
+
+    def _open_locked(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT
+        for _ in range(10):
+            if self.direct:
+                try:
+                    fd = open_file(self.path, flags, direct=True)
+                except ConfigError:  # tmpfs and some network filesystems refuse O_DIRECT
+                    self.direct = False
+                    fd = open_file(self.path, flags)
+            else:
+                fd = open_file(self.path, flags)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConfigError(f"{self.path} is in use by a running process; give each "
+                                  "run (and each rank's process) its own offload directory, "
+                                  "or stop the other run") from None
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    self._remove_temps()
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its owner closed and removed it between our open and lock: again
+        raise ConfigError(f"cannot hold {self.path}: something keeps removing it")
+
+    def _remove_temps(self) -> None:
+        """Manifest temp files a killed run of this rank left (we hold the rank's lock)."""
+        for tmp in glob.glob(glob.escape(self.manifest_path) + ".tmp*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _size_file(self, preallocate: bool) -> None:
+        os.ftruncate(self.fd, 0)  # a reused file's old bytes are meaningless
+        os.ftruncate(self.fd, self.size)
+        if not preallocate or not hasattr(os, "posix_fallocate"):
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, self.size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = os.statvfs(self.directory)
+                raise DiskFullError(
+                    f"the offload swap file needs {self.size:,} bytes in {self.directory}, "
+                    f"which has {free.f_bavail * free.f_frsize:,} free; free space, pick "
+                    "another dir, or lower the state (fewer parameters per rank)") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
+    # --- I/O -----------------------------------------------------------------------------
+    def read(self, offset: int, buf: memoryview) -> list[Pending]:
+        """Start reading ``len(buf)`` bytes at ``offset`` (both aligned) into ``buf``."""
+        engine = default_engine()
+        return [engine.submit_read(self.fd, offset + at, buf[at : at + CHUNK], IO_READ)
+                for at in range(0, len(buf), CHUNK)]
+
+    def write(self, offset: int, buf: memoryview) -> list[Pending]:
+        """Start writing ``buf`` at ``offset`` (both aligned)."""
+        engine = default_engine()
+        return [engine.submit_write(self.fd, offset + at, buf[at : at + CHUNK], IO_WRITE)
+                for at in range(0, len(buf), CHUNK)]
+
+    def close(self) -> None:
+        """Remove the files and release the lock (idempotent)."""
+        if self.fd < 0:
+            return
+        for path in (self.manifest_path, self.path):  # unlinked before the lock goes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if self.plain_fd not in (self.fd, -1):
+            os.close(self.plain_fd)
+        os.close(self.fd)
+        self.fd = self.plain_fd = -1
+
+
+def wait_all(pending: list[Pending]) -> None:
+    """Wait for every handle; raise the first error after all are done (a buffer must not be
+    reused while an operation on it is still running)."""
+    first: BaseException | None = None
+    for p in pending:
+        try:
+            p.wait()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
