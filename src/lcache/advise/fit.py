@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.advise.runs import split_runs
-from lcache.advise.steps import Steps, from_markers, from_rhythm
+from lcache.advise.steps import Steps, from_markers, from_rhythm, split_idle
 from lcache.report.load import Trace
 from lcache.report.stats import data_mask, nearest_rank, sequential
 
@@ -131,13 +131,12 @@ def _checkpoints(trace: Trace, steps: Steps, sample_ts: npt.NDArray[np.float64],
     ts, end = trace.ts_us[rows][order], (trace.ts_us + trace.dur_us)[rows][order]
     is_write = writes[rows][order]
     nbytes = np.where(trace.result[rows][order] > 0, trace.result[rows][order], 0)
-    cut = []
     last_end = np.maximum.accumulate(end)
-    for k in range(1, len(ts)):
-        reads_between = np.searchsorted(sample_ts, ts[k]) - np.searchsorted(sample_ts,
-                                                                            last_end[k - 1])
-        if reads_between > 0 or ts[k] - last_end[k - 1] > 1e6:  # training, or a 1 s pause
-            cut.append(k)
+    idle = np.maximum(ts[1:] - last_end[:-1], 0.0)
+    pause = split_idle(idle) or 1e6  # without training between saves: a pause apart, or 1 s
+    reads_between = np.searchsorted(sample_ts, ts[1:]) - np.searchsorted(sample_ts,
+                                                                        last_end[:-1])
+    cut = np.flatnonzero((reads_between > 0) | (idle > pause)) + 1
     saves = []
     loads = 0
     for g in np.split(np.arange(len(ts)), cut):

@@ -88,7 +88,7 @@ def from_rhythm(start_us: npt.NDArray[np.float64], end_us: npt.NDArray[np.float6
     order = np.argsort(start_us, kind="stable")
     start, end = start_us[order], np.maximum.accumulate(end_us[order])
     idle = np.maximum(start[1:] - end[:-1], 0.0)  # nothing in flight between read k and k+1
-    split = _split(idle)
+    split = split_idle(idle)
     if split is None:
         return Steps("", why="the data reads never pause, so no step shows in them (the "
                      "readers were always busy: a read-bound loop); record a step marker "
@@ -114,11 +114,10 @@ def from_rhythm(start_us: npt.NDArray[np.float64], end_us: npt.NDArray[np.float6
                  round(compute_s, 6), batch, inline, ahead)
 
 
-def _split(idle: npt.NDArray[np.float64]) -> float | None:
+def split_idle(idle: npt.NDArray[np.float64]) -> float | None:
     """The idle time that separates steps (Otsu's threshold on log idle times), or None when
-    idle times are not in two well-apart groups."""
-    positive = idle[idle > 0]
-    if len(positive) < MIN_STEPS:
+    idle times are not in two well-apart groups. Too few steps is the caller's to say."""
+    if not (idle > 0).any():
         return None
     logs = np.log10(np.maximum(idle, 0.01))  # 10 ns floor: a back-to-back read
     values = np.sort(logs)
@@ -132,7 +131,7 @@ def _split(idle: npt.NDArray[np.float64]) -> float | None:
         return None
     best_t = (values[best] + values[best + 1]) / 2
     inside, outside = idle[logs <= best_t], idle[logs > best_t]
-    if len(outside) < MIN_STEPS or not len(inside):
+    if not len(inside) or not len(outside):
         return None
     if np.median(outside) < max(MIN_GAP_US, SEPARATION * float(np.percentile(inside, 90))):
         return None

@@ -1,0 +1,160 @@
+"""lcache advise: known-answer traces (written by lcache's recorder) give the steps, dataset,
+checkpoints and advice they were made with; what cannot be fitted is said, the rest fitted."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lcache.advise import Targets, advise
+from lcache.bench import parse_workload
+from lcache.store.record import HEADER_SIZE
+from tests._advise_traces import SAMPLE, loop, record_trace
+from tests.conftest import subprocess_env
+
+
+def _advise(tmp_path: Path, body, in_thread: bool = True, **kw):  # type: ignore[no-untyped-def]
+    path = tmp_path / "run.trace"
+    record_trace(path, body, in_thread)
+    return advise(path, **kw)
+
+
+def test_rhythm_of_reader_threads(tmp_path: Path) -> None:
+    """Reads that run ahead (a reader thread): one burst per step, the period is the step."""
+    doc = _advise(tmp_path, loop(30, 4, period_ms=10, read_ms=1, samples=40))
+    s = doc["fit"]["steps"]
+    assert s["source"] == "rhythm" and s["batch_samples"] == 4 and s["count"] == 30
+    assert s["step_s"] == pytest.approx(0.010, rel=1e-3)
+    assert s["compute_s"] == s["step_s"] and not s["reads_in_training_thread"]
+    ds = doc["fit"]["dataset"]
+    assert ds["samples"] == 40 and ds["bytes"] == 40 * SAMPLE and ds["epochs_seen"] == 3.0
+    data = doc["fit"]["groups"]["data"]
+    assert data["read_bytes_per_step"] == 4 * SAMPLE and data["read_fraction"] == 1.0
+    assert data["size_p50"] == SAMPLE and doc["unfitted"] == []
+
+
+def test_rhythm_in_the_training_thread(tmp_path: Path) -> None:
+    """Reads in the main thread are not overlapped: the idle gap is the compute."""
+    doc = _advise(tmp_path, loop(20, 4, period_ms=10, read_ms=4), in_thread=False)
+    s = doc["fit"]["steps"]
+    assert s["reads_in_training_thread"] and s["batch_samples"] == 4
+    assert s["compute_s"] == pytest.approx(0.006, rel=1e-3)
+    assert s["au_estimate"] == pytest.approx(0.6, rel=1e-3)
+    reader = doc["workload"]["doc"]["reader"]
+    assert reader["read_threads"] == 0 and reader["batch_size"] == 4
+    # Advice: one thread reads a batch in 4 ms, compute is 6 ms: one thread keeps up.
+    (threads,) = [a for a in doc["advice"] if a["topic"].startswith("reader")]
+    assert threads["value"] == 1 and threads["prefetch_batches"] == 2
+
+
+def test_markers_give_steps_and_compute(tmp_path: Path) -> None:
+    doc = _advise(tmp_path, loop(12, 2, period_ms=5, read_ms=0.5, markers=True))
+    s = doc["fit"]["steps"]
+    assert s["source"] == "markers" and s["count"] == 12 and s["batch_samples"] == 2
+    assert s["compute_s"] == pytest.approx(0.0045, rel=1e-3)
+    assert s["step_s"] == pytest.approx(0.005, rel=1e-3)
+
+
+def test_reads_that_never_pause_fit_the_rest(tmp_path: Path) -> None:
+    """A read-bound loop shows no step: said, and the dataset and capacity still fitted."""
+    doc = _advise(tmp_path, loop(40, 4, period_ms=2, read_ms=2, samples=80))
+    assert doc["fit"]["steps"]["source"] is None
+    (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "steps"]
+    assert "never pause" in why and "step marker" in why
+    cap = doc["advice"][0]
+    assert cap["topic"] == "cache capacity" and cap["value"] > 0
+    assert "missing" in doc["advice"][1]  # no compute time to size readers against
+    parse_workload(yaml.safe_load(doc["workload"]["yaml"]))  # still a workload that runs
+
+
+def test_too_short_says_how_long(tmp_path: Path) -> None:
+    doc = _advise(tmp_path, loop(4, 4, period_ms=10, read_ms=1))
+    (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "steps"]
+    assert "at least 9" in why and "s of training" in why, why
+
+
+def test_capacity_for_a_hit_ratio(tmp_path: Path) -> None:
+    """hit ratio = C/N: 0.75 of 40 samples is 30 records of sample + header."""
+    doc = _advise(tmp_path, loop(30, 4, period_ms=10, read_ms=1, samples=40),
+                  targets=Targets(hit_ratio=0.75))
+    cap = doc["advice"][0]
+    assert cap["value"] == 30 * (SAMPLE + HEADER_SIZE)
+    assert cap["fraction_of_dataset"] == pytest.approx(30 * (SAMPLE + HEADER_SIZE)
+                                                       / (40 * SAMPLE), abs=1e-4)
+
+
+def test_checkpoints_and_interval(tmp_path: Path) -> None:
+    """8 MiB saves every 10 steps taking 40 ms: 209.7 MB/s; 5% stall at 10 ms steps."""
+    doc = _advise(tmp_path, loop(40, 4, period_ms=10, read_ms=1, ckpt_every=10,
+                                 ckpt_bytes=8 << 20, ckpt_ms=40))
+    ck = doc["fit"]["checkpoint"]
+    assert ck["saves"] == 4 and ck["bytes_p50"] == 8 << 20 and ck["fsync"]
+    assert ck["interval_steps"] == 10
+    assert ck["persist_MBps"] == pytest.approx((8 << 20) / 0.040 / 1e6, rel=1e-3)
+    (adv,) = [a for a in doc["advice"] if a["topic"] == "checkpoint interval"]
+    stall = ck["bytes_p50"] / (ck["persist_MBps"] * 1e6)  # 0.040 s, as measured
+    step = doc["fit"]["steps"]["step_s"]  # 0.010 s
+    assert adv["value"] == math.ceil(stall * 0.95 / (0.05 * step) - 1e-9)
+    assert adv["value"] in (76, 77)
+    assert "stalls 28.6%" in adv["arithmetic"]  # 40 ms every 10 x 10 ms
+    w = doc["workload"]["doc"]
+    assert w["checkpoint"]["steps_between_checkpoints"] == 10
+    assert w["model"]["model_size_bytes"] == 8 << 20
+
+
+def test_no_data_class_fits_the_checkpoints(tmp_path: Path) -> None:
+    def body(t0: int) -> None:
+        loop(30, 1, period_ms=10, read_ms=1, ckpt_every=5, ckpt_bytes=4 << 20,
+             ckpt_ms=20, sample_cls="other")(t0)
+
+    doc = _advise(tmp_path, body)
+    whats = [u["what"] for u in doc["unfitted"]]
+    assert "data" in whats and "steps" in whats
+    assert doc["fit"]["checkpoint"]["saves"] == 6
+    w = doc["workload"]["doc"]
+    assert not w["workflow"]["train"] and w["checkpoint"]["num_checkpoints_write"] == 6
+    parse_workload(w)
+
+
+def test_offload_bandwidth_and_endurance(tmp_path: Path) -> None:
+    """64 MiB written per 10 ms step: 6.7 GB/s, 580 TB a day against one 3.84 TB drive."""
+    doc = _advise(tmp_path, loop(20, 2, period_ms=10, read_ms=1, offload_bytes=64 << 20),
+                  targets=Targets(ssds=1))
+    (off,) = [a for a in doc["advice"] if a["topic"] == "optimizer offload"]
+    need = (64 << 20) / 0.010
+    assert off["bandwidth_margin"] == pytest.approx(3.8e9 / need, rel=1e-2)
+    assert off["dwpd"] == pytest.approx(need * 86_400 / 3.84e12, rel=1e-2)
+    assert off["value"] is False and "wears the drives out early" in off["arithmetic"]
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from pathlib import Path
+from tests._advise_traces import loop, record_trace
+cls = sys.argv[2]
+record_trace(Path(sys.argv[1]), loop(20, 4, 10, 1, samples=40, sample_cls=cls,
+             prefix='/data/' + cls), True)
+"""
+
+
+def test_mixed_runs_fit_one_and_name_the_others(tmp_path: Path) -> None:
+    """Two processes' traces that read differently (source vs cache) are two runs."""
+    root = str(Path(__file__).resolve().parents[1])
+    paths = []
+    for k, cls in enumerate(("data-source", "cache-read")):
+        p = tmp_path / f"r{k}.trace"
+        subprocess.run([sys.executable, "-c", _CHILD, str(p), cls, root], check=True,
+                       env=subprocess_env(), timeout=60)
+        paths.append(p)
+    doc = advise(paths)
+    runs = doc["fit"]["runs"]
+    assert runs["count"] == 2 and runs["fitted"] == 2
+    (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "one run"]
+    assert "2 runs" in why and "fitted run 2" in why
+    assert doc["fit"]["steps"]["batch_samples"] == 4  # the fitted run's own steps
