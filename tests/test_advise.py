@@ -14,8 +14,8 @@ import yaml
 from lcache.advise import Targets, advise
 from lcache.bench import parse_workload
 from lcache.store.record import HEADER_SIZE
-from tests._advise_traces import SAMPLE, loop, record_trace
 from tests.conftest import subprocess_env
+from tests.test_advise_traces import SAMPLE, loop, record_trace
 
 
 def _advise(tmp_path: Path, body, in_thread: bool = True, **kw):  # type: ignore[no-untyped-def]
@@ -136,7 +136,7 @@ _CHILD = """
 import sys
 sys.path.insert(0, sys.argv[3])
 from pathlib import Path
-from tests._advise_traces import loop, record_trace
+from tests.test_advise_traces import loop, record_trace
 cls = sys.argv[2]
 record_trace(Path(sys.argv[1]), loop(20, 4, 10, 1, samples=40, sample_cls=cls,
              prefix='/data/' + cls), True)

@@ -1,4 +1,5 @@
-"""Traces with a known shape for the advise tests, written by lcache's own recorder.
+"""Traces with a known shape for the advise tests, written by lcache's own recorder (a
+helper module of test_advise*.py; it holds no tests).
 
 Each event goes through ``lcache.trace.record`` with chosen start times and durations, so the
 answer (step period, batch, compute, checkpoint bandwidth) is known exactly, and the trace
