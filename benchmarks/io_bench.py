@@ -1,0 +1,192 @@
+"""Benchmark lcache's I/O engine against fio on the same file, block size and queue depth.
+
+For each block size (default 1, 4 and 8 MiB) and each of sequential read, random read,
+sequential write and random write, fio (libaio, O_DIRECT, ``--iodepth`` = the queue depth) runs
+for ``--runtime`` seconds, then the engine (``default_engine()``, the same queue depth, the same
+file opened O_DIRECT) does the same: ``queue_depth`` operations kept in flight by
+``submit_read``/``submit_write`` and reaped oldest first. Each row gives both MB/s (1 MB = 1e6
+bytes, as fio reports) and ``ratio`` = engine / fio; the project's target is >= 0.9.
+
+    python benchmarks/io_bench.py --json
+    python benchmarks/io_bench.py --dir /mnt/nvme/bench --file-size 4GiB --queue-depth 16 --json
+
+fio is installed with apt-get when missing (as root); where it cannot be, the script refuses
+(exit status 2) rather than print rows without their reference. On a shared machine the
+device's speed swings, so each engine pass runs right after the fio pass it is compared with;
+``--repeat`` alternates them more times and reports the median ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, NoReturn
+
+import _sysbench as sb
+
+from lcache.errors import LCacheError
+from lcache.io import Pending, aligned_buffer, default_engine, open_direct, private_dir
+from lcache.store import parse_size
+
+PATTERNS = ("read", "randread", "write", "randwrite")
+
+
+def refuse(message: str) -> NoReturn:
+    print(f"io_bench: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def ensure_fio() -> None:
+    """fio on the PATH, installed with apt-get if need be; otherwise exit 2 with one line."""
+    if sb.fio_available():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        done = subprocess.run(["apt-get", "install", "-y", "-q", "fio"], capture_output=True,
+                              text=True, check=False)
+        if done.returncode == 0 and sb.fio_available():
+            return
+    refuse("fio is needed as the reference and could not be installed; "
+           "run 'apt-get install -y fio' as root, then run this again")
+
+
+def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
+             runtime_s: float) -> float:
+    result = sb._run_fio(
+        [f"--filename={path}", f"--size={file_bytes}", "--ioengine=libaio", "--direct=1",
+         f"--name={pattern}", f"--rw={pattern}", f"--bs={block}", f"--iodepth={qd}",
+         "--time_based", f"--runtime={runtime_s}", "--norandommap", "--randrepeat=0",
+         "--invalidate=1"],
+        timeout_s=runtime_s + 120,
+    )  # fmt: skip
+    return sb._job_bw(result, "write" if "write" in pattern else "read")
+
+
+def engine_mbps(fd: int, pattern: str, block: int, qd: int, file_bytes: int,
+                runtime_s: float, seed: int) -> float:
+    """Keep ``qd`` operations in flight for ``runtime_s``; MB/s moved."""
+    engine = default_engine()
+    bufs = [memoryview(aligned_buffer(block))[:block] for _ in range(qd)]
+    blocks = file_bytes // block
+    rng = random.Random(seed)
+    write = "write" in pattern
+    submit = engine.submit_write if write else engine.submit_read
+    in_flight: deque[Pending] = deque()
+    moved = i = 0
+    t0 = time.perf_counter()
+    deadline = t0 + runtime_s
+    while True:
+        if len(in_flight) == qd:
+            moved += in_flight.popleft().wait()  # frees buffer i % qd for the next operation
+            if time.perf_counter() >= deadline:
+                break
+        index = rng.randrange(blocks) if pattern.startswith("rand") else i % blocks
+        in_flight.append(submit(fd, index * block, bufs[i % qd], "bench"))
+        i += 1
+    while in_flight:
+        moved += in_flight.popleft().wait()
+    return sb.mbps(moved, time.perf_counter() - t0)
+
+
+def lay_out(path: Path, file_bytes: int) -> None:
+    """Write the whole file once so reads and overwrites meet allocated blocks."""
+    fd, _ = open_direct(str(path), os.O_RDWR | os.O_CREAT)
+    try:
+        block = 8 << 20
+        buf = memoryview(aligned_buffer(block))[:block]
+        pending = [default_engine().submit_write(fd, off, buf[: min(block, file_bytes - off)])
+                   for off in range(0, file_bytes, block)]
+        for p in pending:
+            p.wait()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s: float,
+        repeat: int, seed: int) -> dict[str, Any]:
+    path = directory / "io-bench.dat"
+    lay_out(path, file_bytes)
+    fd, direct = open_direct(str(path), os.O_RDWR)
+    rows = []
+    try:
+        if not direct:
+            refuse(f"the filesystem of {directory} refuses O_DIRECT; pick a --dir on the SSD")
+        for block in blocks:
+            for pattern in PATTERNS:
+                fio, eng, ratios = [], [], []
+                for r in range(repeat):
+                    f = fio_mbps(path, pattern, block, qd, file_bytes, runtime_s)
+                    e = engine_mbps(fd, pattern, block, qd, file_bytes, runtime_s, seed + r)
+                    fio.append(f)
+                    eng.append(e)
+                    ratios.append(e / f if f > 0 else float("nan"))
+                rows.append({"pattern": pattern, "block_bytes": block,
+                             "block": sb.format_size(block), "queue_depth": qd,
+                             "file_bytes": file_bytes,
+                             "fio_MBps": round(statistics.median(fio), 1),
+                             "engine_MBps": round(statistics.median(eng), 1),
+                             "ratio": round(statistics.median(ratios), 3)})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return {"rows": rows, "config": {"dir": str(directory), "file_bytes": file_bytes,
+                                     "queue_depth": qd, "runtime_s": runtime_s,
+                                     "repeat": repeat, "fio_ioengine": "libaio",
+                                     "direct": True}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="directory on the device under test (default: a temporary one "
+                             "under the current directory)")
+    parser.add_argument("--file-size", default="1GiB")
+    parser.add_argument("--blocks", default="1MiB,4MiB,8MiB")
+    parser.add_argument("--queue-depth", type=int, default=16)
+    parser.add_argument("--runtime", type=float, default=5.0, help="seconds per pass")
+    parser.add_argument("--repeat", type=int, default=1, help="fio/engine pairs per row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    try:
+        file_bytes = parse_size(args.file_size)
+        blocks = [parse_size(b) for b in args.blocks.split(",")]
+        if args.queue_depth < 1 or args.repeat < 1 or args.runtime <= 0:
+            refuse("--queue-depth and --repeat must be >= 1 and --runtime > 0")
+        if any(b % 4096 or b > file_bytes for b in blocks):
+            refuse("each block must be a multiple of 4096 and fit in --file-size")
+        ensure_fio()
+        os.environ["LCACHE_IO_QUEUE_DEPTH"] = str(args.queue_depth)  # read by default_engine
+        if args.dir is None:
+            with tempfile.TemporaryDirectory(prefix="io-bench-", dir=".") as tmp:
+                result = run(Path(tmp), file_bytes, blocks, args.queue_depth, args.runtime,
+                             args.repeat, args.seed)
+        else:
+            directory = Path(private_dir(str(args.dir), "benchmark directory"))
+            result = run(directory, file_bytes, blocks, args.queue_depth, args.runtime,
+                         args.repeat, args.seed)
+    except (LCacheError, OSError, RuntimeError) as exc:
+        refuse(str(exc))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'pattern':<10} {'block':>6} {'QD':>3} {'fio MB/s':>10} {'engine MB/s':>12} "
+          f"{'ratio':>6}")
+    for row in result["rows"]:
+        print(f"{row['pattern']:<10} {row['block']:>6} {row['queue_depth']:>3} "
+              f"{row['fio_MBps']:>10.1f} {row['engine_MBps']:>12.1f} {row['ratio']:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
