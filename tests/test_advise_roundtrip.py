@@ -1,0 +1,51 @@
+"""Round trip: a known lcache bench workload, traced, advised; the emitted workload reproduces
+its bytes per step per class, request sizes and mix. (AU, a timing, is compared by
+benchmarks/advise_roundtrip.py, not here.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache.advise import advise
+from lcache.bench import BenchOptions, parse_workload, run_workload
+
+ORIGINAL: dict[str, Any] = {
+    "model": {"name": "known", "model_size_bytes": 1 << 20},
+    "framework": "pytorch",
+    "workflow": {"generate_data": True, "train": True, "checkpoint": True},
+    "dataset": {"format": "npy", "num_files_train": 24, "num_samples_per_file": 1,
+                "record_length_bytes": 65536},
+    "reader": {"data_loader": "pytorch", "batch_size": 2, "read_threads": 1,
+               "prefetch_size": 2},
+    "train": {"epochs": 1, "computation_time": 0.01},
+    "checkpoint": {"steps_between_checkpoints": 4, "fsync": True},
+}
+
+
+def _run(doc: dict[str, Any], where: Path) -> tuple[dict[str, Any], Path]:
+    summary = run_workload(parse_workload(doc), BenchOptions(
+        data_dir=str(where / "data"), output=str(where / "out"),
+        checkpoint_dir=str(where / "ckpt"), generate=True, trace=True, show_progress=False))
+    return summary, where / "out" / "trace-rank0.pfw"
+
+
+def test_round_trip_compute_bound(tmp_path: Path) -> None:
+    _, trace = _run(ORIGINAL, tmp_path / "a")
+    doc = advise(trace)
+    w = doc["workload"]["doc"]
+    assert doc["fit"]["steps"]["source"] == "rhythm", doc["unfitted"]
+    assert w["reader"]["batch_size"] == 2 and w["reader"]["read_threads"] == 1
+    assert w["dataset"]["num_files_train"] == 24 and w["train"]["epochs"] == 1
+    # The step period: never below the compute it holds (readers ran ahead of it).
+    assert w["train"]["computation_time"] >= 0.01
+    assert w["checkpoint"]["steps_between_checkpoints"] == 4
+    assert w["model"]["model_size_bytes"] == 1 << 20
+    _, trace2 = _run(w, tmp_path / "b")
+    again = advise(trace2)["fit"]["groups"]
+    for name, g in doc["fit"]["groups"].items():
+        for key in ("read_bytes_per_step", "write_bytes_per_step", "size_p50"):
+            assert again[name][key] == pytest.approx(g[key], rel=0.10), (name, key)
+        assert again[name]["read_fraction"] == pytest.approx(g["read_fraction"], abs=0.1)
