@@ -1,0 +1,86 @@
+"""`lcache advise` on the command line: --json, --emit, -o advice.html (self-contained,
+escaped), --storage; bad paths and options are one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lcache.bench import load_workload
+from lcache.cli.main import cli
+from tests.conftest import assert_one_line_error, run_lcache
+from tests.test_advise_traces import loop, record_trace
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A name a page must escape.
+    path = tmp_path_factory.mktemp("t") / "run<b>&.trace"
+    record_trace(path, loop(30, 4, period_ms=10, read_ms=1, samples=40, ckpt_every=10,
+                            ckpt_bytes=1 << 20, ckpt_ms=10), True)
+    return path
+
+
+def test_json_emit_and_page(trace: Path, tmp_path: Path) -> None:
+    run = run_lcache("advise", str(trace), "--json", "--emit", "w.yaml", "-o", "advice.html",
+                     "--scale-gpus", "16", "--model", "llama3-8b", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert [a["topic"] for a in doc["advice"]] == [
+        "cache capacity", "reader threads and prefetch depth", "checkpoint interval",
+        "optimizer offload"]
+    assert all("arithmetic" in a for a in doc["advice"]), doc["advice"]
+    assert doc["scale"]["nodes"] == 2 and doc["scale"]["from_trace"]["per_node_MBps"]
+    w = load_workload(str(tmp_path / "w.yaml"))  # the bench reads what advise wrote
+    assert w.batch_size == 4 and w.steps_between_checkpoints == 10
+    page = (tmp_path / "advice.html").read_text()
+    assert "<h2>Advice</h2>" in page and "default-src 'none'" in page
+    assert page.index("<h2>Advice</h2>") < page.index("<h2>Per class</h2>")
+    assert "run&lt;b&gt;&amp;.trace" in page and "run<b>" not in page
+    assert "http://" not in page.replace("http://www.w3.org", "")
+
+
+def test_storage_check(trace: Path, tmp_path: Path) -> None:
+    run = run_lcache("advise", str(trace), "--json", "--storage", str(tmp_path / "nvme"),
+                     cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    check = json.loads(run.stdout)["check"]
+    assert set(check["classes"]) == {"data", "checkpoint"}
+    for c in check["classes"].values():
+        assert c["margin"] > 0 and c["arithmetic"]
+        assert c["keeps_up"] == (c["margin"] >= 1)
+    assert os.path.isfile(check["summary"])
+
+
+@pytest.mark.parametrize("args, words", [
+    ((), ["give a trace file"]),
+    (("nope.trace",), ["nope.trace", "no such trace file"]),
+    ((".",), ["a directory"]),
+    (("/dev/zero",), ["not a regular file"]),
+    (("T", "--hit-ratio", "1.5"), ["--hit-ratio", "out of range"]),
+    (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
+    (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
+    (("T", "--ssd-capacity", "lots"), ["lots", "size"]),
+    (("T", "--model", "llama9"), ["llama9"]),
+    (("T", "--bogus"), ["--bogus"]),
+    (("T", "-o", "/nonexistent/advice.html"), ["/nonexistent/advice.html"]),
+    (("T", "--storage", "/proc/self"), ["/proc/self"]),
+])
+def test_bad_input_is_one_line(trace: Path, tmp_path: Path, args: tuple[str, ...],
+                               words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # In this process, through the real command group (a child per case is slow to start).
+    monkeypatch.chdir(tmp_path)
+    args = tuple(str(trace) if a == "T" else a for a in args)
+    result = CliRunner().invoke(cli, ["advise", *args])
+    done = subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+    assert_one_line_error(done, *words)
+
+
+def test_foreign_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello\n")
+    assert_one_line_error(run_lcache("advise", "notes.txt", cwd=tmp_path), "notes.txt")
