@@ -158,3 +158,16 @@ def test_mixed_runs_fit_one_and_name_the_others(tmp_path: Path) -> None:
     (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "one run"]
     assert "2 runs" in why and "fitted run 2" in why
     assert doc["fit"]["steps"]["batch_samples"] == 4  # the fitted run's own steps
+
+
+def test_irregular_pauses_are_not_steps(tmp_path: Path) -> None:
+    """Bursts of 1 and 8 reads in turn are not one batch per step: said, not fitted."""
+
+    def body(t0: int) -> None:
+        for k in range(30):
+            loop(1, 1 if k % 2 else 8, period_ms=10, read_ms=1, prefix=f"/d/{k}-")(
+                t0 + k * 10_000_000)
+
+    doc = _advise(tmp_path, body)
+    (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "steps"]
+    assert "irregularly" in why and "1-8 reads" in why, why
