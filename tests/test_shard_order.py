@@ -74,7 +74,7 @@ def _sample(i: int) -> bytes:
 def _source(url: str) -> RangeSource:
     n = SHARDS * PER_SHARD
     return RangeSource(url, [f"shard-{i // PER_SHARD:02d}.bin" for i in range(n)],
-                       [(i % PER_SHARD) * SIZE for i in range(n)], [SIZE] * n)
+                       [(i % PER_SHARD) * SIZE for i in range(n)], [SIZE] * n, coalesce_gap=0)
 
 
 def _epoch_requests(remote: Path, cache: Path, window: int) -> int:
@@ -92,8 +92,8 @@ def _epoch_requests(remote: Path, cache: Path, window: int) -> int:
 def test_nearby_misses_come_in_few_ranged_requests(remote: Path, tmp_path: Path) -> None:
     scattered = _epoch_requests(remote, tmp_path / "a", 0)
     local = _epoch_requests(remote, tmp_path / "b", 2)
-    # 288 samples: a global shuffle rarely puts two of one shard in a prefetch group of 8;
-    # in runs of 2 shards a group of 64 samples spans at most 3 shards.
+    # 288 samples: a global shuffle rarely puts two neighbours of one shard in a prefetch
+    # group; in runs of 2 shards the prefetcher asks for each shard's misses at once.
     assert scattered > 150
     assert local <= 3 * SHARDS
 

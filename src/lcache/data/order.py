@@ -28,6 +28,11 @@ class ShardWindow:
     shards: Indices
     window: int
 
+    def run_samples(self) -> int:
+        """The most samples a run of ``window`` shards may hold."""
+        counts = np.sort(np.unique(self.shards, return_counts=True)[1])
+        return int(counts[-self.window:].sum())
+
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True,
                 local: ShardWindow | None = None) -> Indices:

@@ -5,9 +5,11 @@ One prefetcher per rank walks that rank's order from the reader's position: at m
 flight and at most ``budget_bytes`` of them in memory. It skips the positions the plan says
 are hits (their samples are cached), and hands consecutive misses to the cache in groups of
 up to ``group`` samples (``SampleCache.prefetch_many``: one claim pass, one ``fetch_many``, so a
-source can coalesce them). Fetched samples go into the store; claims
-(``lcache.data.shared``) keep it from fetching what a reader or another rank is already
-fetching. So the first epoch runs at the remote's bandwidth, not its latency.
+source can coalesce them). In a shard-local order (``shards`` given) a group is instead the
+misses of one shard within ``reach`` positions, fetched when the first of them comes within
+the window: nearly whole shards, in one or a few ranged requests. Fetched samples go into
+the store; claims (``lcache.data.shared``) keep it from fetching what a reader or another rank
+is already fetching. So the first epoch runs at the remote's bandwidth, not its latency.
 """
 
 from __future__ import annotations
@@ -26,11 +28,38 @@ GROUP = 8  # samples per prefetch request
 IDLE_WAIT = 0.05  # seconds: the longest a missed wake-up can delay the prefetcher
 
 
+def consecutive_groups(positions: list[int], group: int) -> list[list[int]]:
+    """The misses in runs of ``group``, in order."""
+    return [positions[i:i + group] for i in range(0, len(positions), group)]
+
+
+def shard_groups(positions: list[int], samples: list[int], shards: npt.NDArray[np.int64],
+                 sizes: npt.NDArray[np.int64], reach: int, max_bytes: int) -> list[list[int]]:
+    """The misses of one shard within ``reach`` positions of the group's first (and up to
+    ``max_bytes``), ordered by their first miss: in a shard-local order those are most of a
+    shard's samples, which ``fetch_many`` reads in one or a few ranged requests."""
+    groups: list[list[int]] = []
+    nbytes: list[int] = []
+    open_group: dict[int, int] = {}  # shard -> its group being filled
+    for p in positions:
+        sample = samples[p]
+        shard, size = int(shards[sample]), int(sizes[sample])
+        g = open_group.get(shard)
+        if g is None or p - groups[g][0] >= reach or nbytes[g] + size > max_bytes:
+            g = open_group[shard] = len(groups)
+            groups.append([])
+            nbytes.append(0)
+        groups[g].append(p)
+        nbytes[g] += size
+    return groups
+
+
 class Prefetcher:
     def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64],
                  keep: npt.NDArray[np.bool_], start: int, *,
                  hits: npt.NDArray[np.bool_] | None = None, threads: int = 16,
-                 window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP) -> None:
+                 window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP,
+                 shards: npt.NDArray[np.int64] | None = None, reach: int = 0) -> None:
         self.cache = cache
         self.threads = max(1, threads)
         self.window = max(1, window)
@@ -38,14 +67,17 @@ class Prefetcher:
         self.group = max(1, group)
         misses = np.ones(len(order), bool) if hits is None else ~hits
         misses[:start] = False
-        self._positions: list[int] = np.flatnonzero(misses).tolist()
+        positions: list[int] = np.flatnonzero(misses).tolist()
         self._samples: list[int] = order.tolist()
         self._keep: list[bool] = keep.tolist()
         self._sizes = cache.source.sizes()
+        self._groups = consecutive_groups(positions, self.group) if shards is None else \
+            shard_groups(positions, self._samples, shards, self._sizes, reach,
+                         max(1, budget_bytes // 4))
         self._cv = threading.Condition()
         self._reader = start
         self._wake_at = -1  # the reader position the waiting prefetcher needs (-1: none)
-        self._next = 0  # into _positions
+        self._next = 0  # into _groups
         self._inflight = 0
         self._inflight_bytes = 0
         self._stopped = False
@@ -68,30 +100,24 @@ class Prefetcher:
             (self._inflight_bytes < self.budget_bytes or self._inflight == 0)
 
     def _run(self) -> None:
-        positions = self._positions
+        groups = self._groups
         while True:
             with self._cv:
-                while not self._stopped and self._next < len(positions):
+                while not self._stopped and self._next < len(groups):
                     reader = self._reader
-                    while self._next < len(positions) and positions[self._next] <= reader:
+                    while self._next < len(groups) and groups[self._next][-1] <= reader:
                         self._next += 1  # the reader has these: skip ahead
-                    if self._next < len(positions):
-                        ahead = positions[self._next] - self.window
+                    if self._next < len(groups):
+                        ahead = groups[self._next][0] - self.window
                         if ahead < reader and self._room():
                             break
                         self._wake_at = ahead + 1 if ahead >= reader else -1
                     self._cv.wait(IDLE_WAIT)
-                if self._stopped or self._next >= len(positions):
+                if self._stopped or self._next >= len(groups):
                     return
-                group: list[int] = []
-                size = 0
-                limit = self._reader + self.window
-                while (self._next < len(positions) and len(group) < self.group
-                       and positions[self._next] < limit
-                       and (not group or self._inflight_bytes + size < self.budget_bytes)):
-                    group.append(positions[self._next])
-                    size += int(self._sizes[self._samples[positions[self._next]]])
-                    self._next += 1
+                group = [p for p in groups[self._next] if p > self._reader]
+                size = sum(int(self._sizes[self._samples[p]]) for p in group)
+                self._next += 1
                 self._inflight += 1
                 self._inflight_bytes += size
             try:

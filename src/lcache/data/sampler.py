@@ -18,12 +18,8 @@ import numpy.typing as npt
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
 from lcache.data.plan import PlanResult, belady
-from lcache.data.prefetch import GROUP, Prefetcher
+from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
-
-# Misses handed to one coalescing fetch in a shard-local order: enough that those of one shard
-# merge into ranged requests, few enough that several such fetches stay in flight.
-SHARD_GROUP = 64
 
 
 def _distributed() -> tuple[int, int]:
@@ -85,8 +81,12 @@ class SeedAwareSampler:
         self.prefetch = prefetch
         self.prefetch_threads = prefetch_threads
         mean = max(1, self.cache.dataset_bytes // self.n)
-        staging = self.cache.staging_window(len(self.node_ranks))
-        self.prefetch_window = max(1, min(prefetch_window, staging // mean))
+        ahead = self.cache.staging_window(len(self.node_ranks)) // mean
+        # A shard-local order prefetches a shard's misses of a whole run at once: they are
+        # staged up to a run ahead, on top of the window.
+        self.prefetch_reach = 0 if self.local is None else \
+            min(self.local.run_samples(), ahead // 2)
+        self.prefetch_window = max(1, min(prefetch_window, ahead - self.prefetch_reach))
         self.prefetch_bytes = prefetch_bytes
         early = 0
         writers = len(self.node_ranks) * (1 + max(0, loader_workers))
@@ -150,8 +150,8 @@ class SeedAwareSampler:
         self._yielded = start
         prefetcher = Prefetcher(self.cache, order, keep, start, hits=hits,
                                 threads=self.prefetch_threads, window=self.prefetch_window,
-                                budget_bytes=self.prefetch_bytes,
-                                group=GROUP if self.local is None else SHARD_GROUP) \
+                                budget_bytes=self.prefetch_bytes, reach=self.prefetch_reach,
+                                shards=None if self.local is None else self.local.shards) \
             if self.prefetch else None
         samples, keeps = order.tolist(), keep.tolist()
         try:
