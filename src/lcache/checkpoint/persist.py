@@ -1,26 +1,37 @@
 """Phase two of a save, and the reads of a load: large aligned I/O through ``lcache.io``.
 
 Data files are written from the snapshot's host buffer in ``CHUNK``-sized writes with
-``queue_depth`` of them in flight (``pwritev`` releases the GIL), with O_DIRECT where the
-filesystem allows it, so a checkpoint neither waits on the page cache nor evicts the training
-job's useful pages. Every operation carries ``io_class="checkpoint"`` for the tracer.
+``queue_depth`` of them in flight on the process's I/O engine (``lcache.io.default_engine``),
+with O_DIRECT where the filesystem allows it, so a checkpoint neither waits on the page cache
+nor evicts the training job's useful pages. Every operation carries ``io_class="checkpoint"``
+for the tracer.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import mmap
 import os
 import stat
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from lcache.checkpoint.format import ALIGN, ArrayRef, checksum
-from lcache.errors import ConfigError, CorruptionError
-from lcache.io import IOEngine, ReadRequest, open_file, pread_full, pwrite_full, sync_fd
+from lcache.checkpoint.format import ALIGN, ArrayRef
+from lcache.errors import CorruptionError
+from lcache.io import (
+    Pending,
+    ReadRequest,
+    default_engine,
+    open_direct,
+    open_file,
+    pread_full,
+    settle,
+    sync_fd,
+)
 
 IO_CLASS = "checkpoint"
 CHUNK = 8 << 20  # large enough to stream at device speed, small enough to keep several busy
@@ -29,10 +40,7 @@ CHUNK = 8 << 20  # large enough to stream at device speed, small enough to keep 
 def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
     """Open with O_DIRECT when asked and the filesystem allows it; returns (fd, direct)."""
     if direct and os.statvfs(os.path.dirname(path) or ".").f_bsize <= ALIGN:
-        try:
-            return open_file(path, flags, direct=True), True
-        except ConfigError:  # tmpfs and some network filesystems refuse O_DIRECT
-            pass
+        return open_direct(path, flags)
     return open_file(path, flags), False
 
 
@@ -72,23 +80,50 @@ def open_data_file(path: str, nbytes: int, direct: bool) -> tuple[int, bool]:
     return fd, used_direct
 
 
-def _write_all(fd: int, data: memoryview, queue_depth: int) -> None:
+class _Checksums:
+    """The arrays' xxh3, computed chunk by chunk in the writing thread while the chunks
+    submitted before it are written (xxh3 is several times faster than the device)."""
+
+    def __init__(self, data: memoryview, arrays: list[ArrayRef]) -> None:
+        self.data = data
+        self.todo = sorted(arrays, key=lambda r: r.offset)
+        self.done = 0  # arrays finished
+        self.pos = 0  # bytes hashed
+        self.hash = xxhash.xxh3_64()
+
+    def upto(self, end: int) -> None:
+        """Hash every byte of the arrays below ``end``; finish the arrays that end there."""
+        while self.done < len(self.todo):
+            ref = self.todo[self.done]
+            stop = ref.offset + ref.nbytes
+            lo, hi = max(ref.offset, self.pos), min(stop, end)
+            if hi > lo:
+                self.hash.update(self.data[lo:hi])
+                self.pos = hi
+            if hi < stop:
+                return
+            ref.xxh3 = self.hash.hexdigest()
+            self.hash.reset()
+            self.done += 1
+
+
+def _write_all(fd: int, data: memoryview, queue_depth: int, sums: _Checksums) -> None:
     # Size the file first: ext4 serializes O_DIRECT writes that extend a file, and writes
     # inside its size run side by side (about +20% for 1 GiB here).
     os.ftruncate(fd, len(data))
-    chunks = [(off, data[off : off + CHUNK]) for off in range(0, len(data), CHUNK)]
-    if queue_depth <= 1 or len(chunks) <= 1:
-        for off, part in chunks:
-            pwrite_full(fd, off, [part], IO_CLASS)
-        return
-    with ThreadPoolExecutor(queue_depth, thread_name_prefix="lcache-ckpt-io") as pool:
-        futures = [pool.submit(pwrite_full, fd, off, [part], IO_CLASS) for off, part in chunks]
-        try:
-            for f in futures:
-                f.result()
-        finally:
-            for f in futures:
-                f.cancel()
+    engine = default_engine()
+    window: collections.deque[Pending] = collections.deque()
+    try:
+        for off in range(0, len(data), CHUNK):
+            if len(window) >= queue_depth:
+                window.popleft().wait()
+            window.append(engine.submit_write(fd, off, data[off : off + CHUNK], IO_CLASS))
+            sums.upto(off + CHUNK)
+        sums.upto(len(data))
+        while window:
+            window.popleft().wait()
+    finally:
+        settle(window)  # after an error: no write outlives fd, which the caller closes
 
 
 def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
@@ -101,29 +136,21 @@ def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     fd, used_direct = _open(path, flags, direct)
+    sums = _Checksums(data, arrays)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="lcache-ckpt-sum") as hasher:
-            # checksums of the host copy run beside the writes (xxh3 releases the GIL)
-            sums = hasher.submit(_checksums, data, arrays)
-            try:
-                _write_all(fd, data, queue_depth)
-            except OSError as exc:
-                if not used_direct or exc.errno != errno.EINVAL:
-                    raise
-                # the filesystem took O_DIRECT at open but refuses the I/O: go buffered
-                os.close(fd)
-                fd, used_direct = _open(path, flags, False)
-                _write_all(fd, data, queue_depth)
-            sums.result()
+        try:
+            _write_all(fd, data, queue_depth, sums)
+        except OSError as exc:
+            if not used_direct or exc.errno != errno.EINVAL:
+                raise
+            # the filesystem took O_DIRECT at open but refuses the I/O: go buffered
+            os.close(fd)
+            fd, used_direct = _open(path, flags, False)
+            _write_all(fd, data, queue_depth, sums)
         sync_fd(fd, data_only=False, io_class=IO_CLASS)
     finally:
         os.close(fd)
     return used_direct
-
-
-def _checksums(data: memoryview, arrays: list[ArrayRef]) -> None:
-    for ref in arrays:
-        ref.xxh3 = checksum(data[ref.offset : ref.offset + ref.nbytes])
 
 
 def read_small_file(path: str, limit: int) -> bytearray:
@@ -162,10 +189,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
         CorruptionError: the file is missing, not a regular file, or shorter than ``nbytes``.
     """
     padded = -(-nbytes // ALIGN) * ALIGN
-    # An engine per load, closed after it: a shared one would have to be swapped under a lock
-    # when the queue depth changes, without stopping another load's threads; a few threads
-    # started per load cost far less than the load.
-    engine = IOEngine(queue_depth)
+    engine = default_engine()
     fd, used_direct = open_data_file(path, nbytes, direct)
     try:
         buf = mmap.mmap(-1, max(padded, ALIGN))
@@ -177,7 +201,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
                     for off in range(0, padded, CHUNK)]
         done = None if on_chunk is None else (lambda k, _n: on_chunk(array, k))
         try:
-            got = engine.read_batch(requests, IO_CLASS, done)
+            got = engine.read_batch(requests, IO_CLASS, done, queue_depth)
         except OSError as exc:
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
@@ -185,10 +209,9 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
             fd, used_direct = open_data_file(path, nbytes, False)
             for req in requests:
                 req.fd = fd
-            got = engine.read_batch(requests, IO_CLASS, done)
+            got = engine.read_batch(requests, IO_CLASS, done, queue_depth)
     finally:
         os.close(fd)
-        engine.close()
     total = 0
     for req, n in zip(requests, got, strict=False):
         total += n

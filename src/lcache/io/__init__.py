@@ -12,6 +12,7 @@ from lcache.io.engine import (
     open_direct,
     pread_full,
     pwrite_full,
+    settle,
     sync_fd,
 )
 from lcache.io.files import drop_page_cache, fsync_dir, logical_block_size, open_file
@@ -45,5 +46,6 @@ __all__ = [
     "private_dir",
     "pwrite_full",
     "set_tracer",
+    "settle",
     "sync_fd",
 ]

@@ -23,6 +23,7 @@ process's engine, shared by every layer.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import enum
 import errno
 import fcntl
@@ -33,7 +34,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,6 +282,14 @@ class Pending:
         self._lock.release()
 
 
+def settle(handles: Iterable[Pending]) -> None:
+    """Wait for every handle, ignoring their errors: the cleanup after a first error, so that
+    no operation outlives the buffer or the descriptor it uses."""
+    for p in handles:
+        with contextlib.suppress(Exception):
+            p.wait()
+
+
 class _Op:
     """One submitted read or write; a worker runs it and finishes its ``Pending``."""
 
@@ -429,16 +438,18 @@ class IOEngine:
         return self._submit(fd, offset, data, True, io_class)
 
     def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
-                   on_done: Callable[[int, int], None] | None = None) -> list[int]:
+                   on_done: Callable[[int, int], None] | None = None,
+                   depth: int | None = None) -> list[int]:
         """Perform every request; returns the bytes read for each (short only at end of file).
 
         ``on_done(i, nbytes)`` runs in the I/O thread as soon as request ``i`` is read, so
-        processing overlaps the reads still in flight. Raises the first exception a request
-        or ``on_done`` met, after every worker has stopped.
+        processing overlaps the reads still in flight. At most ``depth`` (default and at most
+        ``queue_depth``) requests are in flight, counting the caller's. Raises the first
+        exception a request or ``on_done`` met, after every worker has stopped.
         """
         if not requests:
             return []
-        helpers = min(self.queue_depth, len(requests)) - 1
+        helpers = min(self.queue_depth, len(requests), depth or self.queue_depth) - 1
         if helpers > 0:
             self._ensure_pool()
         batch = _Batch(requests, io_class, helpers + 1, on_done)

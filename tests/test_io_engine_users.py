@@ -1,0 +1,51 @@
+"""Every layer does its file I/O on the process's one engine (``default_engine()``): no pool
+of its own, so the whole process keeps a single bounded set of I/O threads, re-created after
+fork. Checked through the tracer: the thread that ran each operation."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lcache import checkpoint as ck
+from lcache.checkpoint import persist
+from lcache.io import IOEvent, set_tracer
+
+
+@pytest.fixture
+def io_threads() -> Iterator[list[tuple[IOEvent, str]]]:
+    seen: list[tuple[IOEvent, str]] = []
+    previous = set_tracer(lambda e: seen.append((e, threading.current_thread().name)))
+    try:
+        yield seen
+    finally:
+        set_tracer(previous)
+
+
+def _engine_or_caller(names: set[str]) -> set[str]:
+    """The names in ``names`` that are neither an engine worker nor this test's thread."""
+    me = threading.current_thread().name
+    return {n for n in names if not n.startswith("lcache-io-") and n != me}
+
+
+def _state() -> dict[str, np.ndarray]:
+    return {"w": np.arange(3 * persist.CHUNK // 4 + 5, dtype=np.float32), "b": np.ones(7)}
+
+
+def test_checkpoint_save_and_load_run_on_the_engine(tmp_path: Path,
+                                                    io_threads: list[tuple[IOEvent, str]]) -> None:
+    state = _state()
+    path = ck.save(state, tmp_path / "c" / "s", queue_depth=4)
+    # data-file writes are whole pages; the small manifest is written by the saving thread
+    writes = {name for e, name in io_threads
+              if e.op == "write" and e.io_class == "checkpoint" and e.size >= 4096}
+    assert writes and _engine_or_caller(writes) == set(), writes
+    io_threads.clear()
+    back = ck.load(path)
+    reads = {name for e, name in io_threads if e.op == "read" and e.io_class == "checkpoint"}
+    assert reads and _engine_or_caller(reads) == set(), reads
+    assert np.array_equal(back["w"], state["w"]) and np.array_equal(back["b"], state["b"])
