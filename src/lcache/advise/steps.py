@@ -115,11 +115,33 @@ def from_rhythm(start_us: npt.NDArray[np.float64], end_us: npt.NDArray[np.float6
 
 
 def split_idle(idle: npt.NDArray[np.float64]) -> float | None:
-    """The idle time that separates steps (Otsu's threshold on log idle times), or None when
-    idle times are not in two well-apart groups. Too few steps is the caller's to say."""
-    if not (idle > 0).any():
+    """The idle time that separates steps, or None when the idle times are not in two
+    well-apart groups. Candidates: Otsu's threshold on the log of the positive idle times,
+    every break of ``SEPARATION`` times between consecutive ones, and the break between
+    back-to-back reads (0 apart) and the rest. Of those that leave the pauses
+    ``SEPARATION`` times longer than the gaps inside bursts (and ``MIN_GAP_US``), the one with
+    the most pauses wins: steps are many, checkpoint and epoch pauses few. Too few steps is
+    the caller's to say."""
+    positive = np.unique(idle[idle > 0])
+    if not len(positive):
         return None
-    logs = np.log10(np.maximum(idle, 0.01))  # 10 ns floor: a back-to-back read
+    breaks = np.flatnonzero(positive[1:] >= SEPARATION * positive[:-1])
+    candidates = [float(positive[0]) / 2,
+                  *(float(np.sqrt(positive[i] * positive[i + 1])) for i in breaks)]
+    if len(positive) > 1:
+        candidates.append(_otsu(np.log10(idle[idle > 0])))
+    best: tuple[int, float] | None = None
+    for threshold in candidates:
+        inside, outside = idle[idle <= threshold], idle[idle > threshold]
+        if (len(inside) and np.median(outside) >= max(
+                MIN_GAP_US, SEPARATION * float(np.percentile(inside, 90)))
+                and (best is None or len(outside) > best[0])):
+            best = (len(outside), threshold)
+    return None if best is None else best[1]
+
+
+def _otsu(logs: npt.NDArray[np.float64]) -> float:
+    """Otsu's threshold (the split of most between-group variance), back in linear units."""
     values = np.sort(logs)
     n = len(values)
     k = np.arange(1, n)
@@ -127,12 +149,4 @@ def split_idle(idle: npt.NDArray[np.float64]) -> float | None:
     between = k * (n - k) * (csum[:-1] / k - (csum[-1] - csum[:-1]) / (n - k)) ** 2
     between[values[1:] == values[:-1]] = -1.0  # split only between distinct values
     best = int(np.argmax(between))
-    if between[best] < 0:
-        return None
-    best_t = (values[best] + values[best + 1]) / 2
-    inside, outside = idle[logs <= best_t], idle[logs > best_t]
-    if not len(inside) or not len(outside):
-        return None
-    if np.median(outside) < max(MIN_GAP_US, SEPARATION * float(np.percentile(inside, 90))):
-        return None
-    return float(10 ** best_t)
+    return float(10 ** ((values[best] + values[best + 1]) / 2))
