@@ -70,6 +70,18 @@ def test_known_answer(tmp_path: Path) -> None:
     assert s["top_files"][0]["file"] == str(tmp_path / "data.bin")
     # The sampler saw the Python process write the 100 MiB (wchar counts write() bytes).
     assert any(p["wchar"] >= 100 * mib for p in s["processes"].values())
+    # The recorder wrote binary blocks; --jsonl turns them into Chrome trace events, one per
+    # line, and that form (what traces were before) gives the same figures.
+    assert b"\0LCB" in t.read_bytes()
+    lines = tmp_path / "known.jsonl"
+    out = subprocess.run([*LCACHE, "report", str(t), "-o", str(tmp_path / "r.html"),
+                          "--jsonl", str(lines)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in lines.read_text().splitlines()]
+    io = [e for e in events if e["ph"] == "X"]
+    assert len(io) == 1100 and [e["args"]["off"] for e in io[100:]] == offsets
+    again = summarize(lines)
+    assert again["classes"] == s["classes"] and again["total"] == s["total"]
 
 
 def test_sampling_a_non_python_process_tree(tmp_path: Path) -> None:

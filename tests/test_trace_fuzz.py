@@ -1,6 +1,7 @@
 """Fuzzing the trace loader (report/load.py) and the statistics behind the report: random
 bytes, random JSON lines, huge and special numbers, deep nesting, every truncation and bit flip
-of a real trace in its three forms (JSON lines, gzip members, Perfetto's JSON array). Only
+of a real trace in its four forms (as recorded: JSON lines and binary blocks; gzip members;
+converted to JSON lines; Perfetto's JSON array). Only
 LCacheError subclasses escape, in bounded time and memory."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import lcache.trace
 from lcache.errors import CorruptionError
 from lcache.io import open_file, pread_full, pwrite_full
 from lcache.report import write_perfetto
-from lcache.report.load import load
+from lcache.report.load import json_lines, load
 from lcache.report.stats import summarize_trace
 
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -50,8 +51,10 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     wrapped = tmp / "t.json"
     write_perfetto(lines, wrapped)
     text = lines.read_bytes()
-    half = text.index(b"\n", len(text) // 2) + 1
+    assert b"\0LCB" in text  # the recorder's binary blocks, between JSON lines
+    half = len(text) // 2
     return {"t.trace": text, "t.json": wrapped.read_bytes(),
+            "t.jsonl": "".join(json_lines(str(lines))).encode(),
             "t.trace.gz": gzip.compress(text[:half]) + gzip.compress(text[half:])}
 
 
@@ -116,7 +119,7 @@ def test_random_json_events(tmp_path: Path, events: list[dict[str, Any]],
 
 
 @SETTINGS
-@given(st.sampled_from(["t.trace", "t.json", "t.trace.gz"]), st.data())
+@given(st.sampled_from(["t.trace", "t.json", "t.jsonl", "t.trace.gz"]), st.data())
 def test_truncations_and_bit_flips_of_a_real_trace(tmp_path: Path, real: dict[str, bytes],
                                                    name: str, data: st.DataObject) -> None:
     original = real[name]
@@ -142,7 +145,7 @@ def test_deep_nesting(tmp_path: Path, depth: int, opener: str) -> None:
 def test_huge_numbers_in_every_field(tmp_path: Path, real: dict[str, bytes],
                                      digits: int) -> None:
     big = "9" * digits
-    events = [json.loads(line) for line in real["t.trace"].decode().splitlines()]
+    events = [json.loads(line) for line in real["t.jsonl"].decode().splitlines()]
     for i, ev in enumerate(events):
         for key in ("pid", "tid", "ts", "dur"):
             if key in ev:
@@ -152,3 +155,48 @@ def test_huge_numbers_in_every_field(tmp_path: Path, real: dict[str, bytes],
             text = json.dumps({**ev, "args": {**ev["args"], key: 0}}).replace(
                 f'"{key}": 0', f'"{key}": {big}')
             check(tmp_path / f"h{i}a{key}.trace", (text + "\n").encode())
+
+
+def _block(payload: bytes, *, magic: bytes = b"\0LCB", version: int = 1,
+           length: int | None = None) -> bytes:
+    import struct
+
+    n = len(payload) if length is None else length
+    return struct.pack("<4sHHIII", magic, version, 1, 7, 7, n) + payload
+
+
+NAMES = (b'{"name":"io_name","ph":"M","pid":7,"args":{"kind":"op","id":1,"name":"read"}}\n'
+         b'{"name":"io_name","ph":"M","pid":7,"args":{"kind":"cat","id":1,"name":"other"}}\n')
+
+
+def _record(code: int = 1 | 1 << 16, t0: int = 1000, t1: int = 2000) -> bytes:
+    import struct
+
+    return struct.pack("<7q", code, 1, 0, 4096, 4096, t0, t1)
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (NAMES + _block(_record()), None),
+    (NAMES + _block(_record())[:-9], "cut short"),
+    (NAMES + _block(_record())[:10], "cut short"),
+    (NAMES + _block(_record(), magic=b"\0XYZ"), "neither a JSON line nor"),
+    (NAMES + _block(_record(), version=9), "upgrade lcache"),
+    (NAMES + _block(b"", length=1 << 30), "which no writer makes"),
+    (NAMES + _block(_record()[:50]), "which no writer makes"),
+    (NAMES + _block(_record(t0=5, t1=4)), "out of range"),
+    (NAMES + _block(_record(t0=-1)), "out of range"),
+    (NAMES + _block(_record(code=2 | 1 << 16)), "op id 2"),
+    (_block(_record()) + NAMES, "op id 1"),  # names after their block
+])
+def test_damaged_binary_blocks_are_one_line_errors(tmp_path: Path, data: bytes,
+                                                   says: str | None) -> None:
+    path = tmp_path / "b.trace"
+    check(path, data)
+    if says is None:
+        trace = load(path)
+        assert (len(trace), trace.ops, trace.classes) == (1, ["read"], ["other"])
+        return
+    with pytest.raises(CorruptionError, match=says) as err:
+        load(path)
+    assert "byte " in str(err.value) and "\n" not in str(err.value)
+    check(tmp_path / "b.trace.gz", gzip.compress(data))

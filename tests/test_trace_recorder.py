@@ -12,12 +12,15 @@ import pytest
 
 import lcache.trace
 from lcache.io import get_tracer, open_file, pread_full, pwrite_full, sync_fd
+from lcache.io.files import close_file
+from lcache.report.load import json_lines
 
 HERE = Path(__file__).parent
 
 
 def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The trace as Chrome events (the recorder writes binary blocks; this decodes them)."""
+    return [json.loads(line) for line in json_lines(str(path))]
 
 
 def _io(events: list[dict]) -> list[dict]:
@@ -101,8 +104,8 @@ def test_compressed_trace_from_two_flushes(tmp_path: Path) -> None:
         lcache.trace.record("write", "f", 1, 1, "other", 2, 1, 1)
     finally:
         lcache.trace.disable()
-    lines = gzip.decompress(trace.read_bytes()).decode().splitlines()
-    assert [json.loads(x)["args"]["off"] for x in lines if '"ph":"X"' in x] == [0, 1]
+    assert gzip.decompress(trace.read_bytes())  # two members, read as one stream
+    assert [e["args"]["off"] for e in _io(_events(trace))] == [0, 1]
 
 
 def test_forked_child_appends_its_own_events(tmp_path: Path) -> None:
@@ -188,6 +191,116 @@ def test_reads_on_a_reused_fd_get_the_new_path(tmp_path: Path) -> None:
     events = _events(trace)
     names = _files(events)
     assert [names[(e["pid"], e["args"]["fid"])] for e in _io(events)] == [str(a), str(b)]
+
+
+def test_lcache_io_fds_are_named_without_a_system_call_per_event(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hot path names a file by the id open_file gave its fd: an fstat per event (to catch
+    # fd reuse) cost about 1 us, more than a page-cache read of 4 KiB.
+    path = tmp_path / "d.bin"
+    path.write_bytes(b"d" * 8192)
+    fd = open_file(str(path), os.O_RDONLY)
+    calls = []
+    real_fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda f: calls.append(f) or real_fstat(f))
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        buf = memoryview(bytearray(4096))
+        for i in range(1000):
+            pread_full(fd, (i % 2) * 4096, buf, "cache-read")
+    finally:
+        lcache.trace.disable()
+        close_file(fd)
+    assert calls.count(fd) == 0
+    events = _events(trace)
+    names = _files(events)
+    assert [names[(e["pid"], e["args"]["fid"])] for e in _io(events)] == [str(path)] * 1000
+
+
+_OS_OPEN_FDS = """
+import os, sys
+import lcache.trace
+from lcache.io import open_file, pread_full
+from lcache.io.files import close_file
+a, b, c, trace = sys.argv[1:]
+buf = memoryview(bytearray(10))
+lcache.trace.enable(trace)
+fd = os.open(a, os.O_RDONLY)
+pread_full(fd, 0, buf, "cache-read")
+os.close(fd)
+fd2 = os.open(b, os.O_RDONLY)  # most likely the same number
+pread_full(fd2, 0, buf, "cache-read")
+os.close(fd2)
+fd3 = open_file(c, os.O_RDONLY)
+pread_full(fd3, 0, buf, "cache-read")
+close_file(fd3)
+fd4 = os.open(a, os.O_RDONLY)  # most likely fd3's number
+pread_full(fd4, 0, buf, "cache-read")
+os.close(fd4)
+lcache.trace.disable()
+"""
+
+
+def test_fds_lcache_io_did_not_open_are_named_by_inode(tmp_path: Path) -> None:
+    # An fd from os.open (not lcache.io) falls back to a path checked against its inode, so a
+    # number reused for another file gets the new path; so does one closed with close_file.
+    # In a fresh process: an fd another test closed with a bare os.close would keep its id.
+    a, b, c = (tmp_path / n for n in "abc")
+    for p in (a, b, c):
+        p.write_bytes(p.name.encode() * 4096)
+    trace = tmp_path / "t.trace"
+    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    subprocess.run([sys.executable, "-c", _OS_OPEN_FDS, str(a), str(b), str(c), str(trace)],
+                   env=env, check=True, timeout=60)
+    events = _events(trace)
+    names = _files(events)
+    assert [names[(e["pid"], e["args"]["fid"])] for e in _io(events)] == [
+        str(a), str(b), str(c), str(a)]
+
+
+def test_threads_lose_no_event_while_flushes_run(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Per-thread buffers appended without a lock while the flush thread takes them out every
+    # 10 ms: every event arrives once, with its own thread's tid, offset and class.
+    import threading
+
+    monkeypatch.setenv("LCACHE_TRACE_FLUSH_S", "0.01")
+    path = tmp_path / "d.bin"
+    path.write_bytes(b"\0" * 4096)
+    fd = open_file(str(path), os.O_RDONLY)
+    trace = tmp_path / "t.trace.gz"
+    tids: dict[int, int] = {}
+    per_thread = 3000
+
+    def work(k: int) -> None:
+        tids[threading.get_native_id()] = k
+        buf = memoryview(bytearray(1))
+        for i in range(per_thread):
+            pread_full(fd, i % 4096, buf, f"other-{k}")
+            if i == per_thread // 2:
+                lcache.trace.record("read", f"s3://b/{k}", i, 1, "data-source", 1, 1, 1)
+
+    lcache.trace.enable(str(trace))
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        lcache.trace.disable()
+        close_file(fd)
+    events = _io(_events(trace))
+    assert len(events) == 4 * (per_thread + 1)
+    names = _files(_events(trace))
+    for tid, k in tids.items():
+        mine = [e for e in events if e["tid"] == tid and e["cat"] != "data-source"]
+        assert [e["args"]["off"] for e in mine] == [i % 4096 for i in range(per_thread)]
+        assert {e["cat"] for e in mine} == {f"other-{k}"}
+        assert {names[(e["pid"], e["args"]["fid"])] for e in mine} == {str(path)}
+        (remote,) = [e for e in events if e["tid"] == tid and e["cat"] == "data-source"]
+        assert names[(remote["pid"], remote["args"]["fid"])] == f"s3://b/{k}"
 
 
 def test_demo_ends_with_its_report(tmp_path: Path) -> None:

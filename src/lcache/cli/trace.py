@@ -154,12 +154,16 @@ def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool, as_jso
               help="Also write the summary (per class) to this JSON file ('-' prints it).")
 @click.option("--perfetto", default=None, type=click.Path(dir_okay=False),
               help="Also write the events as one JSON array that Perfetto/chrome://tracing open.")
+@click.option("--jsonl", default=None, type=click.Path(dir_okay=False),
+              help="Also write the events as Chrome trace events, one JSON object per line "
+                   "(the recorder's binary blocks decoded).")
 def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
-               perfetto: str | None) -> None:
+               perfetto: str | None, jsonl: str | None) -> None:
     """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table."""
     from lcache.report import print_summary, write_perfetto, write_report
 
-    for path, what in ((html_path, "report"), (json_path, "summary"), (perfetto, "trace")):
+    for path, what in ((html_path, "report"), (json_path, "summary"), (perfetto, "trace"),
+                       (jsonl, "trace")):
         if path not in (None, "-"):
             _check_output_dir(str(path), what)
     # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
@@ -167,6 +171,11 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
                            None if json_path in (None, "-") else json_path)
     if perfetto:
         write_perfetto(list(traces), perfetto)
+    if jsonl:
+        from lcache.io.publish import atomic_write
+        from lcache.report.load import json_lines
+
+        atomic_write(jsonl, "".join(line for t in traces for line in json_lines(t)).encode())
     if json_path == "-":
         click.echo(json.dumps(summary, indent=2))
     else:

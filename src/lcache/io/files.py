@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from lcache.errors import ConfigError
+from lcache.io import tracer as _tracer
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
@@ -13,7 +14,8 @@ def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) ->
     """``os.open`` with ``O_CLOEXEC`` and ``O_NOFOLLOW``, and ``O_DIRECT`` when ``direct`` is true.
 
     Every file lcache opens lies in a directory of its own, where a symbolic link can only
-    be a plant: it is refused (``OSError`` ELOOP), never followed.
+    be a plant: it is refused (``OSError`` ELOOP), never followed. The fd is given a file id
+    for the tracer (events name it without a system call); close it with :func:`close_file`.
 
     Raises:
         ConfigError: O_DIRECT was asked for on a platform or filesystem without it.
@@ -23,14 +25,25 @@ def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) ->
         if not O_DIRECT:
             raise ConfigError("O_DIRECT is not available on this platform; use direct_io=False")
         try:
-            return os.open(path, flags | O_DIRECT, mode)
+            fd = os.open(path, flags | O_DIRECT, mode)
         except OSError as exc:
             if exc.errno == 22:  # EINVAL: the filesystem (e.g. tmpfs) refuses O_DIRECT
                 raise ConfigError(
                     f"the filesystem of {path} does not support O_DIRECT; use direct_io=False"
                 ) from exc
             raise
-    return os.open(path, flags, mode)
+    else:
+        fd = os.open(path, flags, mode)
+    _tracer.note_open(fd, os.fsdecode(path))
+    return fd
+
+
+def close_file(fd: int) -> None:
+    """Close an fd from :func:`open_file`, and forget its file id: an fd closed with a bare
+    ``os.close`` keeps its id until ``open_file`` hands out the number again, so an fd that
+    something else opens meanwhile would be traced under the old name."""
+    _tracer.note_close(fd)
+    os.close(fd)
 
 
 def logical_block_size(path: str) -> int:

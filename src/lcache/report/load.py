@@ -8,8 +8,8 @@ no lcache events at all. Memory stays bounded by the events, whatever the file h
 
 from __future__ import annotations
 
+import contextlib
 import gzip
-import io
 import json
 import os
 import stat
@@ -21,8 +21,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from lcache.trace import blocks
 from lcache.trace.mounts import MEMORY_FS
 from lcache.trace.schema import DISKSTATS, PROC_IO, RAM_CLASS, TraceFormatError
+from lcache.trace.writer import io_event
 
 PROC_FIELDS = ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")
 DISK_FIELDS = ("reads", "read_sectors", "writes", "write_sectors", "io_ms")
@@ -95,34 +97,145 @@ def _open(path: str) -> BinaryIO:
         raise
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
+@dataclass
+class Block:
+    """One binary block of a trace (``lcache.trace.blocks``), header checked."""
+
+    at: int  # byte offset in the (uncompressed) trace
+    pid: int
+    tid: int
+    payload: bytes
+
+
+def records(path: str) -> Iterator[tuple[int, str | Block]]:
+    """The trace's JSON lines, as (line number, text), and binary blocks, as (byte offset,
+    :class:`Block`), in file order.
+
+    Raises:
+        TraceFormatError: the file is missing, not a regular file, truncated or damaged.
+    """
     lineno = 0
+    at = 0
     try:
         with _open(path) as raw:
             magic = raw.read(2)
             raw.seek(0)
-            stream: BinaryIO | gzip.GzipFile = raw
-            if magic == b"\x1f\x8b":
-                stream = gzip.GzipFile(fileobj=raw)
-            text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict")
-            while line := text.readline(MAX_LINE + 1):
+            stream: Any = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+            while first := stream.peek(1)[:1]:
+                if first == blocks.MAGIC[:1]:
+                    block = _read_block(path, stream, at)
+                    at += blocks.HEADER.size + len(block.payload)
+                    yield block.at, block
+                    continue
+                data = stream.readline(MAX_LINE + 1)
                 lineno += 1
-                if len(line) > MAX_LINE:
+                at += len(data)
+                if len(data) > MAX_LINE:
                     raise TraceFormatError(f"{path}: line {lineno}: longer than {MAX_LINE} "
                                            "characters, which no trace event is; the file is "
                                            "damaged or not a trace")
-                yield lineno, line
+                yield lineno, data.decode("utf-8")
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise TraceFormatError(f"{path}: line {lineno + 1}: compressed data is cut short or "
                                f"damaged ({exc}); the trace is truncated") from exc
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: line {lineno + 1}: not UTF-8 text; is this a trace "
+        raise TraceFormatError(f"{path}: line {lineno}: not UTF-8 text; is this a trace "
                                "file?") from exc
     except TraceFormatError:
         raise
     except OSError as exc:
         raise TraceFormatError(f"{path}: line {lineno + 1}: cannot read the trace: "
                                f"{exc.strerror or exc}") from exc
+
+
+def _read_block(path: str, stream: Any, at: int) -> Block:
+    where = f"{path}: byte {at}"
+    head = stream.read(blocks.HEADER.size)
+    if len(head) < blocks.HEADER.size:
+        raise TraceFormatError(f"{where}: a binary block cut short (the trace is truncated)")
+    magic, version, kind, pid, tid, length = blocks.HEADER.unpack(head)
+    if magic != blocks.MAGIC:
+        raise TraceFormatError(f"{where}: neither a JSON line nor an lcache binary block; "
+                               "is this a trace written by lcache?")
+    if version != blocks.VERSION or kind != blocks.KIND_EVENTS:
+        raise TraceFormatError(f"{where}: a binary block of version {version}, kind {kind}, "
+                               "which this lcache does not read; upgrade lcache")
+    if length > blocks.MAX_PAYLOAD or length % blocks.RECORD_BYTES:
+        raise TraceFormatError(f"{where}: a binary block of {length} bytes, which no writer "
+                               "makes; the trace is damaged")
+    parts: list[bytes] = []
+    left = length
+    while left:  # in pieces: a damaged length must not allocate before the bytes exist
+        part = stream.read(min(left, 1 << 20))
+        if not part:
+            raise TraceFormatError(f"{where}: a binary block cut short (the trace is "
+                                   "truncated)")
+        parts.append(part)
+        left -= len(part)
+    return Block(at, pid, tid, b"".join(parts))
+
+
+def json_lines(path: str) -> Iterator[str]:
+    """The trace as Chrome trace events, one JSON object per line (with its newline): the
+    recorder's binary blocks become one line per event, the other lines are kept as they are.
+
+    Raises:
+        TraceFormatError: the file is missing, truncated or damaged.
+    """
+    for _, line in _lines(path):
+        yield line
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """The trace as JSON lines, binary blocks turned into one line per event."""
+    names: dict[tuple[int, str, int], str] = {}
+    for n, rec in records(path):
+        if isinstance(rec, Block):
+            for line in _block_lines(path, rec, names):
+                yield n, line + "\n"
+            continue
+        if rec.startswith('{"name":"io_name"'):  # ours, so in this key order
+            ev = _parse(path, n, rec, last=False)
+            if ev is not None:
+                args = ev.get("args") or {}
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    names[(_int(ev["pid"]), str(args["kind"]), _int(args["id"]))] = \
+                        str(args["name"])
+        yield n, rec
+
+
+def _block_lines(path: str, block: Block, names: dict[tuple[int, str, int], str]
+                 ) -> Iterator[str]:
+    cols = _block_columns(path, block)
+    pid = block.pid
+    for row in zip(*(c.tolist() for c in cols), strict=True):
+        code, fid, off, size, ret, t0, t1 = row
+        op = _name(path, block, names, "op", code & 0xFFFF)
+        cat = _name(path, block, names, "cat", code >> 16)
+        yield io_event(pid, block.tid, op, cat, t0, t1 - t0, fid, off, size, ret)
+
+
+def _name(path: str, block: Block, names: dict[tuple[int, str, int], str], kind: str,
+          ident: int) -> str:
+    name = names.get((block.pid, kind, ident))
+    if name is None:
+        raise TraceFormatError(f"{path}: byte {block.at}: an event of pid {block.pid} names "
+                               f"{kind} id {ident}, which no io_name line defined before it; "
+                               "the trace is damaged")
+    return name
+
+
+def _block_columns(path: str, block: Block) -> list[npt.NDArray[np.int64]]:
+    """The block's record fields as columns, checked: codes of two 16-bit ids, start and end
+    times that are times (end not before start)."""
+    a = np.frombuffer(block.payload, dtype="<i8").reshape(-1, blocks.FIELDS)
+    cols = [a[:, i].astype(np.int64) for i in range(blocks.FIELDS)]
+    code, t0, t1 = cols[0], cols[5], cols[6]
+    if len(code) and ((code < 0).any() or (code >> 32).any() or (t0 < 0).any()
+                      or (t1 < t0).any() or int(t1.max()) // 1000 > 1 << 53):
+        raise TraceFormatError(f"{path}: byte {block.at}: a binary block with an event code "
+                               "or a time out of range; the trace is damaged")
+    return cols
 
 
 def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | None:
@@ -174,6 +287,8 @@ def _dur(value: Any) -> float:
 class _Builder:
     def __init__(self) -> None:
         self.rows: list[tuple[int, int, int, int, int, float, float, int, int, int]] = []
+        self.chunks: list[list[npt.NDArray[Any]]] = []  # columns, in file order with rows
+        self.io_names: dict[tuple[int, int, str, int], str] = {}  # (source, pid, kind, id)
         self.ops: dict[str, int] = {}
         self.classes: dict[str, int] = {}
         self.files: dict[str, int] = {}
@@ -215,6 +330,9 @@ class _Builder:
                 if "dev" in args and not self.where.get(name):
                     self.where[name] = {k: str(args[k])[:4096] for k in ("dev", "fs", "mnt")
                                         if k in args}
+            elif ph == "M" and ev.get("name") == "io_name":
+                self.io_names[(source, pid, str(args["kind"]), _int(args["id"]))] = \
+                    str(args["name"])[:4096]
             elif ph == "M" and ev.get("name") == "process_name":
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
@@ -229,6 +347,52 @@ class _Builder:
             detail = " ".join(f"{type(exc).__name__}: {exc}"[:200].split())
             raise TraceFormatError(f"{path}: line {lineno}: a '{str(ph)[:40]}' event with a "
                                    f"missing or malformed field ({detail})") from exc
+
+
+    def add_block(self, source: int, path: str, block: Block) -> None:
+        """A binary block's events, as columns (no Python object per event)."""
+        code, fid, off, size, ret, t0, t1 = _block_columns(path, block)
+        n = len(code)
+        self.events += n
+        if not n:
+            return
+        self.flush_rows()
+        pid = block.pid
+
+        def mapped(ids: npt.NDArray[np.int64], name_of: Any) -> npt.NDArray[np.int32]:
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            return np.array([name_of(int(i)) for i in uniq], np.int32)[inverse]
+
+        def named(table: dict[str, int], kind: str) -> Any:
+            def name_of(ident: int) -> int:
+                name = self.io_names.get((source, pid, kind, ident))
+                if name is None:
+                    raise TraceFormatError(f"{path}: byte {block.at}: an event of pid {pid} "
+                                           f"names {kind} id {ident}, which no io_name line "
+                                           "defined before it; the trace is damaged")
+                return self.index(table, name)
+            return name_of
+
+        def file_of(ident: int) -> int:
+            name = self.fid_names.get((source, pid, ident), f"fid {ident} of pid {pid}")
+            return self.index(self.files, name)
+
+        self.chunks.append([
+            np.full(n, pid, np.int64), np.full(n, block.tid, np.int64),
+            mapped(code & 0xFFFF, named(self.ops, "op")),
+            mapped(code >> 16, named(self.classes, "cat")), mapped(fid, file_of),
+            t0 / 1000.0, (t1 - t0) / 1000.0, off, size, ret])
+
+    def flush_rows(self) -> None:
+        if self.rows:
+            cols = list(zip(*self.rows, strict=True))
+            self.chunks.append([np.array(c, dtype=t) for c, t in zip(cols, _DTYPES,
+                                                                     strict=True)])
+            self.rows = []
+
+
+_DTYPES = (np.int64, np.int64, np.int32, np.int32, np.int32, np.float64, np.float64, np.int64,
+           np.int64, np.int64)
 
 
 def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Trace:
@@ -247,25 +411,29 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         path = os.fspath(p)
         before = b.events
         pending: tuple[int, str] | None = None
-        for lineno, line in _lines(path):
+        for lineno, line in records(path):
             if pending is not None:
                 ev = _parse(path, pending[0], pending[1], last=False)
                 if ev is not None:
                     b.add(source, path, pending[0], ev)
-            pending = (lineno, line)
+                pending = None
+            if isinstance(line, Block):
+                b.add_block(source, path, line)
+            else:
+                pending = (lineno, line)
         if pending is not None:
             ev = _parse(path, pending[0], pending[1], last=True)
             if ev is not None:
                 b.add(source, path, pending[0], ev)
         if b.events == before:
             raise TraceFormatError(f"{path}: line 1: the file holds no trace events")
-    if not b.rows and not b.proc and not b.disks:
+    b.flush_rows()
+    if not b.chunks and not b.proc and not b.disks:
         raise TraceFormatError(f"{os.fspath(paths[0])}: line 1: no lcache I/O events or /proc "
                                "samples in the trace; is it a trace written by lcache?")
-    cols = list(zip(*b.rows, strict=True)) if b.rows else [()] * 10
-
     def arr(i: int, dtype: Any) -> Any:
-        return np.array(cols[i], dtype=dtype)
+        return np.concatenate([c[i] for c in b.chunks]).astype(dtype) if b.chunks \
+            else np.array([], dtype=dtype)
 
     def series(rows: list[tuple[float, list[int]]]) -> tuple[Any, Any]:
         rows.sort(key=lambda r: r[0])

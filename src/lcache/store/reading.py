@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.io import IOEvent, ReadRequest, SyncPolicy, aligned_empty, get_tracer, pread_full
+from lcache.io import ReadRequest, SyncPolicy, aligned_empty, get_tracer, pread_full
+from lcache.io.tracer import emit
 from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.readplan import Run, plan_reads
@@ -300,7 +301,7 @@ class Reader:
             if took > 30_000 + length:  # far slower than memory: the fault read the disk
                 slow += 1
             if tracer is not None:  # the bytes page faults moved, traced as reads
-                tracer(IOEvent("read", m.fd, off, length, length, t0, took, "cache-read"))
+                emit("read", m.fd, off, length, length, t0, "cache-read")
             if view is None:
                 self._verify_failed(key64)
             else:
@@ -372,10 +373,8 @@ class Reader:
                 self._nowait = False  # not on this file system: plain reads, inline
                 check(j, pread_full(req.fd, req.offset, req.buf, "cache-read"))
                 continue
-            tracer = get_tracer()
-            if tracer is not None and got > 0:
-                tracer(IOEvent("read", req.fd, req.offset, len(req.buf), got, t0,
-                               time.perf_counter_ns() - t0, "cache-read"))
+            if got > 0:
+                emit("read", req.fd, req.offset, len(req.buf), got, t0, "cache-read")
             if got == len(req.buf):
                 check(j, got)
             else:  # not (all) cached; a short read at the end of the file is read again

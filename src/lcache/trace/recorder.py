@@ -1,14 +1,17 @@
-"""The in-process recorder: per-thread buffers, a background flush, flush at exit and fork.
+"""The in-process recorder: per-thread binary buffers, a background flush, flush at exit and fork.
 
-Hot path (installed as the ``lcache.io`` tracer): look up this thread's buffer, map the fd to a
-path through a cache validated by the file's inode (one ``fstat``), append one tuple. Formatting
-and writing happen in a daemon thread every ``FLUSH_INTERVAL_S`` and at exit.
+Hot path (``lcache.io.tracer.emit``, installed by ``enable``): a 56-byte record appended to
+this thread's ``bytearray``; files are named by the id ``lcache.io.files.open_file`` gave the
+fd. A daemon thread writes the buffers as binary blocks (``lcache.trace.blocks``), with JSON
+lines naming the files, ops and classes they use, every ``FLUSH_INTERVAL_S`` and at exit.
+``lcache report`` and ``lcache.report.load`` turn the blocks into events; nothing is formatted
+while the job runs.
 
 Processes: after ``fork()`` the child drops the parent's unflushed events (the parent writes
-them), names itself in the trace and starts its own flush thread. A forked
-``multiprocessing`` child (a DataLoader worker) leaves through ``os._exit`` without running
-``atexit``; ``multiprocessing`` runs its ``Finalize`` hooks first, so the recorder registers
-one there, and DataLoader workers' events arrive complete.
+them), names itself and every file it inherited in the trace, and starts its own flush thread.
+A forked ``multiprocessing`` child (a DataLoader worker) leaves through ``os._exit`` without
+running ``atexit``; ``multiprocessing`` runs its ``Finalize`` hooks first, so the recorder
+registers one there, and DataLoader workers' events arrive complete.
 """
 
 from __future__ import annotations
@@ -19,19 +22,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any
 
 from lcache.io import tracer as _io_tracer
 from lcache.io.tracer import IOEvent
+from lcache.trace import blocks as blocks_mod
+from lcache.trace.blocks import event_blocks
 from lcache.trace.mounts import MountTable
 from lcache.trace.schema import CLASSES
-from lcache.trace.writer import (
-    EVENT_REST,
-    TraceWriter,
-    event_prefix,
-    file_metadata,
-    process_metadata,
-)
+from lcache.trace.writer import TraceWriter, dumps, file_metadata, process_metadata
 
 FLUSH_INTERVAL_S = 0.5
 ENV = "LCACHE_TRACE"
@@ -42,26 +40,15 @@ _active: Recorder | None = None
 _lock = threading.Lock()
 
 
-class _Buffer:
-    __slots__ = ("events", "thread", "tid")
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-        self.thread = threading.current_thread()
-        self.tid = threading.get_native_id()
-
-
 class Recorder:
     """Records this process's I/O events to ``path`` (see ``lcache.trace.enable``)."""
 
     def __init__(self, path: str, compress: bool | None = None) -> None:
         self.writer = TraceWriter(path, compress)
         self.path = self.writer.path
-        self._local = threading.local()
-        self._buffers: list[_Buffer] = []
-        self._buffers_lock = threading.Lock()
-        self._paths: dict[int, list[Any]] = {}  # fd -> [st_dev, st_ino, path, checked_ns]
-        self._fids: dict[str, int] = {}
+        self._named: dict[str, int] = {}  # path or URL given to record() -> file id
+        self._record_names: dict[int, str] = {}  # and back
+        self._written: set[int] = set()  # file ids whose file_name line is in the trace
         self._mounts = MountTable()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
@@ -69,46 +56,20 @@ class Recorder:
         self.pid = os.getpid()
         self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
 
-    # -- hot path ------------------------------------------------------------------------
-    def _new_buffer(self) -> list[tuple[Any, ...]]:
-        buf = _Buffer()
-        self._local.events = buf.events
-        with self._buffers_lock:
-            self._buffers.append(buf)
-        return buf.events
-
     def __call__(self, event: IOEvent) -> None:
-        # Why fstat every event (~1 us): fd numbers are reused after close (a new checkpoint
-        # file or segment often gets the number the previous one had), so a remembered path
-        # may name another file; re-checking only now and then put dataset reads under a
-        # checkpoint's name.
-        known = self._check_fd(event.fd, self._paths.get(event.fd), event.start_ns)
-        try:
-            events = self._local.events
-        except AttributeError:
-            events = self._new_buffer()
-        events.append((known, event))
-
-    def _check_fd(self, fd: int, known: list[Any] | None, now_ns: int) -> list[Any]:
-        try:
-            st = os.fstat(fd)
-        except OSError:  # closed already (or never valid): name it by number
-            return [0, 0, f"fd:{fd}", 0]
-        if known is None or known[1] != st.st_ino or known[0] != st.st_dev:
-            known = [st.st_dev, st.st_ino, _fd_path(fd), now_ns]
-            self._paths[fd] = known
-        else:
-            known[3] = now_ns
-        return known
+        """Record an event handed over as an object (``emit`` appends without one)."""
+        _io_tracer.append(event.op, _io_tracer.fid_for(event.fd), event.offset, event.size,
+                          event.result, event.start_ns, event.start_ns + event.duration_ns,
+                          event.io_class)
 
     def record(self, op: str, file: str, offset: int, size: int, io_class: str,
                start_ns: int, duration_ns: int, result: int) -> None:
-        try:
-            events = self._local.events
-        except AttributeError:
-            events = self._new_buffer()
-        events.append(([0, 0, file, 0], IOEvent(op, -1, offset, size, result, start_ns,
-                                                duration_ns, io_class)))
+        fid = self._named.get(file)
+        if fid is None:
+            fid = self._named[file] = _io_tracer.new_file_id()
+            self._record_names[fid] = file
+        _io_tracer.append(op, fid, offset, size, result, start_ns, start_ns + duration_ns,
+                          io_class)
 
     # -- flushing ------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,40 +91,48 @@ class Recorder:
         with self._flush_lock:
             if self.writer.fd < 0:
                 return
+            _io_tracer.next_flush()
+            blocks: list[bytes] = []
             lines = self._pending_meta
             self._pending_meta = []
-            pid, fids = self.pid, self._fids
-            with self._buffers_lock:
-                buffers = list(self._buffers)
-            for buf in buffers:
-                events = buf.events
+            for entry in list(_io_tracer.buffers):
+                tid, events, thread = entry
                 n = len(events)
                 if n == 0:
-                    if not buf.thread.is_alive():
-                        with self._buffers_lock:
-                            self._buffers.remove(buf)
+                    if not thread.is_alive():
+                        _io_tracer.forget_dead_buffer(entry)
                     continue
-                chunk = events[:n]
+                chunk = bytes(events[:n])
                 del events[:n]  # appends made meanwhile sit after n and stay
-                tid = buf.tid
-                prefixes: dict[tuple[str, str], str] = {}
-                append = lines.append
-                for known, ev in chunk:
-                    path = known[2]
-                    fid = fids.get(path)
-                    if fid is None:
-                        fid = fids[path] = len(fids) + 1
-                        append(file_metadata(pid, fid, path,
-                                             self._mounts.lookup(known[0], path)))
-                    key = (ev.op, ev.io_class)
-                    prefix = prefixes.get(key)
-                    if prefix is None:
-                        prefix = prefixes[key] = event_prefix(pid, tid, ev.op, ev.io_class)
-                    # Formatted inline: this loop is most of the recorder's CPU time.
-                    start, dur = ev.start_ns, ev.duration_ns
-                    append(EVENT_REST % (prefix, start // 1000, start % 1000, dur // 1000,
-                                         dur % 1000, fid, ev.offset, ev.size, ev.result))
-            self.writer.write_lines(lines)
+                blocks.extend(event_blocks(self.pid, tid, chunk))
+                lines.extend(self._file_lines(chunk))
+            # Taken after the events: every op and class name they use was queued before.
+            pid = self.pid
+            lines.extend(dumps({"name": "io_name", "ph": "M", "pid": pid, "tid": pid,
+                                "args": {"kind": kind, "id": ident, "name": name}})
+                         for kind, ident, name in _io_tracer.take_pending())
+            self.writer.write_lines(lines, b"".join(blocks))
+
+    def _file_lines(self, chunk: bytes) -> list[str]:
+        """``file_name`` lines of the files first used in ``chunk`` (found without a Python
+        object per event)."""
+        import numpy as np  # here: `lcache trace` and traced children import this module
+
+        fids = np.unique(np.frombuffer(chunk, "<i8")[1 :: blocks_mod.FIELDS])
+        out = []
+        for fid in fids.tolist():
+            if fid in self._written:
+                continue
+            self._written.add(fid)
+            name = self._record_names.get(fid)
+            if name is not None:
+                where = self._mounts.lookup(0, name)
+            else:
+                known = _io_tracer.file_name(fid)
+                name, dev = known if known is not None else (f"fid:{fid}", 0)
+                where = self._mounts.lookup(dev, name)
+            out.append(file_metadata(self.pid, fid, name, where))
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -175,23 +144,16 @@ class Recorder:
         self.writer.close()
 
     def after_fork_in_child(self) -> None:
-        # The parent flushes what was buffered before the fork; the child starts afresh.
+        # The parent flushes what was buffered before the fork; the child starts afresh and
+        # names what it inherited under its own pid.
         self.pid = os.getpid()
-        self._local = threading.local()
-        self._buffers = []
-        self._buffers_lock = threading.Lock()
+        _io_tracer.reset_buffers()
+        _io_tracer.queue_all_names()
+        self._written = set()
         self._flush_lock = threading.Lock()
-        self._fids = {}
         self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
         self._stop = threading.Event()
         self.start()
-
-
-def _fd_path(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return f"fd:{fd}"
 
 
 def _process_name() -> str:
@@ -205,7 +167,7 @@ _checked: set[str] = set(CLASSES) | {"read", "write", "fsync", "fdatasync", "ope
 def _check_name(kind: str, value: str) -> None:
     if value in _checked:
         return
-    # The hot path formats events by hand, so names must need no JSON escaping.
+    # Names become legend labels and summary keys: short and plain, like the documented ones.
     if not value or len(value) > 64 or not all(c.isalnum() or c in "-_." for c in value):
         raise ValueError(f"trace {kind} {value!r} must be 1-64 letters, digits, '-', '_' or "
                          "'.'; use one of the documented classes (docs/trace.md)")
@@ -233,7 +195,8 @@ def enable(path: str, *, compress: bool | None = None) -> None:
         rec = Recorder(path, compress)
         rec.start()
         _active = rec
-        _io_tracer.set_tracer(rec)
+        _io_tracer.reset_buffers()  # events left by a recorder closed mid-operation
+        _io_tracer.set_tracer(rec, binary=True)
         os.environ[ENV] = rec.path
         _register_once()
 

@@ -49,11 +49,11 @@ class TraceWriter:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
                           | os.O_NOFOLLOW, 0o600)
 
-    def write_lines(self, lines: Iterable[str]) -> None:
-        text = "".join(line + "\n" for line in lines)
-        if not text:
+    def write_lines(self, lines: Iterable[str], blocks: bytes = b"") -> None:
+        """Append ``lines`` and then the binary ``blocks`` (``lcache.trace.blocks``)."""
+        data = "".join(line + "\n" for line in lines).encode("ascii") + blocks
+        if not data:
             return
-        data = text.encode("ascii")
         if self.compress:
             data = gzip.compress(data, compresslevel=1)
         view = memoryview(data)
