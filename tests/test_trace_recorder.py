@@ -259,6 +259,30 @@ def test_fds_lcache_io_did_not_open_are_named_by_inode(tmp_path: Path) -> None:
         str(a), str(b), str(c), str(a)]
 
 
+def test_atomic_write_is_named_after_its_file_on_a_reused_fd(tmp_path: Path) -> None:
+    # atomic_write opens through open_file: an fd number that an open_file fd closed with a
+    # bare os.close left behind is given a new id, not traced under the old file's name.
+    from lcache.io import atomic_write
+
+    old = tmp_path / "old.bin"
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        for i in range(3):
+            fd = open_file(str(old), os.O_RDWR | os.O_CREAT)
+            pwrite_full(fd, 0, [b"x"], "checkpoint")
+            os.close(fd)
+            atomic_write(str(tmp_path / f"new{i}.json"), b"{}", io_class="cache-meta")
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    names = _files(events)
+    got = [(e["cat"], names[(e["pid"], e["args"]["fid"])]) for e in _io(events)
+           if e["name"] == "write"]
+    assert got == [x for i in range(3) for x in (
+        ("checkpoint", str(old)), ("cache-meta", f"{tmp_path}/new{i}.json.tmp{os.getpid()}"))]
+
+
 def test_threads_lose_no_event_while_flushes_run(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Per-thread buffers appended without a lock while the flush thread takes them out every

@@ -7,7 +7,7 @@ import os
 
 from lcache.errors import DiskFullError
 from lcache.io.engine import pwrite_full, sync_fd
-from lcache.io.files import fsync_dir
+from lcache.io.files import close_file, fsync_dir, open_file
 
 
 def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bool = True,
@@ -22,15 +22,15 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
     """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     mode)
+        # open_file: O_NOFOLLOW, and a file id the trace names this write by
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=mode)
         try:
             os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
             pwrite_full(fd, 0, [data], io_class)
             if durable:
                 sync_fd(fd, False, io_class)
         finally:
-            os.close(fd)
+            close_file(fd)
         os.replace(tmp, path)
         if durable:
             fsync_dir(os.path.dirname(path) or ".")
