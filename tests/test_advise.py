@@ -171,3 +171,22 @@ def test_irregular_pauses_are_not_steps(tmp_path: Path) -> None:
     doc = _advise(tmp_path, body)
     (why,) = [u["why"] for u in doc["unfitted"] if u["what"] == "steps"]
     assert "irregularly" in why and "1-8 reads" in why, why
+
+
+def test_scale_per_gpu_node_and_day(tmp_path: Path) -> None:
+    """4 x 64 KiB a 10 ms step over 2 traced GPUs: 13.1 MB/s per GPU, x 8 a node."""
+    doc = _advise(tmp_path, loop(30, 4, period_ms=10, read_ms=1, samples=40, ckpt_every=10,
+                                 ckpt_bytes=8 << 20, ckpt_ms=40),
+                  scale_gpus=32, traced_gpus=2)
+    s = doc["scale"]
+    assert (s["gpus"], s["nodes"]) == (32, 4)
+    step = doc["fit"]["steps"]["step_s"]
+    per_gpu = 4 * SAMPLE / step / 2 / 1e6
+    assert s["from_trace"]["per_gpu_MBps"]["data"] == pytest.approx(per_gpu, rel=1e-3)
+    assert s["from_trace"]["per_node_MBps"]["data"] == pytest.approx(8 * per_gpu, rel=1e-3)
+    writes_a_day = 3 * (8 << 20) / 30 / step / 2 * 86_400 * 8  # 3 saves over 30 steps
+    assert s["from_trace"]["write_bytes_per_day_per_node"] == pytest.approx(writes_a_day,
+                                                                            rel=1e-3)
+    assert s["from_trace"]["dwpd"] == pytest.approx(writes_a_day / (8 * 3.84e12), rel=1e-3)
+    preset = advise(tmp_path / "run.trace", model="llama3-8b")["scale"]
+    assert preset["gpus"] == preset["model"]["gpus"] and preset["model_per_node_MBps"]

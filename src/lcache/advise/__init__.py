@@ -54,7 +54,7 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
     if scale_gpus is not None or model is not None:
         from lcache.advise.scale import scale
 
-        out["scale"] = scale(fitted, scale_gpus or gpus_per_node, gpus_per_node, traced_gpus,
+        out["scale"] = scale(fitted, scale_gpus, gpus_per_node, traced_gpus,
                              t, model)
     if storage is not None:
         from lcache.advise.check import run_check

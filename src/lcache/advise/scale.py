@@ -13,9 +13,21 @@ from lcache.advise.advice import DAY_S, Targets
 _MODEL_KEYS = ("MBps_needed_overlap", "MBps_needed_no_overlap")
 
 
-def scale(fitted: dict[str, Any], gpus: int, gpus_per_node: int, traced_gpus: int,
+def scale(fitted: dict[str, Any], gpus: int | None, gpus_per_node: int, traced_gpus: int,
           t: Targets, model: str | None = None) -> dict[str, Any]:
-    """The traced per-GPU demand times the cluster; and ``lcache model``'s for ``model``."""
+    """The traced per-GPU demand times the cluster; and ``lcache model``'s for ``model``.
+    Without ``gpus``: the preset's own GPU count, else one node."""
+    pred = None
+    if model is not None:
+        from lcache.model import config_from_preset, predict
+
+        # Offload on, so that the advice can say whether it fits (docs/advise.md).
+        settings: dict[str, Any] = {"gpus_per_node": gpus_per_node, "optimizer_offload": True}
+        if gpus is not None:
+            settings["gpus"] = gpus
+        pred = predict(config_from_preset(model, **settings)).to_dict()
+        gpus = int(pred["gpus"])
+    gpus = gpus or gpus_per_node
     nodes = math.ceil(gpus / gpus_per_node)
     per_node_gpus = min(gpus, gpus_per_node)
     out: dict[str, Any] = {"gpus": gpus, "gpus_per_node": gpus_per_node, "nodes": nodes,
@@ -43,12 +55,7 @@ def scale(fitted: dict[str, Any], gpus: int, gpus_per_node: int, traced_gpus: in
     else:
         out["from_trace"] = None
         out["why"] = "no step time in the trace: " + (steps.get("why") or "")
-    if model is not None:
-        from lcache.model import config_from_preset, predict
-
-        # Offload on, so that the advice can say whether it fits (docs/advise.md).
-        pred = predict(config_from_preset(model, gpus=gpus, gpus_per_node=gpus_per_node,
-                                          optimizer_offload=True)).to_dict()
+    if pred is not None:
         out["model"] = pred
         out["model_per_node_MBps"] = {
             name: {k: round(c[k], 3) for k in _MODEL_KEYS} for name, c in pred["classes"].items()
