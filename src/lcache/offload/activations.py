@@ -342,16 +342,13 @@ class _Session:
         with self.lock:
             self.closed = True
             error = None
-            for spill in self.inflight:
+            while self.inflight:
                 try:
-                    spill.io.wait()  # type: ignore[union-attr]
+                    self._finish(self.inflight.popleft())
                 except BaseException as exc:
                     error = error or exc
-                spill.io = None
-                spill.source = None
-            for spill in [*self.inflight, *self.order.values()]:
+            for spill in self.order.values():
                 self._drop(spill)
-            self.inflight.clear()
             self.order.clear()
             self.by_storage.clear()
             os.close(self.fd)
@@ -359,6 +356,8 @@ class _Session:
 
     def _write(self, t: torch.Tensor, storage: torch.UntypedStorage,
                key: StorageWeakRef) -> _Spill:
+        while self.writes >= self.owner.write_behind:  # before anything changes: it may raise
+            self._finish(self.inflight.popleft())
         nbytes = storage.nbytes()
         spill = _Spill(key, t._version, self.space.take(nbytes), nbytes)
         self.stats.peak_file_bytes = max(self.stats.peak_file_bytes, self.space.end)
@@ -369,8 +368,6 @@ class _Session:
         self.by_storage[key] = spill
         self.stats.tensors_spilled += 1
         self.stats.bytes_spilled += nbytes
-        while self.writes > self.owner.write_behind:
-            self._finish(self.inflight.popleft())
         return spill
 
     def _submit(self, spill: _Spill, write: bool) -> None:
