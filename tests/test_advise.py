@@ -188,5 +188,9 @@ def test_scale_per_gpu_node_and_day(tmp_path: Path) -> None:
     assert s["from_trace"]["write_bytes_per_day_per_node"] == pytest.approx(writes_a_day,
                                                                             rel=1e-3)
     assert s["from_trace"]["dwpd"] == pytest.approx(writes_a_day / (8 * 3.84e12), rel=1e-3)
+    # Two trace files are two traced GPUs by default (the same file twice: the same rate each).
+    two = advise([tmp_path / "run.trace"] * 2, scale_gpus=32)["scale"]
+    assert two["traced_gpus"] == 2
+    assert two["from_trace"]["per_gpu_MBps"]["data"] == pytest.approx(2 * per_gpu, rel=1e-3)
     preset = advise(tmp_path / "run.trace", model="llama3-8b")["scale"]
     assert preset["gpus"] == preset["model"]["gpus"] and preset["model_per_node_MBps"]

@@ -30,9 +30,12 @@ PathLike = str | os.PathLike[str]
 
 def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None, *,
            scale_gpus: int | None = None, model: str | None = None, gpus_per_node: int = 8,
-           traced_gpus: int = 1, storage: str | None = None, check_epochs: int = 1,
+           traced_gpus: int | None = None, storage: str | None = None, check_epochs: int = 1,
            html_path: PathLike | None = None, show_progress: bool = False) -> dict[str, Any]:
     """Fit, emit, scale (with ``scale_gpus`` or ``model``), check (with ``storage``) and advise.
+
+    ``traced_gpus``: the GPUs (ranks) the traces hold; default one per trace file (as
+    ``lcache bench --trace`` writes them).
 
     Returns ``{"fit", "workload": {"doc", "yaml", "notes"}, "scale", "check", "advice",
     "unfitted"}``; writes the advice page to ``html_path``.
@@ -54,7 +57,7 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
     if scale_gpus is not None or model is not None:
         from lcache.advise.scale import scale
 
-        out["scale"] = scale(fitted, scale_gpus, gpus_per_node, traced_gpus,
+        out["scale"] = scale(fitted, scale_gpus, gpus_per_node, traced_gpus or len(names),
                              t, model)
     if storage is not None:
         from lcache.advise.check import run_check

@@ -47,8 +47,8 @@ def _number(value: str, option: str, kind: type, lo: float, hi: float) -> Any:
               help="lcache model preset of the target (llama3-70b...): the cluster's own I/O, "
                    "and whether optimizer offload fits.")
 @click.option("--gpus-per-node", default="8", show_default=True)
-@click.option("--traced-gpus", default="1", show_default=True,
-              help="GPUs (ranks) the trace holds.")
+@click.option("--traced-gpus", default=None, metavar="N",
+              help="GPUs (ranks) the traces hold (default: one per trace file).")
 @click.option("--storage", default=None, metavar="DIR",
               help="Run the emitted workload in DIR and say per class whether it keeps up.")
 @click.option("--check-epochs", default="1", show_default=True,
@@ -71,7 +71,7 @@ def _number(value: str, option: str, kind: type, lo: float, hi: float) -> Any:
               help="Write advice.html: the report's page with an Advice section.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | None,
-               gpus_per_node: str, traced_gpus: str, storage: str | None, check_epochs: str,
+               gpus_per_node: str, traced_gpus: str | None, storage: str | None, check_epochs: str,
                hit_ratio: str, max_stall: str, ssds: str, ssd_capacity: str, ssd_write: str,
                ssd_read: str, rated_dwpd: str, emit_path: str | None, html_path: str | None,
                as_json: bool) -> None:
@@ -99,7 +99,8 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
             raise ConfigError(f"cannot write {path}: its directory does not exist")
     doc = advise(list(traces), t, scale_gpus=gpus, model=model,
                  gpus_per_node=_number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
-                 traced_gpus=_number(traced_gpus, "--traced-gpus", int, 1, 1 << 24),
+                 traced_gpus=None if traced_gpus is None else _number(
+                     traced_gpus, "--traced-gpus", int, 1, 1 << 24),
                  storage=storage,
                  check_epochs=_number(check_epochs, "--check-epochs", int, 1, 1000),
                  html_path=html_path, show_progress=not as_json)
