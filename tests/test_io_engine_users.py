@@ -49,3 +49,15 @@ def test_checkpoint_save_and_load_run_on_the_engine(tmp_path: Path,
     reads = {name for e, name in io_threads if e.op == "read" and e.io_class == "checkpoint"}
     assert reads and _engine_or_caller(reads) == set(), reads
     assert np.array_equal(back["w"], state["w"]) and np.array_equal(back["b"], state["b"])
+
+
+def test_checkpoint_load_into_runs_on_the_engine(tmp_path: Path,
+                                                 io_threads: list[tuple[IOEvent, str]]) -> None:
+    state = _state()
+    path = ck.save(state, tmp_path / "c" / "s")
+    like = {"w": np.zeros_like(state["w"]), "b": np.zeros(7)}
+    io_threads.clear()
+    ck.load(path, like=like, into=True)
+    reads = {name for e, name in io_threads if e.op == "read" and e.io_class == "checkpoint"}
+    assert reads and _engine_or_caller(reads) == set(), reads
+    assert np.array_equal(like["w"], state["w"]) and np.array_equal(like["b"], state["b"])

@@ -16,7 +16,6 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import xxhash
 from lcache.checkpoint.errors import CorruptionError, StateMismatchError
 from lcache.checkpoint.format import MANIFEST, ArrayRef, decode_tree, numpy_dtype, torch_dtype
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, open_data_file
-from lcache.io import pread_full
+from lcache.io import Pending, default_engine, settle
 
 # chunk buffers kept for the process's later loads: reused memory costs no page faults
 _RING: list[mmap.mmap] = []
@@ -169,55 +168,55 @@ def _stream(data_path: str, nbytes: int, targets: list[Any], verify: bool, direc
 def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[Any],
                  verify: bool, direct: bool, queue_depth: int,
                  progress: Callable[[int], None] | None = None) -> None:
-    """Read the file in order, ``queue_depth`` chunks in flight, into a ring of chunk
-    buffers; copy each chunk out as soon as it and every chunk before it are in."""
+    """Read the file in order, ``queue_depth`` chunks in flight on the process's I/O engine,
+    into a ring of chunk buffers; copy each chunk out as soon as it and every chunk before it
+    are in."""
     slots = len(ring) // CHUNK
     view = memoryview(ring)
     base = int(np.frombuffer(ring, dtype=np.uint8).ctypes.data)
     fd, _ = open_data_file(data_path, nbytes, direct)  # checked before any byte is copied
-    inflight: collections.deque[tuple[int, int, Future[int]]] = collections.deque()
+    inflight: collections.deque[tuple[int, int, Pending]] = collections.deque()
+    engine = default_engine()
     try:
-        with ThreadPoolExecutor(queue_depth, thread_name_prefix="lcache-ckpt-load") as pool:
-            next_off, first = 0, 0
+        next_off, first = 0, 0
 
-            def submit() -> None:
-                nonlocal next_off
-                slot = (next_off // CHUNK) % slots
-                n = min(CHUNK, nbytes - next_off)
-                buf = view[slot * CHUNK : slot * CHUNK + n]
-                inflight.append((next_off, slot, pool.submit(pread_full, fd, next_off, buf,
-                                                             IO_CLASS)))
-                next_off += n
+        def submit() -> None:
+            nonlocal next_off
+            slot = (next_off // CHUNK) % slots
+            n = min(CHUNK, nbytes - next_off)
+            buf = view[slot * CHUNK : slot * CHUNK + n]
+            inflight.append((next_off, slot, engine.submit_read(fd, next_off, buf, IO_CLASS)))
+            next_off += n
 
-            while next_off < nbytes and len(inflight) < queue_depth:
+        while next_off < nbytes and len(inflight) < queue_depth:
+            submit()
+        while inflight:
+            start, slot, pending = inflight.popleft()
+            end = min(start + CHUNK, nbytes)
+            if pending.wait() < end - start:
+                raise CorruptionError(f"data file {data_path} ended before {end} bytes")
+            while first < len(order) and \
+                    order[first].ref.offset + order[first].ref.nbytes <= start:
+                first += 1
+            for t in order[first:]:
+                ref = t.ref
+                if ref.offset >= end:
+                    break
+                lo, hi = max(ref.offset, start), min(ref.offset + ref.nbytes, end)
+                if lo >= hi:
+                    continue
+                src = slot * CHUNK + lo - start
+                if verify:
+                    t.hash.update(view[src : src + hi - lo])
+                if t.address:
+                    ctypes.memmove(t.address + lo - ref.offset, base + src, hi - lo)
+                if hi == ref.offset + ref.nbytes:
+                    t.finish(data_path, verify)
+            if progress is not None:
+                progress(end - start)
+            if next_off < nbytes:  # this chunk's slot is free again
                 submit()
-            while inflight:
-                start, slot, fut = inflight.popleft()
-                end = min(start + CHUNK, nbytes)
-                if fut.result() < end - start:
-                    raise CorruptionError(f"data file {data_path} ended before {end} bytes")
-                while first < len(order) and \
-                        order[first].ref.offset + order[first].ref.nbytes <= start:
-                    first += 1
-                for t in order[first:]:
-                    ref = t.ref
-                    if ref.offset >= end:
-                        break
-                    lo, hi = max(ref.offset, start), min(ref.offset + ref.nbytes, end)
-                    if lo >= hi:
-                        continue
-                    src = slot * CHUNK + lo - start
-                    if verify:
-                        t.hash.update(view[src : src + hi - lo])
-                    if t.address:
-                        ctypes.memmove(t.address + lo - ref.offset, base + src, hi - lo)
-                    if hi == ref.offset + ref.nbytes:
-                        t.finish(data_path, verify)
-                if progress is not None:
-                    progress(end - start)
-                if next_off < nbytes:  # this chunk's slot is free again
-                    submit()
     finally:
-        for _, _, fut in inflight:
-            fut.cancel()
+        # no read may outlive fd or land in the ring after it is handed to the next load
+        settle(p for _, _, p in inflight)
         os.close(fd)
