@@ -117,11 +117,11 @@ def _dataset(trace: Trace, reads: Mask) -> dict[str, Any] | None:
     return out
 
 
-def _checkpoints(trace: Trace, steps: Steps, sample_ts: npt.NDArray[np.float64],
+def _checkpoints(trace: Trace, run: Mask, steps: Steps, sample_ts: npt.NDArray[np.float64],
                  ) -> dict[str, Any] | None:
-    """Checkpoint saves (and loads): writes of class checkpoint grouped by the training that
-    happens between them (or, without training, by pauses)."""
-    rows = _rows(trace, ("checkpoint",))
+    """Checkpoint saves (and loads) of the run: writes of class checkpoint grouped by the
+    training that happens between them (or, without training, by pauses)."""
+    rows = _rows(trace, ("checkpoint",)) & run
     writes = rows & _rows(trace, ("checkpoint",), "write")
     if not writes.any():
         return None
@@ -173,7 +173,7 @@ def fit(trace: Trace) -> dict[str, Any]:
     seq = sequential(trace, data_mask(trace))
     samples = _rows(trace, SAMPLE_CLASSES, "read") & run
     source_reads = _rows(trace, ("data-source",), "read") & run
-    steps = _steps(trace, samples & run)
+    steps = _steps(trace, samples)
     if not steps.source:
         unfitted.append({"what": "steps", "why": steps.why})
     groups: dict[str, Any] = {}
@@ -194,7 +194,7 @@ def fit(trace: Trace) -> dict[str, Any]:
         dataset["generated_bytes"] = int(np.where(trace.result[generated] > 0,
                                                   trace.result[generated], 0).sum())
     sample_ts = np.sort(trace.ts_us[samples])
-    ckpt = _checkpoints(trace, steps, sample_ts)
+    ckpt = _checkpoints(trace, run, steps, sample_ts)
     return {
         "trace": {"files": trace.paths, "io_events": len(trace),
                   "span_s": round(float((trace.ts_us + trace.dur_us).max()
