@@ -4,6 +4,7 @@ with gradients bit-identical to a run without offload."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
+StorageWeakRef = pytest.importorskip("torch.multiprocessing.reductions").StorageWeakRef
 
 from lcache.errors import ConfigError, DiskFullError, LCacheError, StorePermissionError  # noqa: E402
 from lcache.io import IOEvent, set_tracer  # noqa: E402
@@ -160,6 +162,21 @@ def test_a_storage_changed_in_place_between_two_saves_is_spilled_again(tmp_path:
     assert torch.equal(w2.grad, torch.full((64, 64), 3.0))
 
 
+def test_a_storage_grown_between_two_saves_is_spilled_again(tmp_path: Path) -> None:
+    """UntypedStorage.resize_ keeps the version: the size tells the spill is too short."""
+    x = torch.full((64, 64), 2.0)
+    w1, w2 = torch.ones(64, 64, requires_grad=True), torch.ones(128, 64, requires_grad=True)
+    with activations(tmp_path / "act", min_bytes=1024) as act:
+        y1 = x * w1
+        storage = x.untyped_storage()
+        storage.resize_(2 * storage.nbytes())
+        torch.empty(0).set_(storage)[64 * 64:] = 3.0
+        x2 = x.as_strided((128, 64), (64, 1))  # a view of x: the same version counter
+        (y1.sum() + (x2 * w2).sum()).backward()
+    assert act.stats.tensors_spilled == 2
+    assert torch.equal(w2.grad, torch.cat([torch.full((64, 64), 2.0), torch.full((64, 64), 3.0)]))
+
+
 def test_parameters_their_views_and_leaves_that_require_grad_stay_in_memory(
         tmp_path: Path) -> None:
     """Linear saves weight.t() (a view of the parameter); a frozen weight is not spilled
@@ -238,6 +255,20 @@ def test_a_tensor_kept_in_memory_and_changed_in_place_is_refused_as_autograd_doe
         with pytest.raises(ActivationOffloadError, match="modified in place") as err:
             y.sum().backward()
     assert "\n" not in str(err.value)
+
+
+def test_an_output_kept_in_memory_is_freed_with_its_graph(tmp_path: Path) -> None:
+    """sigmoid saves its own output: kept as it is, it would hold its grad_fn, which holds
+    it, a cycle only the garbage collector frees."""
+    gc.disable()
+    try:
+        with activations(tmp_path / "act", min_bytes="1MiB"):
+            y = torch.randn(1000, requires_grad=True).sigmoid()
+            storage = StorageWeakRef(y.untyped_storage())
+            del y
+            assert storage.expired()
+    finally:
+        gc.enable()
 
 
 def test_backward_after_the_block_exited_is_a_clear_error(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
 import errno
 import itertools
 import os
@@ -303,7 +304,8 @@ class _Session:
             spill = self.by_storage.get(key)
             # The version counter is shared by a tensor and its views: equal, the storage
             # still holds what was written.
-            if spill is not None and spill.version == t._version and spill.error is None:
+            if (spill is not None and spill.version == t._version and spill.error is None
+                    and spill.nbytes == storage.nbytes()):
                 self.stats.tensors_deduplicated += 1
             else:
                 spill = self._write(t, storage, key)
@@ -371,7 +373,7 @@ class _Session:
         return spill
 
     def _submit(self, spill: _Spill, write: bool) -> None:
-        buf = spill.mem.numpy().data  # type: ignore[union-attr]
+        buf = _bytes_of(spill.mem)  # type: ignore[arg-type]
         if write:
             spill.io = self.engine.submit_write(self.fd, spill.offset, buf, WRITE_CLASS)
             spill.writing = True
@@ -482,6 +484,12 @@ class _Session:
         if spill.ahead:
             spill.ahead = False
             self.ahead -= 1
+
+
+def _bytes_of(mem: torch.Tensor) -> memoryview:
+    """The bytes of a uint8 tensor for the engine. Not through numpy: a storage numpy has seen
+    can never be resized again, and the storage written is the caller's."""
+    return memoryview((ctypes.c_ubyte * mem.numel()).from_address(mem.data_ptr())).cast("B")
 
 
 def _create_spill_file(where: str) -> int:
