@@ -36,6 +36,7 @@ def test_rhythm_of_reader_threads(tmp_path: Path) -> None:
     data = doc["fit"]["groups"]["data"]
     assert data["read_bytes_per_step"] == 4 * SAMPLE and data["read_fraction"] == 1.0
     assert data["size_p50"] == SAMPLE and doc["unfitted"] == []
+    assert data["size_histogram"] == {str(SAMPLE): 120}
 
 
 def test_rhythm_in_the_training_thread(tmp_path: Path) -> None:

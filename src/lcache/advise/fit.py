@@ -69,6 +69,16 @@ def _threads(trace: Trace, rows: Mask) -> int:
     return _in_flight(np.array([a for a, _ in spans]), np.array([b for _, b in spans]))[1]
 
 
+def _pow2_histogram(sizes: npt.NDArray[np.int64]) -> dict[str, int]:
+    """Requests per power-of-two size bin, keyed by the bin's lower bound in bytes (the
+    report's request-size plot uses the same bins)."""
+    if not len(sizes):
+        return {}
+    bins = np.floor(np.log2(np.maximum(sizes, 1))).astype(np.int64)
+    values, counts = np.unique(bins, return_counts=True)
+    return {str(1 << int(v)): int(c) for v, c in zip(values, counts, strict=True)}
+
+
 def _group(trace: Trace, rows: Mask, seq: Mask, steps: int) -> dict[str, Any]:
     data = rows & data_mask(trace)
     ok = data & (trace.result >= 0)
@@ -86,6 +96,7 @@ def _group(trace: Trace, rows: Mask, seq: Mask, steps: int) -> dict[str, Any]:
         "read_fraction": round(rb / (rb + wb), 4) if rb + wb else None,
         "size_p50": int(nearest_rank(trace.size[data], 50)),
         "size_p90": int(nearest_rank(trace.size[data], 90)),
+        "size_histogram": _pow2_histogram(trace.size[data]),
         "seq_fraction": round(float(seq[known].mean()), 4) if known.any() else None,
         "concurrency_mean": mean, "concurrency_max": peak,
         "busy_s": round(float(trace.dur_us[data].sum()) / 1e6, 6),
