@@ -207,6 +207,23 @@ def test_memory_held_is_bounded_and_backward_reads_ahead_in_reverse(tmp_path: Pa
     assert stats.reads_on_demand <= 1
 
 
+def test_the_forward_pass_frees_the_activations_it_spilled(tmp_path: Path) -> None:
+    """What the stats count is memory really freed: after the forward pass, the outputs of
+    40 layers are gone but for the writes still in flight and the output itself."""
+    model = mlp(64, 20)
+    outputs = []
+    for layer in model:
+        layer.register_forward_hook(
+            lambda _m, _i, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    with activations(tmp_path / "act", min_bytes=1024, write_behind=2) as act:
+        out = model(torch.randn(64, 64))
+        alive = sum(not ref.expired() for ref in outputs)
+        held = act.stats.held_bytes
+        out.sum().backward()
+    assert len(outputs) == 41 and alive <= 2 + 1
+    assert held <= 2 * 64 * 64 * 4
+
+
 def test_a_long_run_reuses_the_spill_file(tmp_path: Path) -> None:
     model = mlp(128, 4)
     x = torch.randn(32, 128)
