@@ -36,10 +36,10 @@ def test_round_trip_compute_bound(tmp_path: Path) -> None:
     _, trace = _run(ORIGINAL, tmp_path / "a")
     doc = advise(trace)
     w = doc["workload"]["doc"]
-    assert doc["fit"]["steps"]["source"] == "rhythm", doc["unfitted"]
+    assert doc["fit"]["steps"]["source"] == "markers", doc["unfitted"]  # the bench marks steps
     assert w["reader"]["batch_size"] == 2 and w["reader"]["read_threads"] == 1
     assert w["dataset"]["num_files_train"] == 24 and w["train"]["epochs"] == 1
-    # The step period: never below the compute it holds (readers ran ahead of it).
+    # The compute the markers measured: the bench's sleep, never less.
     assert w["train"]["computation_time"] >= 0.01
     assert w["checkpoint"]["steps_between_checkpoints"] == 4
     assert w["model"]["model_size_bytes"] == 1 << 20

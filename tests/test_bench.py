@@ -22,6 +22,7 @@ from lcache.bench.order import epoch_order, steps_per_epoch
 from lcache.bench.reader import SampleReader
 from lcache.cli.main import cli
 from lcache.errors import ConfigError
+from lcache.report.load import json_lines
 
 GIB = 2**30
 
@@ -436,7 +437,7 @@ def test_trace_records_the_runs_io(tmp_path: Path) -> None:
     assert s["trace"]["traces"] == [str(trace)]
     cats: dict[str, int] = {}
     ops: dict[tuple[str, str], int] = {}
-    for line in trace.read_text().splitlines():
+    for line in json_lines(str(trace)):  # the trace's binary blocks, as JSON lines
         line = line.strip().rstrip(",")
         if line.startswith("{"):
             ev = json.loads(line)
