@@ -12,6 +12,7 @@ import yaml
 
 from lcache.bench import parse_workload
 from lcache.bench.order import epoch_order
+from lcache.report.load import json_lines
 
 from .conftest import run_torchrun
 
@@ -21,7 +22,7 @@ TIMEOUT = 150
 def data_reads(trace: Path) -> int:
     """Bytes of data-source reads in a trace."""
     total = 0
-    for line in trace.read_text().splitlines():
+    for line in json_lines(str(trace)):  # binary blocks as JSON lines
         line = line.strip().rstrip(",")
         if line.startswith("{"):
             ev = json.loads(line)

@@ -14,7 +14,7 @@ import lcache.trace
 from lcache.data import CachedDataset
 from lcache.report import plots as report_plots
 from lcache.report import summarize, write_report
-from lcache.report.load import load
+from lcache.report.load import json_lines, load
 from lcache.store import Store
 
 from .conftest import mounted_tmpfs
@@ -126,7 +126,7 @@ def test_recorded_files_carry_their_filesystem(tmp_path: Path) -> None:
         lcache.trace.record("read", "s3://bucket/x", 0, 1, "data-source", 1000, 10, 1)
     finally:
         lcache.trace.disable()
-    meta = {e["args"]["name"]: e["args"] for e in map(json.loads, trace.read_text().splitlines())
+    meta = {e["args"]["name"]: e["args"] for e in map(json.loads, json_lines(str(trace)))
             if e.get("name") == "file_name"}
     st = os.stat(trace)
     assert meta[str(trace)]["dev"] == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
