@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from lcache import checkpoint as ck
 from lcache.checkpoint import persist
 from lcache.io import IOEvent, set_tracer
+from lcache.testing import pattern_bytes
 
 
 @pytest.fixture
@@ -61,3 +63,15 @@ def test_checkpoint_load_into_runs_on_the_engine(tmp_path: Path,
     reads = {name for e, name in io_threads if e.op == "read" and e.io_class == "checkpoint"}
     assert reads and _engine_or_caller(reads) == set(), reads
     assert np.array_equal(like["w"], state["w"]) and np.array_equal(like["b"], state["b"])
+
+
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_store_appends_run_on_the_engine(open_store: Any, direct_writes: bool,
+                                         io_threads: list[tuple[IOEvent, str]]) -> None:
+    store = open_store(segment_size=8 << 20, capacity=64 << 20, direct_writes=direct_writes)
+    values = [pattern_bytes(100_000 + i, i) for i in range(40)]  # > 1 MiB: split writes
+    store.put_many(list(range(40)), values)
+    store.put(99, b"small")
+    writes = {name for e, name in io_threads if e.op == "write" and e.io_class == "cache-write"}
+    assert writes and _engine_or_caller(writes) == set(), writes
+    assert [store.get(i) for i in range(40)] == values and store.get(99) == b"small"

@@ -295,8 +295,8 @@ class _Op:
 
     __slots__ = ("buf", "fd", "io_class", "offset", "pending", "tokens", "write")
 
-    def __init__(self, fd: int, offset: int, buf: Buffer, write: bool, io_class: str,
-                 pending: Pending, tokens: queue.SimpleQueue[None]) -> None:
+    def __init__(self, fd: int, offset: int, buf: Buffer | list[Buffer], write: bool,
+                 io_class: str, pending: Pending, tokens: queue.SimpleQueue[None]) -> None:
         self.fd = fd
         self.offset = offset
         self.buf = buf
@@ -307,16 +307,12 @@ class _Op:
 
     def work(self) -> None:
         try:
-            fd, offset, buf = self.fd, self.offset, memoryview(self.buf)
-            if buf.format != "B" or buf.ndim != 1:
-                buf = buf.cast("B")  # lengths and offsets are in bytes (e.g. a tensor's view)
-            slow = not _aligned(offset, buf) and _is_direct(fd)
-            if self.write:
-                n = (_write_direct_unaligned(fd, offset, buf, self.io_class) if slow
-                     else pwrite_full(fd, offset, [buf], self.io_class))
+            fd, offset, io_class = self.fd, self.offset, self.io_class
+            if isinstance(self.buf, list):  # submit_writev
+                n = (pwrite_full(fd, offset, self.buf, io_class) if not _is_direct(fd)
+                     else _transfer(fd, offset, memoryview(b"".join(self.buf)), True, io_class))
             else:
-                n = (_read_direct_unaligned(fd, offset, buf, self.io_class) if slow
-                     else pread_full(fd, offset, buf, self.io_class))
+                n = _transfer(fd, offset, memoryview(self.buf), self.write, io_class)
         except BaseException as exc:
             self.tokens.put(None)
             self.pending._finish(0, exc)
@@ -325,6 +321,18 @@ class _Op:
         # never blocks on its own finished operation.
         self.tokens.put(None)
         self.pending._finish(n, None)
+
+
+def _transfer(fd: int, offset: int, buf: memoryview, write: bool, io_class: str) -> int:
+    """One whole read or write, split where O_DIRECT cannot take it as it is."""
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")  # lengths and offsets are in bytes (e.g. a tensor's view)
+    slow = not _aligned(offset, buf) and _is_direct(fd)
+    if write:
+        return (_write_direct_unaligned(fd, offset, buf, io_class) if slow
+                else pwrite_full(fd, offset, [buf], io_class))
+    return (_read_direct_unaligned(fd, offset, buf, io_class) if slow
+            else pread_full(fd, offset, buf, io_class))
 
 
 class _Batch:
@@ -411,7 +419,8 @@ class IOEngine:
                 return
             item.work()
 
-    def _submit(self, fd: int, offset: int, buf: Buffer, write: bool, io_class: str) -> Pending:
+    def _submit(self, fd: int, offset: int, buf: Buffer | list[Buffer], write: bool,
+                io_class: str) -> Pending:
         self._ensure_pool()
         tokens = self._tokens
         tokens.get()  # blocks while queue_depth operations are in flight
@@ -436,6 +445,12 @@ class IOEngine:
         operations are in flight.
         """
         return self._submit(fd, offset, data, True, io_class)
+
+    def submit_writev(self, fd: int, offset: int, bufs: Sequence[Buffer],
+                      io_class: str = "other") -> Pending:
+        """Start writing ``bufs`` one after another at ``offset`` (one ``pwritev``; joined
+        first on an O_DIRECT descriptor). As ``submit_write`` otherwise."""
+        return self._submit(fd, offset, list(bufs), True, io_class)
 
     def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
                    on_done: Callable[[int, int], None] | None = None,

@@ -20,7 +20,6 @@ import mmap
 import os
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,13 +29,15 @@ import xxhash
 from lcache.errors import ConfigError, CorruptionError
 from lcache.io import (
     BufferPool,
+    Pending,
     align_down,
     align_up,
     aligned_buffer,
+    default_engine,
     fsync_dir,
     logical_block_size,
     pread_full,
-    pwrite_full,
+    settle,
     sync_fd,
 )
 from lcache.io.publish import atomic_write
@@ -236,7 +237,7 @@ class StagedWrite:
     offset_before: int
     tail_before: bytearray
     independent: bool = False  # starts on a fresh block: may be written beside the previous
-    futures: list[Future[int]] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
     done: bool = False  # waited for, whatever the outcome
 
 
@@ -275,7 +276,6 @@ class SegmentWriter:
         self._buffers = pool or BufferPool(2)
         self._stages: list[mmap.mmap] = []  # two, alternating between batches
         self._which = 0
-        self._threads: ThreadPoolExecutor | None = None
         self._inflight: list[StagedWrite] = []
         self._entry_synced = False
         self._batches: list[tuple[int, list[tuple[int, int, int]]]] = []  # (start, entries)
@@ -342,37 +342,34 @@ class SegmentWriter:
         A large direct batch goes out as ``WRITE_DEPTH`` block-aligned pieces at once: one
         write in flight leaves this class of SSD at about two thirds of its sequential speed.
         """
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(2 * WRITE_DEPTH, thread_name_prefix="lcache-append")
+        engine = default_engine()
         self._inflight.append(staged)
         if self._direct_fd < 0:
-            staged.futures = [
-                self._threads.submit(pwrite_full, self.fd, staged.base, staged.data, io_class)]
+            staged.pending = [engine.submit_writev(self.fd, staged.base, staged.data, io_class)]
             return
         whole = staged.data[0]
         piece = max(SPLIT_ABOVE, align_up(-(-len(whole) // WRITE_DEPTH), self._block))
-        staged.futures = [
-            self._threads.submit(pwrite_full, self._direct_fd, staged.base + lo,
-                              [whole[lo : lo + piece]], io_class)
-            for lo in range(0, len(whole), piece)
-        ]
+        for lo in range(0, len(whole), piece):
+            staged.pending.append(engine.submit_write(self._direct_fd, staged.base + lo,
+                                                      whole[lo : lo + piece], io_class))
 
     def wait(self, staged: StagedWrite) -> None:
         """Wait for a submitted batch. On failure, forget it and everything staged after it
         and cut the file back, so the segment holds only whole records; then re-raise."""
-        if not staged.futures:
+        if not staged.pending:
             raise AssertionError("wait() on a batch that was never submitted")
         staged.done = True
         self._inflight.remove(staged)
         try:
-            for future in staged.futures:
-                future.result()
+            try:
+                for p in staged.pending:
+                    p.wait()
+            finally:
+                settle(staged.pending)  # after a failed piece, the others land first too
             staged.data = []
         except BaseException:
             for later in self._inflight:  # let them land before the file is cut back
-                for future in later.futures:
-                    with contextlib.suppress(BaseException):
-                        future.result()
+                settle(later.pending)
                 later.done = True
             self._inflight.clear()
             del self._batches[staged.batches_before :]
@@ -415,12 +412,12 @@ class SegmentWriter:
 
     def close(self) -> None:
         """Close without sealing (a crash looks like this); the kernel drops the lock."""
+        for staged in self._inflight:  # no write may outlive the descriptors it uses
+            settle(staged.pending)
+        self._inflight.clear()
         if self._direct_fd >= 0:
             os.close(self._direct_fd)
             self._direct_fd = -1
-        if self._threads is not None:
-            self._threads.shutdown(wait=True)
-            self._threads = None
         for buf in self._stages:  # reused by the next writer: no fresh page faults
             self._buffers.give(buf)
         self._stages = []
