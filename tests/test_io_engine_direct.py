@@ -171,3 +171,16 @@ def test_direct_io_matches_a_model(tmp_path_factory: pytest.TempPathFactory,
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_submit_writev_writes_the_parts_in_order(tmp_path: Path, engine: IOEngine,
+                                                 direct: bool) -> None:
+    parts = [b"%05d" % i for i in range(3000)]  # more parts than one pwritev takes
+    path = tmp_path / "v"
+    fd = _direct(path) if direct else os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert engine.submit_writev(fd, 100, parts).wait() == 15_000
+        assert (tmp_path / "v").read_bytes() == bytes(100) + b"".join(parts)
+    finally:
+        os.close(fd)
