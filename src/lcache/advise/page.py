@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lcache.report.html import _e, _table, render
+from lcache.report.html import escape, render, table
 from lcache.report.load import Trace
 from lcache.report.plots import all_plots
 from lcache.report.stats import summarize_trace
@@ -19,10 +19,10 @@ def _advice_rows(items: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for a in items:
         if "missing" in a:
-            rows.append([_e(a["topic"]), "not fitted", _e(a["missing"])])
+            rows.append([escape(a["topic"]), "not fitted", escape(a["missing"])])
         else:
-            rows.append([_e(a["topic"]), _e(f"{a['figure']} = {a['value']}"),
-                         _e(a["arithmetic"])])
+            rows.append([escape(a["topic"]), escape(f"{a['figure']} = {a['value']}"),
+                         escape(a["arithmetic"])])
     return rows
 
 
@@ -30,33 +30,34 @@ def section(doc: dict[str, Any]) -> str:
     """The Advice section: advice with its arithmetic, what was not fitted, the emitted
     workload, the scaled figures and the storage check."""
     parts = ["<h2>Advice</h2>",
-             _table(["topic", "advice", "arithmetic"], _advice_rows(doc["advice"]), left=3)]
+             table(["topic", "advice", "arithmetic"], _advice_rows(doc["advice"]), left=3)]
     if doc["unfitted"]:
         parts.append("<h2>Not fitted</h2><ul>" + "".join(
-            f"<li><b>{_e(u['what'])}</b>: {_e(u['why'])}</li>" for u in doc["unfitted"])
+            f"<li><b>{escape(u['what'])}</b>: {escape(u['why'])}</li>" for u in doc["unfitted"])
             + "</ul>")
     fit = doc["fit"]
     cols = ("ops", "read_bytes_per_step", "write_bytes_per_step", "read_fraction", "size_p50",
             "size_p90", "seq_fraction", "concurrency_mean", "threads")
     parts.append("<h2>Fitted per class group</h2>")
-    parts.append(_table(["group", *cols], [
-        [_e(name)] + [_e("n/a" if g[c] is None else g[c]) for c in cols]
+    parts.append(table(["group", *cols], [
+        [escape(name)] + [escape("n/a" if g[c] is None else g[c]) for c in cols]
         for name, g in fit["groups"].items()]))
-    parts.append(f'<p class="small">steps: {_e(json.dumps(fit["steps"]))}<br>dataset: '
-                 f'{_e(json.dumps(fit["dataset"]))}<br>checkpoint: '
-                 f'{_e(json.dumps(fit["checkpoint"]))}</p>')
+    parts.append(f'<p class="small">steps: {escape(json.dumps(fit["steps"]))}<br>dataset: '
+                 f'{escape(json.dumps(fit["dataset"]))}<br>checkpoint: '
+                 f'{escape(json.dumps(fit["checkpoint"]))}</p>')
     if doc.get("check"):
         c = doc["check"]
-        parts.append(f"<h2>Check on {_e(c['storage'])}</h2>")
-        parts.append(_table(["class", "keeps up", "margin", "arithmetic"], [
-            [_e(k), "yes" if v["keeps_up"] else "NO", _e(v["margin"]), _e(v["arithmetic"])]
+        parts.append(f"<h2>Check on {escape(c['storage'])}</h2>")
+        parts.append(table(["class", "keeps up", "margin", "arithmetic"], [
+            [escape(k), "yes" if v["keeps_up"] else "NO", escape(v["margin"]),
+             escape(v["arithmetic"])]
             for k, v in c["classes"].items()], left=1))
-        parts.append(f'<p class="small">{_e(c["verdict"])}</p>')
+        parts.append(f'<p class="small">{escape(c["verdict"])}</p>')
     if doc.get("scale"):
         parts.append("<h2>Scaled to the target cluster</h2><pre>"
-                     f"{_e(json.dumps(_scale_view(doc['scale']), indent=1))}</pre>")
+                     f"{escape(json.dumps(_scale_view(doc['scale']), indent=1))}</pre>")
     parts.append("<h2>Emitted DLIO workload</h2><pre>"
-                 f"{_e(doc['workload']['yaml'])}</pre>")
+                 f"{escape(doc['workload']['yaml'])}</pre>")
     return "\n".join(parts)
 
 

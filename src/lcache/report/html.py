@@ -39,7 +39,7 @@ _CLASS_COLS = ("ops", "bytes", "read_bytes", "write_bytes", "size_p50", "size_p9
                "seq_fraction", "MBps_mean", "MBps_peak", "lat_p50_us", "lat_p99_us")
 
 
-def _e(value: Any) -> str:
+def escape(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
@@ -50,11 +50,11 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value:.3f}" if key == "seq_fraction" else f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}"
-    return _e(value)
+    return escape(value)
 
 
-def _table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
-    head = "".join(f'<th class="l">{_e(h)}</th>' if i < left else f"<th>{_e(h)}</th>"
+def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    head = "".join(f'<th class="l">{escape(h)}</th>' if i < left else f"<th>{escape(h)}</th>"
                    for i, h in enumerate(headers))
     body = "".join("<tr>" + "".join(f'<td class="l">{c}</td>' if i < left else f"<td>{c}</td>"
                                     for i, c in enumerate(row)) + "</tr>" for row in rows)
@@ -69,45 +69,45 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
         "img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'\">",
         "<title>lcache I/O report</title>", f"<style>{_CSS}</style></head><body>",
         "<h1>lcache I/O characterization</h1>",
-        f'<p class="small">Trace: {", ".join(_e(p) for p in t["files"])} &middot; '
+        f'<p class="small">Trace: {", ".join(escape(p) for p in t["files"])} &middot; '
         f'{t["io_events"]:,} I/O events, {t["processes"]} processes, '
         f'{t["span_s"]:.2f} s of I/O.</p>',
         "<h2>Per class</h2>",
     ]
-    rows = [[_e(name)] + [_fmt(k, v.get(k, 0)) for k in _CLASS_COLS]
+    rows = [[escape(name)] + [_fmt(k, v.get(k, 0)) for k in _CLASS_COLS]
             for name, v in summary["classes"].items()]
     rows.append(["<b>total</b> (without syscall)"] +
                 [_fmt(k, summary["total"].get(k, 0)) for k in _CLASS_COLS])
-    parts.append(_table(["class", *_CLASS_COLS], rows))
+    parts.append(table(["class", *_CLASS_COLS], rows))
     parts.append('<p class="small">Bytes are bytes transferred; MB = 10<sup>6</sup> bytes; '
                  "percentiles are nearest-rank, and a p99 is n/a for a class of fewer than "
                  "100 ops (no op would lie above it); definitions in docs/trace.md.</p>")
     for i, (title, caption, png) in enumerate(plots):
-        parts.append(f'<figure><h2>{_e(title)}</h2><img class="plot" id="plot-{i}" '
-                     f'alt="{_e(title)}" src="data:image/png;base64,{png}">'
-                     f"<figcaption>{_e(caption)}</figcaption></figure>")
+        parts.append(f'<figure><h2>{escape(title)}</h2><img class="plot" id="plot-{i}" '
+                     f'alt="{escape(title)}" src="data:image/png;base64,{png}">'
+                     f"<figcaption>{escape(caption)}</figcaption></figure>")
     if summary["filesystems"]:
         parts.append("<h2>Where the bytes went (filesystems)</h2>")
         parts.append('<p class="small">The filesystem each file lives on (device number, '
                      "mount point, type). A file in memory (tmpfs, ramfs) never reaches a "
                      "storage device; cache I/O there is class cache-ram.</p>")
-        parts.append(_table(["mount", "fs", "device", "in memory", "ops", "read_bytes",
+        parts.append(table(["mount", "fs", "device", "in memory", "ops", "read_bytes",
                              "write_bytes", "bytes per class"], [
-            [_e(f["mount"]), _e(f["fs"]), _e(f["dev"]), "yes" if f["memory"] else "no",
+            [escape(f["mount"]), escape(f["fs"]), escape(f["dev"]), "yes" if f["memory"] else "no",
              f"{f['ops']:,}", f"{f['read_bytes']:,}", f"{f['write_bytes']:,}",
-             _e(", ".join(f"{c} {b:,}" for c, b in f["classes"].items()))]
+             escape(", ".join(f"{c} {b:,}" for c, b in f["classes"].items()))]
             for f in summary["filesystems"].values()], left=4))
     if summary["top_files"]:
         parts.append("<h2>Top files</h2>")
-        parts.append(_table(["file", "filesystem", "bytes", "ops", "classes"], [
-            [_e(f["file"]), _e(f"{f['fs']} {f['mount']}".strip()), f"{f['bytes']:,}",
-             f"{f['ops']:,}", _e(", ".join(f["classes"]))]
+        parts.append(table(["file", "filesystem", "bytes", "ops", "classes"], [
+            [escape(f["file"]), escape(f"{f['fs']} {f['mount']}".strip()), f"{f['bytes']:,}",
+             f"{f['ops']:,}", escape(", ".join(f["classes"]))]
             for f in summary["top_files"]], left=2))
     if summary["processes"]:
         parts.append("<h2>Processes (/proc/&lt;pid&gt;/io)</h2>")
-        parts.append(_table(["pid", "command", "read_bytes", "write_bytes", "rchar", "wchar",
+        parts.append(table(["pid", "command", "read_bytes", "write_bytes", "rchar", "wchar",
                              "seconds"], [
-            [_e(pid), _e(p["name"][:120]), f"{p['read_bytes']:,}", f"{p['write_bytes']:,}",
+            [escape(pid), escape(p["name"][:120]), f"{p['read_bytes']:,}", f"{p['write_bytes']:,}",
              f"{p['rchar']:,}", f"{p['wchar']:,}", f"{p['seconds']:.2f}"]
             for pid, p in summary["processes"].items()], left=2))
     if summary["devices"]:
@@ -121,9 +121,10 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
                          "jobs' or the kernel's).</p>")
         cols = ["read_bytes", "write_bytes", "reads", "writes", "MBps_mean", "MBps_peak",
                 "IOPS_mean", "IOPS_peak", "busy_fraction"]
-        parts.append(_table(["device", *cols], [
-            [_e(dev)] + [_fmt(k, d[k]) for k in cols] for dev, d in summary["devices"].items()]))
+        parts.append(table(["device", *cols], [
+            [escape(dev)] + [_fmt(k, d[k]) for k in cols]
+            for dev, d in summary["devices"].items()]))
     parts.append("<h2>summary.json</h2><details><summary>show</summary><pre>"
-                 f"{_e(json.dumps(summary, indent=1))}</pre></details>")
+                 f"{escape(json.dumps(summary, indent=1))}</pre></details>")
     parts.append(f"<script>{_SCRIPT}</script></body></html>")
     return "\n".join(parts)
