@@ -137,6 +137,25 @@ class SaveViews(torch.autograd.Function):  # type: ignore[misc]
         return torch.ones(8, 6) * grad
 
 
+class CheckSaved(torch.autograd.Function):  # type: ignore[misc]
+    """Passes ``x`` on; saves ``keep`` and checks in backward it comes back as saved: values,
+    strides, and its address modulo 64 (kernels may round otherwise on other alignments)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, keep: Any) -> Any:
+        ctx.expected = (keep.clone(), keep.stride(), keep.data_ptr() % 64)
+        ctx.save_for_backward(keep)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        (got,) = ctx.saved_tensors
+        value, stride, alignment = ctx.expected
+        assert torch.equal(got, value)
+        assert (got.stride(), got.data_ptr() % 64) == (stride, alignment)
+        return grad, None
+
+
 def test_views_of_one_storage_are_one_spill_and_come_back_as_the_same_views(
         tmp_path: Path) -> None:
     base = torch.randn(8, 6, requires_grad=True)
@@ -145,6 +164,23 @@ def test_views_of_one_storage_are_one_spill_and_come_back_as_the_same_views(
     assert act.stats.tensors_spilled == 1 and act.stats.tensors_deduplicated == 2
     assert act.stats.bytes_spilled == 8 * 6 * 4
     assert torch.equal(base.grad, torch.ones(8, 6))
+
+
+def test_a_batch_sliced_from_a_dataset_in_memory_spills_only_its_bytes(tmp_path: Path) -> None:
+    """A small view of a big storage: its own bytes (from a 64-byte boundary) are spilled,
+    not the 1 MiB dataset, and come back at the same offset and strides."""
+    torch.manual_seed(0)
+    data = torch.randn(4096, 64)
+    batch = data[101:165, 3:35]  # strided, 12 bytes past a 64-byte boundary
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    other = data[3000:3016]  # another part of the dataset: a spill of its own
+
+    def run(m: Any) -> Any:
+        return CheckSaved.apply(CheckSaved.apply(m(batch), batch), other).sum()
+
+    stats = assert_same_grads(model, run, tmp_path / "act", min_bytes=1024)
+    assert stats.tensors_deduplicated >= 1  # Linear saved the batch too
+    assert 0 < stats.bytes_spilled < data.nbytes // 16
 
 
 def test_a_storage_changed_in_place_between_two_saves_is_spilled_again(tmp_path: Path) -> None:

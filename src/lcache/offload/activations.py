@@ -56,6 +56,9 @@ WRITE_CLASS = "offload-act-write"
 READ_CLASS = "offload-act-read"
 
 _EXTENT = 4096  # spill offsets are page aligned: no partial page shared by two spills
+# A part of a storage spilled starts at this alignment, which its copy read back keeps (the
+# storage's own): kernels may take other paths, and round differently, on other alignments.
+_ALIGN = 64
 _SCAN = 64  # positions looked at below the one backward unpacks, to find what to read ahead
 
 
@@ -202,15 +205,18 @@ def _check_version(tensor: torch.Tensor, version: int) -> None:
 class _Spill:
     """One storage written to the spill file, shared by every saved tensor that views it."""
 
-    __slots__ = ("ahead", "dead", "error", "handles", "io", "key", "mem", "nbytes", "offset",
-                 "source", "version", "waiting", "writing")
+    __slots__ = ("ahead", "dead", "error", "handles", "io", "key", "lo", "mem", "nbytes",
+                 "offset", "source", "storage_bytes", "version", "waiting", "writing")
 
-    def __init__(self, key: StorageWeakRef, version: int, offset: int, nbytes: int) -> None:
+    def __init__(self, key: StorageWeakRef, version: int, storage_bytes: int, lo: int,
+                 hi: int, offset: int) -> None:
         self.key = key
         self.version = version
-        self.offset = offset
-        self.nbytes = nbytes
-        self.mem: torch.Tensor | None = None  # its bytes in memory (uint8), if they are
+        self.storage_bytes = storage_bytes
+        self.lo = lo  # it holds bytes lo:hi of the storage
+        self.nbytes = hi - lo
+        self.offset = offset  # in the spill file
+        self.mem: torch.Tensor | None = None  # bytes lo:hi in memory (uint8), if they are
         self.source: torch.Tensor | None = None  # the saved tensor, while its bytes are mem
         self.io: Pending | None = None
         self.writing = False  # io is a write
@@ -222,7 +228,7 @@ class _Spill:
 
 
 class _Saved:
-    """What autograd keeps for a spilled tensor: where it lies in its storage's spill."""
+    """What autograd keeps for a spilled tensor: where it lies in its storage."""
 
     __slots__ = ("dtype", "offset", "pos", "session", "shape", "spill", "stride", "unpacked")
 
@@ -288,7 +294,7 @@ class _Session:
         self.space = _Space()
         self.lock = threading.Lock()
         self.closed = False
-        self.by_storage: dict[StorageWeakRef, _Spill] = {}
+        self.by_storage: dict[StorageWeakRef, list[_Spill]] = {}
         self.order: dict[int, _Spill] = {}  # saved tensor's position -> its spill, until unpacked
         self.positions = itertools.count()
         self.inflight: collections.deque[_Spill] = collections.deque()
@@ -301,14 +307,14 @@ class _Session:
             self._settle()
             storage = t.untyped_storage()
             key = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-            spill = self.by_storage.get(key)
-            # The version counter is shared by a tensor and its views: equal, the storage
-            # still holds what was written.
-            if (spill is not None and spill.version == t._version and spill.error is None
-                    and spill.nbytes == storage.nbytes()):
+            start, end = _span(t)
+            spill = next((s for s in self.by_storage.get(key, ()) if s.error is None
+                          and s.version == t._version and s.storage_bytes == storage.nbytes()
+                          and s.lo <= start and end <= s.lo + s.nbytes), None)
+            if spill is not None:
                 self.stats.tensors_deduplicated += 1
             else:
-                spill = self._write(t, storage, key)
+                spill = self._write(t, storage, key, start, end)
             spill.handles += 1
             spill.waiting += 1
             pos = next(self.positions)
@@ -329,8 +335,11 @@ class _Session:
                 spill.waiting -= 1
             self._read_ahead(saved.pos)
             mem = self._load(spill)
+            # mem holds the storage's bytes from lo, at its own offset: the original's in the
+            # storage itself while it is being written, 0 in a buffer read back
+            at = mem.storage_offset() - spill.lo + saved.offset * saved.dtype.itemsize
             out = torch.empty(0, dtype=saved.dtype).set_(
-                mem.untyped_storage(), saved.offset, saved.shape, saved.stride)
+                mem.untyped_storage(), at // saved.dtype.itemsize, saved.shape, saved.stride)
             if spill.ahead:
                 spill.ahead = False
                 self.ahead -= 1
@@ -356,20 +365,24 @@ class _Session:
             os.close(self.fd)
             return error
 
-    def _write(self, t: torch.Tensor, storage: torch.UntypedStorage,
-               key: StorageWeakRef) -> _Spill:
+    def _write(self, t: torch.Tensor, storage: torch.UntypedStorage, key: StorageWeakRef,
+               start: int, end: int) -> _Spill:
         while self.writes >= self.owner.write_behind:  # before anything changes: it may raise
             self._finish(self.inflight.popleft())
-        nbytes = storage.nbytes()
-        spill = _Spill(key, t._version, self.space.take(nbytes), nbytes)
+        size = storage.nbytes()
+        # The whole storage, so that the other views of it (q, k and v of one projection)
+        # share the spill; only the tensor's bytes when it is a small part of a storage that
+        # lives on anyway (a batch sliced from a dataset held in memory).
+        lo, hi = (0, size) if 2 * (end - start) >= size else (start - start % _ALIGN, end)
+        spill = _Spill(key, t._version, size, lo, hi, self.space.take(hi - lo))
         self.stats.peak_file_bytes = max(self.stats.peak_file_bytes, self.space.end)
-        spill.mem = torch.empty(0, dtype=torch.uint8).set_(storage)
+        spill.mem = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
         spill.source = t.detach()  # its version is checked once the write is done
-        self.stats.hold(nbytes)
+        self.stats.hold(spill.nbytes)
         self._submit(spill, write=True)
-        self.by_storage[key] = spill
+        self.by_storage.setdefault(key, []).append(spill)
         self.stats.tensors_spilled += 1
-        self.stats.bytes_spilled += nbytes
+        self.stats.bytes_spilled += spill.nbytes
         return spill
 
     def _submit(self, spill: _Spill, write: bool) -> None:
@@ -435,8 +448,11 @@ class _Session:
             spill.handles -= 1
             if spill.handles == 0:
                 spill.dead = True
-                if self.by_storage.get(spill.key) is spill:
-                    del self.by_storage[spill.key]
+                same = self.by_storage.get(spill.key, [])
+                if spill in same:
+                    same.remove(spill)
+                    if not same:
+                        del self.by_storage[spill.key]
                 if spill.io is None:
                     self._free(spill)
             elif spill.waiting == 0 and spill.io is None:
@@ -484,6 +500,14 @@ class _Session:
         if spill.ahead:
             spill.ahead = False
             self.ahead -= 1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` reaches, first and past the last (strides are >= 0)."""
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    reach = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + size * (1 + reach)
 
 
 def _bytes_of(mem: torch.Tensor) -> memoryview:
