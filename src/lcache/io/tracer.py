@@ -69,6 +69,7 @@ _buffers_lock = threading.Lock()
 
 _ops: dict[str, int] = {}  # op name -> id (1..65535)
 _classes: dict[str, int] = {}  # class name -> id << 16
+_codes: dict[str, dict[str, int]] = {}  # class name -> op name -> code (one lookup each)
 _file_ids = itertools.count(1)
 _fids: dict[int, int] = {}  # fd -> file id, for fds opened through lcache.io
 _names: dict[int, tuple[str, int]] = {}  # file id -> (path, st_dev or 0) of the open fds
@@ -109,7 +110,7 @@ def emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_clas
         end = perf_counter_ns()
         if tracer is _binary:
             try:  # the hot path: no object kept per event, no system call
-                _local.events.extend(_pack(_ops[op] | _classes[io_class], _fids[fd], offset,
+                _local.events.extend(_pack(_codes[io_class][op], _fids[fd], offset,
                                            size, result, t0, end))
             except (AttributeError, KeyError, struct.error):  # new thread, name or fd
                 append(op, fid_for(fd), offset, size, result, t0, end, io_class)
@@ -139,6 +140,7 @@ def code(op: str, io_class: str) -> int:
     class_id = _classes.get(io_class)
     if class_id is None:
         class_id = _classes[io_class] = _new_id(_classes, "cat", io_class) << 16
+    _codes.setdefault(io_class, {})[op] = op_id | class_id
     return op_id | class_id
 
 
