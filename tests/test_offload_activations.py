@@ -229,6 +229,19 @@ def test_parameters_their_views_and_leaves_that_require_grad_stay_in_memory(
     assert torch.equal(leaf.grad, 2 * leaf.detach())
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_tensors_that_are_not_plain_memory_stay_as_they_are(tmp_path: Path) -> None:
+    """A nested tensor has no strides to restore from (pack raised on it before)."""
+    parts = [torch.randn(20, 30), torch.randn(40, 30)]
+    nested = torch.nested.nested_tensor(parts, requires_grad=True)
+    with activations(tmp_path / "act", min_bytes=1) as act:
+        doubled = nested * 2
+        (doubled * doubled).to_padded_tensor(0.0).sum().backward()
+    assert act.stats.tensors_spilled == 0 and act.stats.tensors_kept >= 2
+    for got, part in zip(nested.grad.unbind(), parts, strict=True):
+        assert torch.equal(got, 8 * part)
+
+
 def test_memory_held_is_bounded_and_backward_reads_ahead_in_reverse(tmp_path: Path) -> None:
     """40 layers of 16 KiB activations: at most write_behind + read_ahead + 2 of them are in
     memory at once, each is read once, and backward finds nearly all read ahead."""

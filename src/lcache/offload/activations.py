@@ -10,14 +10,16 @@
 Autograd hands every tensor it saves for backward to ``saved_tensors_hooks``. One whose
 storage holds at least ``min_bytes`` is written, without waiting, through the process's I/O
 engine to one spill file; backward reads it back, ``read_ahead`` spills ahead in the reverse
-order of saving. The unit of a spill is a whole storage: a tensor and its views (a transpose,
-the q/k/v chunks of one projection) are one write, and come back as the same views of one
-buffer, with the same offsets and strides, so backward computes bit-identical gradients.
+order of saving. The unit of a spill is a storage: a tensor and its views (a transpose, the
+q/k/v chunks of one projection) are one write, and come back as the same views of one buffer,
+with the same strides and alignment, so backward computes bit-identical gradients. A tensor
+that is a small part of a big storage (a batch sliced from a dataset in memory) spills only
+its own bytes.
 
 Not spilled, because it frees nothing or cannot be restored from raw bytes: parameters
-(trainable or frozen) and views of them, leaves that require grad, tensors off the CPU,
-tensor subclasses, and tensors that are not plain strided memory (sparse, quantized,
-conjugate or negative views).
+(trainable or frozen) and views of them, leaves that require grad, tensor subclasses, and
+tensors that are not plain strided memory (sparse, nested, quantized, conjugate or negative
+views). Tensors off the CPU stay where they are too, for now.
 
 The spill file is unlinked as soon as it is created: the open descriptor keeps it, so nothing
 is left in the directory, even after ``kill -9``; its space goes back when the block exits.
@@ -170,7 +172,7 @@ class ActivationOffload:
     def _spillable(self, t: torch.Tensor) -> bool:
         base = t if t._base is None else t._base
         return (type(t) is torch.Tensor and t.device.type == "cpu"
-                and t.layout == torch.strided and not t.is_quantized
+                and t.layout == torch.strided and not t.is_nested and not t.is_quantized
                 and not t.is_conj() and not t.is_neg() and t.numel() > 0
                 and not isinstance(base, torch.nn.Parameter)
                 and not (base.is_leaf and base.requires_grad)
