@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import random
 import threading
 from pathlib import Path
@@ -13,7 +14,14 @@ import pytest
 
 from lcache import DiskFullError
 from lcache.errors import ConfigError
-from lcache.io import EngineError, IOEngine, Pending, default_engine, set_tracer
+from lcache.io import (
+    Completions,
+    EngineError,
+    IOEngine,
+    Pending,
+    default_engine,
+    set_tracer,
+)
 from lcache.io import engine as engine_module
 from lcache.testing import pattern_bytes
 
@@ -177,3 +185,28 @@ def test_a_forked_child_uses_the_engine(tmp_path: Path) -> None:
     finally:
         os.close(fd)
 
+
+
+def test_completions_arrive_in_the_order_operations_finish(tmp_path: Path) -> None:
+    """The first read is held (by its tracer call) while the two after it finish: they are
+    reaped first, not stuck behind it."""
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    fd = os.open(path, os.O_RDONLY)
+    gate = threading.Event()
+    engine = IOEngine(4)
+    done: Completions = queue.SimpleQueue()
+    previous = set_tracer(lambda event: event.offset == 0 and gate.wait())
+    try:
+        bufs = [bytearray(1) for _ in range(3)]
+        handles = [engine.submit_read(fd, i, memoryview(bufs[i]), notify=done) for i in range(3)]
+        first_two = {done.get(timeout=10), done.get(timeout=10)}
+        assert first_two == {handles[1], handles[2]} and not handles[0].done()
+        gate.set()
+        assert done.get(timeout=10) is handles[0]
+        assert [p.wait() for p in handles] == [1, 1, 1] and b"".join(bufs) == b"abc"
+    finally:
+        gate.set()
+        set_tracer(previous)
+        os.close(fd)
+        engine.close()

@@ -3,6 +3,7 @@
 from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer, aligned_empty
 from lcache.io.dirs import check_private_dir, make_private_dirs, private_dir
 from lcache.io.engine import (
+    Completions,
     EngineError,
     IOEngine,
     Pending,
@@ -21,6 +22,7 @@ from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
 
 __all__ = [
     "BufferPool",
+    "Completions",
     "EngineError",
     "IOEngine",
     "IOEvent",

@@ -290,13 +290,18 @@ def settle(handles: Iterable[Pending]) -> None:
             p.wait()
 
 
+Completions = queue.SimpleQueue[Pending]
+"""Where finished handles are put, in the order they finish (``notify=`` of ``submit_*``)."""
+
+
 class _Op:
     """One submitted read or write; a worker runs it and finishes its ``Pending``."""
 
-    __slots__ = ("buf", "fd", "io_class", "offset", "pending", "tokens", "write")
+    __slots__ = ("buf", "fd", "io_class", "notify", "offset", "pending", "tokens", "write")
 
     def __init__(self, fd: int, offset: int, buf: Buffer | list[Buffer], write: bool,
-                 io_class: str, pending: Pending, tokens: queue.SimpleQueue[None]) -> None:
+                 io_class: str, pending: Pending, tokens: queue.SimpleQueue[None],
+                 notify: Completions | None) -> None:
         self.fd = fd
         self.offset = offset
         self.buf = buf
@@ -304,6 +309,7 @@ class _Op:
         self.io_class = io_class
         self.pending = pending
         self.tokens = tokens
+        self.notify = notify
 
     def work(self) -> None:
         try:
@@ -314,13 +320,17 @@ class _Op:
             else:
                 n = _transfer(fd, offset, memoryview(self.buf), self.write, io_class)
         except BaseException as exc:
-            self.tokens.put(None)
-            self.pending._finish(0, exc)
+            self._finish(0, exc)
             return
+        self._finish(n, None)
+
+    def _finish(self, n: int, error: BaseException | None) -> None:
         # The slot is freed before the waiter wakes, so a caller that waits then submits
         # never blocks on its own finished operation.
         self.tokens.put(None)
-        self.pending._finish(n, None)
+        self.pending._finish(n, error)
+        if self.notify is not None:
+            self.notify.put(self.pending)
 
 
 def _transfer(fd: int, offset: int, buf: memoryview, write: bool, io_class: str) -> int:
@@ -420,37 +430,39 @@ class IOEngine:
             item.work()
 
     def _submit(self, fd: int, offset: int, buf: Buffer | list[Buffer], write: bool,
-                io_class: str) -> Pending:
+                io_class: str, notify: Completions | None) -> Pending:
         self._ensure_pool()
         tokens = self._tokens
         tokens.get()  # blocks while queue_depth operations are in flight
         pending = Pending(self._pid)
-        self._queue.put(_Op(fd, offset, buf, write, io_class, pending, tokens))
+        self._queue.put(_Op(fd, offset, buf, write, io_class, pending, tokens, notify))
         return pending
 
-    def submit_read(self, fd: int, offset: int, buf: memoryview,
-                    io_class: str = "other") -> Pending:
+    def submit_read(self, fd: int, offset: int, buf: memoryview, io_class: str = "other",
+                    notify: Completions | None = None) -> Pending:
         """Start reading ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf``.
 
         ``buf`` must stay untouched until the handle is done. Blocks while ``queue_depth``
-        operations are in flight.
+        operations are in flight. With ``notify``, the handle is also put there once done,
+        so a caller with many operations in flight reaps them in the order they finish
+        rather than waiting behind the oldest.
         """
-        return self._submit(fd, offset, buf, False, io_class)
+        return self._submit(fd, offset, buf, False, io_class, notify)
 
-    def submit_write(self, fd: int, offset: int, data: Buffer,
-                     io_class: str = "other") -> Pending:
+    def submit_write(self, fd: int, offset: int, data: Buffer, io_class: str = "other",
+                     notify: Completions | None = None) -> Pending:
         """Start writing all of ``data`` to ``fd`` at ``offset``.
 
         ``data`` must stay unchanged until the handle is done. Blocks while ``queue_depth``
-        operations are in flight.
+        operations are in flight. ``notify`` as for ``submit_read``.
         """
-        return self._submit(fd, offset, data, True, io_class)
+        return self._submit(fd, offset, data, True, io_class, notify)
 
     def submit_writev(self, fd: int, offset: int, bufs: Sequence[Buffer],
-                      io_class: str = "other") -> Pending:
+                      io_class: str = "other", notify: Completions | None = None) -> Pending:
         """Start writing ``bufs`` one after another at ``offset`` (one ``pwritev``; joined
         first on an O_DIRECT descriptor). As ``submit_write`` otherwise."""
-        return self._submit(fd, offset, list(bufs), True, io_class)
+        return self._submit(fd, offset, list(bufs), True, io_class, notify)
 
     def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
                    on_done: Callable[[int, int], None] | None = None,
