@@ -1,0 +1,202 @@
+"""OffloadedOptimizer: the same bits as torch's optimizers, bounded memory, files that never
+pile up, refusals up front (issue 12, 2-5)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lcache.errors import ConfigError, DiskFullError
+from lcache.io import set_tracer
+from lcache.offload import OffloadedOptimizer
+from tests._offload_model import batch, loss_of, make_model, train
+from tests.conftest import mounted_tmpfs, subprocess_env
+
+# ~11 sub-groups, params split across; through the page cache, as blocks this small take
+# milliseconds each with O_DIRECT (the AMSGrad test and the file tests keep O_DIRECT)
+SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Why: a 32k-parameter model gains nothing from threads, and torch's spinning intra-op
+    # threads run 10x slower on a loaded 2-core machine; the bits do not depend on it.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("impl", [{}, {"foreach": False}], ids=["fused", "single-tensor"])
+def test_fp32_bit_identical_to_adamw_for_100_steps(tmp_path: Path, impl: dict) -> None:
+    ref_model, model = make_model(), make_model()
+    # the offload's default is torch's fused CPU AdamW; foreach=False is torch's CPU default
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.1,
+                            **(impl or {"fused": True}))
+    with OffloadedOptimizer(model.named_parameters(), torch.optim.AdamW, lr=3e-3,
+                            weight_decay=0.1, dir=tmp_path, **SMALL, **impl) as opt:
+        assert len(opt.sub_groups) > 5
+        train(ref_model, ref, range(100))
+        train(model, opt, range(100))
+        assert same(ref_model, model)
+        assert opt.read_bytes == opt.write_bytes - opt.slot_bytes  # + the initial masters
+
+
+def test_adam_with_amsgrad_keeps_its_third_state(tmp_path: Path) -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2, amsgrad=True, fused=True)
+    with OffloadedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2, amsgrad=True,
+                            dir=tmp_path, **{**SMALL, "direct": True}) as opt:
+        assert opt.state_names == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        train(ref_model, ref, range(10))
+        train(model, opt, range(10))
+    assert same(ref_model, model)
+
+
+def test_bf16_params_match_adamw_on_an_fp32_master_copy(tmp_path: Path) -> None:
+    model = make_model(dtype=torch.bfloat16)
+    master = make_model(dtype=torch.bfloat16).float()  # the fp32 copy of the bf16 start
+    ref = torch.optim.AdamW(master.parameters(), lr=3e-3, fused=True)
+    with OffloadedOptimizer(model.parameters(), lr=3e-3, dir=tmp_path, **SMALL) as opt:
+        for s in range(20):
+            loss_of(model, batch(s)).backward()
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                m.grad = p.grad.float()
+            opt.step()
+            ref.step()
+            opt.zero_grad(set_to_none=True)
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                assert torch.equal(p, m.to(torch.bfloat16))
+        assert same(model, master.to(torch.bfloat16))
+
+
+def test_accumulation_zero_grad_and_params_without_grads(tmp_path: Path) -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        for m, o in ((ref_model, ref), (model, opt)):
+            for s in range(6):
+                for micro in range(3):  # gradients accumulate over micro-batches
+                    loss_of(m, batch(10 * s + micro)).backward()
+                if s % 2:  # a frozen part: no gradient, no update, its step count stays
+                    m.head.weight.grad = None
+                o.step()
+                o.zero_grad(set_to_none=s % 3 != 0)
+        assert all(p.grad is None for p in model.parameters())
+    assert same(ref_model, model)
+
+
+def test_a_budget_too_small_for_one_sub_group_is_refused_with_the_minimum(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"at least 3,145,728 bytes") as info:
+        OffloadedOptimizer([torch.zeros(1 << 20, requires_grad=True)], dir=tmp_path,
+                           host_budget="1MB")
+    assert "raise host_budget" in str(info.value)
+    assert os.listdir(tmp_path) == []  # refused before any file was made
+    with pytest.raises(ConfigError, match="at least"):
+        OffloadedOptimizer(make_model().parameters(), dir=tmp_path, host_budget=4096)
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadedOptimizer(make_model().parameters(), dir=tmp_path, host_budget="lots")
+
+
+def test_swap_files_have_stable_names_and_close_removes_them(tmp_path: Path) -> None:
+    opt = OffloadedOptimizer(make_model().named_parameters(), dir=tmp_path, **SMALL)
+    assert sorted(os.listdir(tmp_path)) == ["rank00000.json", "rank00000.swap"]
+    assert os.stat(opt.swap_path).st_size == 2 * opt.slot_bytes
+    assert oct(os.stat(tmp_path).st_mode & 0o777) == "0o700"
+    with pytest.raises(ConfigError, match="in use by a running process"):
+        OffloadedOptimizer(make_model().parameters(), dir=tmp_path, **SMALL)
+    opt.close()
+    opt.close()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ConfigError, match="closed"):
+        opt.step()
+
+
+HOLDER = """
+import sys, time, torch
+from lcache.offload import OffloadedOptimizer
+opt = OffloadedOptimizer([torch.zeros(5000, requires_grad=True)], dir=sys.argv[1],
+                         host_budget="1MB")
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_runs_swap_file_is_found_and_reused(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        with pytest.raises(ConfigError, match="in use"):  # alive: its lock is held
+            OffloadedOptimizer([torch.zeros(10, requires_grad=True)], dir=tmp_path, **SMALL)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert sorted(os.listdir(tmp_path)) == ["rank00000.json", "rank00000.swap"]  # left over
+    model = make_model()
+    with OffloadedOptimizer(model.parameters(), dir=tmp_path, **SMALL) as opt:
+        assert opt._swap.reused
+        assert sorted(os.listdir(tmp_path)) == ["rank00000.json", "rank00000.swap"]
+        train(model, opt, range(2))
+    assert os.listdir(tmp_path) == []
+
+
+def test_offload_io_is_traced_under_its_own_classes(tmp_path: Path) -> None:
+    seen: list[str] = []
+    previous = set_tracer(lambda ev: seen.append(ev.io_class))
+    try:
+        model = make_model()
+        with OffloadedOptimizer(model.parameters(), dir=tmp_path, **SMALL) as opt:
+            train(model, opt, range(1))
+    finally:
+        set_tracer(previous)
+    assert {"offload-read", "offload-write"} <= set(seen)
+
+
+@pytest.mark.root
+def test_disk_full_mid_step_leaves_params_and_swap_as_before_and_the_step_retries(
+        tmp_path: Path) -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    with mounted_tmpfs(tmp_path / "small", "1m") as small:
+        # not preallocated, so the second slot's blocks are allocated by the first step
+        opt = OffloadedOptimizer(model.parameters(), lr=1e-2, dir=small, preallocate=False,
+                                 **SMALL)
+        filler = small / "filler"
+        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+        filler.write_bytes(b"x" * (free - opt.slot_bytes // 2))  # room for half a step
+        train(ref_model, ref, range(1))
+        loss_of(model, batch(0)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(DiskFullError):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        filler.unlink()
+        opt.step()  # the same gradients, retried: the same bits as one clean step
+        opt.zero_grad()
+        assert same(ref_model, model)
+        train(ref_model, ref, range(1, 4))
+        train(model, opt, range(1, 4))
+        assert same(ref_model, model)
+        opt.close()
+
+
+@pytest.mark.root
+def test_a_swap_file_that_does_not_fit_is_refused_up_front(tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "small", "256k") as small:
+        with pytest.raises(DiskFullError, match=r"needs .* bytes") as info:
+            OffloadedOptimizer(make_model().parameters(), dir=small, **SMALL)
+        assert "free space" in str(info.value)
+        assert os.listdir(small) == []
