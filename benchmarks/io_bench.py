@@ -6,6 +6,10 @@ for ``--runtime`` seconds, then the engine (``default_engine()``, the same queue
 file opened O_DIRECT) does the same: ``queue_depth`` operations kept in flight by
 ``submit_read``/``submit_write`` and reaped oldest first. Each row gives both MB/s (1 MB = 1e6
 bytes, as fio reports) and ``ratio`` = engine / fio; the project's target is >= 0.9.
+``fio_psync_MBps`` is fio with ``queue_depth`` threads of blocking I/O, the engine's own
+model: engine near it but both below libaio means the thread-per-operation model, not Python,
+is what costs. ``engine_cpu`` is the CPU seconds the process spent per second of the engine's
+pass (0.1: a tenth of one core): where it is small, the engine is not what limits the ratio.
 
     python benchmarks/io_bench.py --json
     python benchmarks/io_bench.py --dir /mnt/nvme/bench --file-size 4GiB --queue-depth 16 --json
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import shutil
 import statistics
@@ -28,14 +33,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, NoReturn
 
 import _sysbench as sb
 
 from lcache.errors import LCacheError
-from lcache.io import Pending, aligned_buffer, default_engine, open_direct, private_dir
+from lcache.io import (
+    Completions,
+    Pending,
+    aligned_buffer,
+    default_engine,
+    open_direct,
+    private_dir,
+)
 from lcache.store import parse_size
 
 PATTERNS = ("read", "randread", "write", "randwrite")
@@ -60,10 +71,14 @@ def ensure_fio() -> None:
 
 
 def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
-             runtime_s: float) -> float:
+             runtime_s: float, threads: bool = False) -> float:
+    """fio's MB/s: libaio with ``qd`` in flight from one thread, or (``threads``) ``qd``
+    threads of blocking psync I/O, the engine's own model."""
+    shape = ([f"--numjobs={qd}", "--thread", "--group_reporting", "--ioengine=psync"]
+             if threads else ["--ioengine=libaio", f"--iodepth={qd}"])
     result = sb._run_fio(
-        [f"--filename={path}", f"--size={file_bytes}", "--ioengine=libaio", "--direct=1",
-         f"--name={pattern}", f"--rw={pattern}", f"--bs={block}", f"--iodepth={qd}",
+        [f"--filename={path}", f"--size={file_bytes}", "--direct=1", *shape,
+         f"--name={pattern}", f"--rw={pattern}", f"--bs={block}",
          "--time_based", f"--runtime={runtime_s}", "--norandommap", "--randrepeat=0",
          "--invalidate=1"],
         timeout_s=runtime_s + 120,
@@ -72,29 +87,38 @@ def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
 
 
 def engine_mbps(fd: int, pattern: str, block: int, qd: int, file_bytes: int,
-                runtime_s: float, seed: int) -> float:
-    """Keep ``qd`` operations in flight for ``runtime_s``; MB/s moved."""
+                runtime_s: float, seed: int) -> tuple[float, float]:
+    """Keep ``qd`` operations in flight for ``runtime_s``, each replaced as soon as it
+    finishes (reaped in completion order, as fio reaps). Returns (MB/s moved, CPU seconds
+    this process spent per second: what the engine costs beside the device)."""
     engine = default_engine()
     bufs = [memoryview(aligned_buffer(block))[:block] for _ in range(qd)]
     blocks = file_bytes // block
     rng = random.Random(seed)
-    write = "write" in pattern
-    submit = engine.submit_write if write else engine.submit_read
-    in_flight: deque[Pending] = deque()
+    submit = engine.submit_write if "write" in pattern else engine.submit_read
+    done: Completions = queue.SimpleQueue()
+    owner: dict[Pending, int] = {}  # handle -> the buffer it uses
     moved = i = 0
+
+    def start(slot: int) -> None:
+        nonlocal i
+        index = rng.randrange(blocks) if pattern.startswith("rand") else i % blocks
+        owner[submit(fd, index * block, bufs[slot], "bench", notify=done)] = slot
+        i += 1
+
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     deadline = t0 + runtime_s
-    while True:
-        if len(in_flight) == qd:
-            moved += in_flight.popleft().wait()  # frees buffer i % qd for the next operation
-            if time.perf_counter() >= deadline:
-                break
-        index = rng.randrange(blocks) if pattern.startswith("rand") else i % blocks
-        in_flight.append(submit(fd, index * block, bufs[i % qd], "bench"))
-        i += 1
-    while in_flight:
-        moved += in_flight.popleft().wait()
-    return sb.mbps(moved, time.perf_counter() - t0)
+    for slot in range(qd):
+        start(slot)
+    while owner:
+        finished = done.get()
+        moved += finished.wait()
+        slot = owner.pop(finished)
+        if time.perf_counter() < deadline:
+            start(slot)
+    wall = time.perf_counter() - t0
+    return sb.mbps(moved, wall), (time.process_time() - cpu0) / wall
 
 
 def lay_out(path: Path, file_bytes: int) -> None:
@@ -123,18 +147,23 @@ def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s:
             refuse(f"the filesystem of {directory} refuses O_DIRECT; pick a --dir on the SSD")
         for block in blocks:
             for pattern in PATTERNS:
-                fio, eng, ratios = [], [], []
+                fio, psync, eng, cpu, ratios = [], [], [], [], []
                 for r in range(repeat):
+                    psync.append(fio_mbps(path, pattern, block, qd, file_bytes, runtime_s,
+                                          threads=True))
                     f = fio_mbps(path, pattern, block, qd, file_bytes, runtime_s)
-                    e = engine_mbps(fd, pattern, block, qd, file_bytes, runtime_s, seed + r)
+                    e, c = engine_mbps(fd, pattern, block, qd, file_bytes, runtime_s, seed + r)
                     fio.append(f)
                     eng.append(e)
+                    cpu.append(c)
                     ratios.append(e / f if f > 0 else float("nan"))
                 rows.append({"pattern": pattern, "block_bytes": block,
                              "block": sb.format_size(block), "queue_depth": qd,
                              "file_bytes": file_bytes,
                              "fio_MBps": round(statistics.median(fio), 1),
+                             "fio_psync_MBps": round(statistics.median(psync), 1),
                              "engine_MBps": round(statistics.median(eng), 1),
+                             "engine_cpu": round(statistics.median(cpu), 3),
                              "ratio": round(statistics.median(ratios), 3)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
@@ -181,11 +210,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'pattern':<10} {'block':>6} {'QD':>3} {'fio MB/s':>10} {'engine MB/s':>12} "
-          f"{'ratio':>6}")
+    print(f"{'pattern':<10} {'block':>6} {'QD':>3} {'fio MB/s':>10} {'psync MB/s':>10} "
+          f"{'engine MB/s':>12} "
+          f"{'ratio':>6} {'CPU':>5}")
     for row in result["rows"]:
         print(f"{row['pattern']:<10} {row['block']:>6} {row['queue_depth']:>3} "
-              f"{row['fio_MBps']:>10.1f} {row['engine_MBps']:>12.1f} {row['ratio']:>6.3f}")
+              f"{row['fio_MBps']:>10.1f} {row['fio_psync_MBps']:>10.1f} "
+              f"{row['engine_MBps']:>12.1f} {row['ratio']:>6.3f} "
+              f"{row['engine_cpu']:>5.2f}")
 
 
 if __name__ == "__main__":

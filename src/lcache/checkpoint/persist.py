@@ -9,10 +9,10 @@ for the tracer.
 
 from __future__ import annotations
 
-import collections
 import errno
 import mmap
 import os
+import queue
 import stat
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +23,7 @@ import xxhash
 from lcache.checkpoint.format import ALIGN, ArrayRef
 from lcache.errors import CorruptionError
 from lcache.io import (
+    Completions,
     Pending,
     ReadRequest,
     default_engine,
@@ -112,18 +113,23 @@ def _write_all(fd: int, data: memoryview, queue_depth: int, sums: _Checksums) ->
     # inside its size run side by side (about +20% for 1 GiB here).
     os.ftruncate(fd, len(data))
     engine = default_engine()
-    window: collections.deque[Pending] = collections.deque()
+    done: Completions = queue.SimpleQueue()
+    in_flight: set[Pending] = set()
     try:
         for off in range(0, len(data), CHUNK):
-            if len(window) >= queue_depth:
-                window.popleft().wait()
-            window.append(engine.submit_write(fd, off, data[off : off + CHUNK], IO_CLASS))
+            if len(in_flight) >= queue_depth:  # reap whichever finished first, not the oldest
+                finished = done.get()
+                in_flight.discard(finished)
+                finished.wait()
+            in_flight.add(engine.submit_write(fd, off, data[off : off + CHUNK], IO_CLASS,
+                                              notify=done))
             sums.upto(off + CHUNK)
         sums.upto(len(data))
-        while window:
-            window.popleft().wait()
+        for p in list(in_flight):
+            p.wait()
+            in_flight.discard(p)
     finally:
-        settle(window)  # after an error: no write outlives fd, which the caller closes
+        settle(in_flight)  # after an error: no write outlives fd, which the caller closes
 
 
 def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
