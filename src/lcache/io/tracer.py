@@ -19,7 +19,7 @@ import itertools
 import os
 import struct
 import threading
-from time import perf_counter_ns
+import time
 from typing import NamedTuple, Protocol
 
 
@@ -107,7 +107,7 @@ def emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_clas
     """Hand one finished operation, started at ``t0`` (``perf_counter_ns``), to the tracer."""
     tracer = _tracer
     if tracer is not None:
-        end = perf_counter_ns()
+        end = time.perf_counter_ns()
         if tracer is _binary:
             try:  # the hot path: no object kept per event, no system call
                 _local.events.extend(_pack(_codes[io_class][op], _fids[fd], offset,
