@@ -199,7 +199,7 @@ def test_a_storage_changed_in_place_between_two_saves_is_spilled_again(tmp_path:
 
 
 def test_a_storage_grown_between_two_saves_is_spilled_again(tmp_path: Path) -> None:
-    """UntypedStorage.resize_ keeps the version: the size tells the spill is too short."""
+    """UntypedStorage.resize_ keeps the version: the first spill lacks the new bytes."""
     x = torch.full((64, 64), 2.0)
     w1, w2 = torch.ones(64, 64, requires_grad=True), torch.ones(128, 64, requires_grad=True)
     with activations(tmp_path / "act", min_bytes=1024) as act:

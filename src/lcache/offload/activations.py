@@ -208,13 +208,12 @@ class _Spill:
     """One storage written to the spill file, shared by every saved tensor that views it."""
 
     __slots__ = ("ahead", "dead", "error", "handles", "io", "key", "lo", "mem", "nbytes",
-                 "offset", "source", "storage_bytes", "version", "waiting", "writing")
+                 "offset", "source", "version", "waiting", "writing")
 
-    def __init__(self, key: StorageWeakRef, version: int, storage_bytes: int, lo: int,
-                 hi: int, offset: int) -> None:
+    def __init__(self, key: StorageWeakRef, version: int, lo: int, hi: int,
+                 offset: int) -> None:
         self.key = key
         self.version = version
-        self.storage_bytes = storage_bytes
         self.lo = lo  # it holds bytes lo:hi of the storage
         self.nbytes = hi - lo
         self.offset = offset  # in the spill file
@@ -310,8 +309,11 @@ class _Session:
             storage = t.untyped_storage()
             key = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
             start, end = _span(t)
+            # A spill holds what the storage held then if the version has not changed since
+            # (a tensor and its views share the counter) and it holds the bytes asked for (a
+            # storage may have grown: UntypedStorage.resize_ keeps the version).
             spill = next((s for s in self.by_storage.get(key, ()) if s.error is None
-                          and s.version == t._version and s.storage_bytes == storage.nbytes()
+                          and s.version == t._version
                           and s.lo <= start and end <= s.lo + s.nbytes), None)
             if spill is not None:
                 self.stats.tensors_deduplicated += 1
@@ -376,7 +378,7 @@ class _Session:
         # share the spill; only the tensor's bytes when it is a small part of a storage that
         # lives on anyway (a batch sliced from a dataset held in memory).
         lo, hi = (0, size) if 2 * (end - start) >= size else (start - start % _ALIGN, end)
-        spill = _Spill(key, t._version, size, lo, hi, self.space.take(hi - lo))
+        spill = _Spill(key, t._version, lo, hi, self.space.take(hi - lo))
         self.stats.peak_file_bytes = max(self.stats.peak_file_bytes, self.space.end)
         spill.mem = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
         spill.source = t.detach()  # its version is checked once the write is done
