@@ -382,3 +382,20 @@ def test_offload_classes_are_documented_classes() -> None:
     # lcache.offload tags its I/O with these; the report names them like the other classes
     assert {"offload-read", "offload-write", "offload-act-read",
             "offload-act-write"} <= set(lcache.trace.CLASSES)
+
+
+def test_enable_and_disable_start_and_join_no_thread(tmp_path: Path) -> None:
+    # One flush thread per process outlives enable/disable: starting and joining one per
+    # enable cost milliseconds of waiting on a busy machine, paid by every traced region.
+    import threading
+
+    seen = set()
+    for i in range(3):
+        lcache.trace.enable(str(tmp_path / f"t{i}.trace"))
+        lcache.trace.record("write", "f", i, 1, "other", 1, 1, 1)
+        lcache.trace.disable()
+        flushers = [t for t in threading.enumerate() if t.name == "lcache-trace-flush"]
+        assert len(flushers) == 1
+        seen.add(flushers[0].ident)
+        assert [e["args"]["off"] for e in _io(_events(tmp_path / f"t{i}.trace"))] == [i]
+    assert len(seen) == 1

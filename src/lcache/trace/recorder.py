@@ -49,10 +49,8 @@ class Recorder:
         self._named: dict[str, int] = {}  # path or URL given to record() -> file id
         self._record_names: dict[int, str] = {}  # and back
         self._written: set[int] = set()  # file ids whose file_name line is in the trace
-        self._mounts = MountTable()
+        self._mounts = _mount_table()
         self._flush_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.pid = os.getpid()
         self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
 
@@ -72,20 +70,6 @@ class Recorder:
                           io_class)
 
     # -- flushing ------------------------------------------------------------------------
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="lcache-trace-flush",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        interval = float(os.environ.get(ENV_FLUSH) or FLUSH_INTERVAL_S)
-        while not self._stop.wait(interval):
-            try:
-                self.flush()
-            except OSError as exc:  # a full disk must not kill the job being traced
-                sys.stderr.write(f"lcache trace: cannot write {self.path}: {exc}\n")
-
     def flush(self) -> None:
         """Write every buffered event of every thread (one ``write()``)."""
         with self._flush_lock:
@@ -138,13 +122,9 @@ class Recorder:
         return out
 
     def close(self) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread() \
-                and thread.is_alive():
-            thread.join(timeout=5)
         self.flush()
-        self.writer.close()
+        with self._flush_lock:  # the background thread may be flushing: it finds fd -1
+            self.writer.close()
 
     def after_fork_in_child(self) -> None:
         # The parent flushes what was buffered before the fork; the child starts afresh and
@@ -155,8 +135,39 @@ class Recorder:
         self._written = set()
         self._flush_lock = threading.Lock()
         self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
-        self._stop = threading.Event()
-        self.start()
+
+
+_flusher: threading.Thread | None = None
+_mounts: MountTable | None = None
+
+
+def _mount_table() -> MountTable:
+    """One mount table per process (it re-reads mountinfo for a device it does not know)."""
+    global _mounts
+    if _mounts is None:
+        _mounts = MountTable()
+    return _mounts
+
+
+def _start_flusher() -> None:
+    """One daemon thread per process writes the active recorder's events every interval; it
+    outlives enable/disable, which then cost no thread start or join."""
+    global _flusher
+    if _flusher is None or not _flusher.is_alive():
+        _flusher = threading.Thread(target=_flush_loop, name="lcache-trace-flush", daemon=True)
+        _flusher.start()
+
+
+def _flush_loop() -> None:
+    while True:
+        time.sleep(float(os.environ.get(ENV_FLUSH) or FLUSH_INTERVAL_S))
+        rec = _active
+        if rec is None or rec.pid != os.getpid():
+            continue
+        try:
+            rec.flush()
+        except OSError as exc:  # a full disk must not kill the job being traced
+            sys.stderr.write(f"lcache trace: cannot write {rec.path}: {exc}\n")
 
 
 def _process_name() -> str:
@@ -196,7 +207,7 @@ def enable(path: str, *, compress: bool | None = None) -> None:
                 return
             _disable_locked()
         rec = Recorder(path, compress)
-        rec.start()
+        _start_flusher()
         _active = rec
         _io_tracer.reset_buffers()  # events left by a recorder closed mid-operation
         _io_tracer.set_tracer(rec, binary=True)
@@ -292,11 +303,13 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
+    global _lock, _flusher
     _lock = threading.Lock()  # the parent may have held it while forking
+    _flusher = None  # threads do not survive fork()
     rec = _active
     if rec is not None:
         rec.after_fork_in_child()
+        _start_flusher()
 
 
 class _ForkHook:
