@@ -22,13 +22,16 @@ import threading
 import time
 from typing import Any
 
+import xxhash
+
 from lcache.checkpoint import dirs
 from lcache.checkpoint.dist import all_gather, broadcast, rank_and_world, turns, vote_group
 from lcache.checkpoint.errors import CheckpointFailedError, ConfigError
 from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
-from lcache.checkpoint.persist import write_data_file
+from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
+from lcache.io import aligned_buffer, open_file, pwrite_full, sync_fd
 
 log = logging.getLogger("lcache.checkpoint")
 
@@ -128,6 +131,8 @@ class CheckpointHandle:
                 self._write(snap)
             except BaseException as exc:
                 self._fail(exc)
+            finally:
+                snap.release()
         try:
             if self._vote_on is not None:
                 self._vote(*self._vote_on)  # a failed rank votes too: the others learn of it
@@ -153,9 +158,12 @@ class CheckpointHandle:
         for entry in shard["arrays"]:
             entry["xxh3"] = "0" * 16  # a checksum's length: the size check is exact
         check_manifest_room(shard, self.world, self._meta)  # before any byte is written
+        data_path = os.path.join(dirs.staging_dir(self.root, self.name), fname)
         self.direct = write_data_file(
-            os.path.join(dirs.staging_dir(self.root, self.name), fname), snap.data, snap.arrays,
+            data_path, snap.data, snap.arrays[: len(snap.arrays) - len(snap.streamed)],
             direct=self._options["direct"], queue_depth=self._options["queue_depth"])
+        if snap.streamed:
+            _append_streamed(data_path, snap)
         shard["arrays"] = [r.to_json() for r in snap.arrays]  # with their checksums now
         self._shard = shard
         self.data_bytes = snap.nbytes
@@ -218,6 +226,28 @@ class CheckpointHandle:
 
             self.uploaded_to = upload_checkpoint(self.path, url,
                                                  self._options.get("storage_options"))
+
+
+def _append_streamed(path: str, snap: Snapshot) -> None:
+    """Copy the streamed arrays (an offloaded optimizer's state) into the data file after the
+    host buffer's bytes, one chunk at a time, checksummed on the way: a state of any size
+    costs one ``CHUNK`` of memory."""
+    buf = aligned_buffer(CHUNK)
+    view = memoryview(buf)
+    fd = open_file(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, snap.nbytes)
+        for ref in snap.streamed:
+            digest = xxhash.xxh3_64()
+            for off in range(0, ref.nbytes, CHUNK):
+                part = view[: min(CHUNK, ref.nbytes - off)]
+                ref.source.read_into(off, part)
+                digest.update(part)
+                pwrite_full(fd, ref.offset + off, [part], IO_CLASS)
+            ref.xxh3 = digest.hexdigest()
+        sync_fd(fd, data_only=False, io_class=IO_CLASS)
+    finally:
+        os.close(fd)  # the chunk buffer goes with its last view
 
 
 class Checkpointer:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,68 @@ class ArrayRef:
         return ref
 
 
+@dataclass(slots=True)
+class StreamedArray:
+    """A torch array that a save copies from a file in chunks, never whole in memory: the
+    state of an offloaded optimizer (``lcache.offload``), handed to a save by an object's
+    ``__lcache_checkpoint__()``.
+
+    Attributes:
+        dtype: torch dtype name.
+        shape: the array's shape.
+        nbytes: its bytes.
+        read_into: ``read_into(offset, buf)`` fills ``buf`` with the bytes from ``offset``.
+        release: called once the save is done with it (written, failed or abandoned).
+    """
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    read_into: Callable[[int, memoryview], None]
+    release: Callable[[], None]
+
+
+@dataclass(slots=True)
+class StoredArray:
+    """An array of a checkpoint that a load hands over in chunks instead of reading it whole:
+    what ``__lcache_restore__(state)`` of an object in ``load(like=...)`` receives.
+
+    Attributes:
+        dtype, shape, nbytes: as saved (checked against each other on load).
+        chunks: ``chunks(size)`` yields the bytes in order, ``size`` at a time; the last
+            step checks the checksum and raises ``CorruptionError`` on a mismatch.
+    """
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    chunks: Callable[[int], Iterator[memoryview]]
+
+
+def streamed_last(tree: Any, arrays: list[ArrayRef]) -> tuple[Any, list[ArrayRef]]:
+    """The tree and array table with streamed arrays moved to the end, so a data file
+    holds the in-memory arrays first (one host buffer) and the streamed ones after them."""
+    order = sorted(range(len(arrays)), key=lambda i: isinstance(arrays[i].source,
+                                                                StreamedArray))
+    if order == list(range(len(arrays))):
+        return tree, arrays
+    new_index = {old: new for new, old in enumerate(order)}
+    return _renumber(tree, new_index), [arrays[i] for i in order]
+
+
+def _renumber(node: Any, new_index: dict[int, int]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if node.get("t") == "array":
+        return {**node, "i": new_index[node["i"]]}
+    out = dict(node)
+    if isinstance(node.get("v"), list):
+        out["v"] = [_renumber(v, new_index) for v in node["v"]]
+    if "meta" in node:
+        out["meta"] = _renumber(node["meta"], new_index)
+    return out
+
+
 def _is_size(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
 
@@ -159,6 +222,13 @@ def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "", depth: int =
     if isinstance(value, np.generic):
         arrays.append(_numpy_ref(np.asarray(value), where, "npscalar"))
         return {"t": "array", "i": len(arrays) - 1}
+    if isinstance(value, StreamedArray):
+        arrays.append(ArrayRef(where, "torch", value.dtype, list(value.shape), 0, value.nbytes,
+                               source=value))
+        return {"t": "array", "i": len(arrays) - 1}
+    checkpoint_state = getattr(type(value), "__lcache_checkpoint__", None)
+    if checkpoint_state is not None:  # e.g. an OffloadedOptimizer: its state, streamed
+        return encode_tree(checkpoint_state(value), arrays, path, depth)
     if isinstance(value, dict):
         keys: list[Any] = []
         items: list[Any] = []

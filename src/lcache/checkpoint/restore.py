@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from lcache.checkpoint.dist import rank_and_world
 from lcache.checkpoint.errors import (
@@ -26,6 +27,7 @@ from lcache.checkpoint.format import (
     ALIGN,
     MANIFEST,
     ArrayRef,
+    StoredArray,
     checksum,
     decode_tree,
     expected_nbytes,
@@ -34,8 +36,15 @@ from lcache.checkpoint.format import (
     torch_dtype,
 )
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
-from lcache.checkpoint.persist import CHUNK, read_data_file, read_small_file
+from lcache.checkpoint.persist import (
+    CHUNK,
+    IO_CLASS,
+    open_data_file,
+    read_data_file,
+    read_small_file,
+)
 from lcache.errors import LCacheError
+from lcache.io import pread_full
 
 _MAX_LISTED = 20
 
@@ -138,6 +147,10 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
             before anything is written; a checksum mismatch found on the way leaves ``like``
             partly overwritten (the error says so).
 
+    An object in ``like`` with ``__lcache_restore__`` (an ``lcache.offload``
+    ``OffloadedOptimizer``) is handed its part of the checkpoint as ``StoredArray``s that
+    stream a chunk at a time, never read whole; it takes its place in the returned state.
+
     Raises:
         CheckpointNotFoundError: no complete checkpoint at ``path``.
         CorruptionError: a damaged manifest or data file; names the file and array.
@@ -148,7 +161,13 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
         raise ConfigError("load(into=True) copies into like=: pass the state to fill")
     body = read_manifest(path)
     data_path, nbytes, refs, tree = _shard_refs(path, _pick_shard(body, path, rank))
+    targets: list[tuple[tuple[Any, ...], Any, Any]] = []
+    if like is not None:
+        _find_targets(tree, like, (), targets)
     if into:
+        if targets:
+            raise ConfigError("load(into=True) cannot fill an offloaded optimizer in like=; "
+                              "use into=False (its state streams into its swap file anyway)")
         from lcache.checkpoint.inplace import load_into
 
         for ref in refs:
@@ -157,18 +176,106 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
                                       f"do not fit dtype {ref.dtype:.50} and shape {ref.shape}")
         return load_into(path, (data_path, nbytes, refs, tree), like, verify=verify,
                          direct=direct)
-    hasher = _ChunkHasher(refs) if verify else None
-    buf = _read_checked(data_path, nbytes, hasher)
-    arrays = []
-    for i, ref in enumerate(refs):
-        if hasher is not None and hasher.sum_of(buf, i) != ref.xxh3:
+    streamed: set[int] = set()
+    for _, _, subtree in targets:
+        _array_indices(subtree, streamed)
+    kept = [i for i in range(len(refs)) if i not in streamed]
+    held = [refs[i] for i in kept]
+    hasher = _ChunkHasher(held) if verify else None
+    # streamed arrays lie after the others (format.streamed_last): read up to them only
+    end = max((ref.offset + ref.nbytes for ref in held), default=0) if streamed else nbytes
+    buf = _read_checked(data_path, min(nbytes, -(-end // ALIGN) * ALIGN), hasher)
+    arrays: list[Any] = [None] * len(refs)
+    for j, i in enumerate(kept):
+        ref = refs[i]
+        if hasher is not None and hasher.sum_of(buf, j) != ref.xxh3:
             raise CorruptionError(f"checksum mismatch in {data_path} for array {ref.key!r} "
                                   f"({ref.nbytes} bytes at offset {ref.offset}): the "
                                   "checkpoint is damaged; load an earlier one")
-        arrays.append(_materialize(buf, ref, data_path))
+        arrays[i] = _materialize(buf, ref, data_path)
+    for i in streamed:
+        arrays[i] = _stored(data_path, nbytes, refs[i], verify)
     state = decode_tree(tree, arrays, os.path.join(path, MANIFEST))
     if like is not None:
         state = match_like(state, like)
+    for key, target, _ in targets:
+        state = _restore_at(state, key, target)
+    return state
+
+
+# --- objects that restore themselves (an offloaded optimizer) -------------------------------
+def _restores(value: Any) -> bool:
+    return hasattr(type(value), "__lcache_restore__")
+
+
+def _find_targets(node: Any, like: Any, key: tuple[Any, ...],
+                  out: list[tuple[tuple[Any, ...], Any, Any]]) -> None:
+    """Where ``like`` holds an object with ``__lcache_restore__``: (key path, object, its
+    subtree of the manifest's tree). A malformed tree is left to ``decode_tree``."""
+    if _restores(like):
+        out.append((key, like, node))
+        return
+    if not isinstance(node, dict) or not isinstance(node.get("v"), list):
+        return
+    if isinstance(like, dict) and node.get("t") in ("dict", "odict") \
+            and isinstance(node.get("k"), list):
+        for k, v in zip(node["k"], node["v"], strict=False):
+            name = k.get("int") if isinstance(k, dict) else k
+            if isinstance(name, (str, int)) and name in like:
+                _find_targets(v, like[name], (*key, name), out)
+    elif isinstance(like, list) and node.get("t") == "list":
+        for i, (v, w) in enumerate(zip(node["v"], like, strict=False)):
+            _find_targets(v, w, (*key, i), out)
+
+
+def _array_indices(node: Any, out: set[int]) -> None:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if item.get("t") == "array" and type(item.get("i")) is int:
+                out.add(item["i"])
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _stored(data_path: str, file_bytes: int, ref: ArrayRef, verify: bool) -> StoredArray:
+    """A streamed array of the checkpoint, read a chunk at a time when its owner asks."""
+    where = f"{data_path} array {ref.key!r:.200}"
+    if expected_nbytes(ref, where) != ref.nbytes:
+        raise CorruptionError(f"{where}: {ref.nbytes} bytes do not fit dtype {ref.dtype:.50} "
+                              f"and shape {ref.shape}")
+
+    def chunks(size: int) -> Iterator[memoryview]:
+        fd, _ = open_data_file(data_path, file_bytes, False)
+        try:
+            digest = xxhash.xxh3_64()
+            view = memoryview(bytearray(min(size, max(ref.nbytes, 1))))
+            for off in range(0, ref.nbytes, size):
+                part = view[: min(size, ref.nbytes - off)]
+                if pread_full(fd, ref.offset + off, part, IO_CLASS) < len(part):
+                    raise CorruptionError(f"{where}: the data file ended early")
+                digest.update(part)
+                if verify and off + size >= ref.nbytes and digest.hexdigest() != ref.xxh3:
+                    raise CorruptionError(f"checksum mismatch in {where} ({ref.nbytes} bytes "
+                                          f"at offset {ref.offset}): the checkpoint is "
+                                          "damaged; load an earlier one")
+                yield part
+        finally:
+            os.close(fd)
+
+    return StoredArray(ref.dtype, list(ref.shape), ref.nbytes, chunks)
+
+
+def _restore_at(state: Any, key: tuple[Any, ...], target: Any) -> Any:
+    """Hand the loaded subtree at ``key`` to ``target``; it takes that place in the state."""
+    if not key:
+        return target.__lcache_restore__(state)
+    parent = state
+    for k in key[:-1]:
+        parent = parent[k]
+    parent[key[-1]] = target.__lcache_restore__(parent[key[-1]])
     return state
 
 
@@ -236,6 +343,8 @@ def _describe(value: Any) -> str:
 
 
 def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
+    if _restores(want):  # it checks what it is handed itself
+        return
     if isinstance(want, dict):
         if not isinstance(got, dict):
             diffs.append(f"{key or '<root>'}: checkpoint has {_describe(got)}, like= a dict")
@@ -264,6 +373,8 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
 
 
 def _to_devices(got: Any, want: Any) -> Any:
+    if _restores(want):
+        return got
     if isinstance(want, dict):
         for k in want:
             got[k] = _to_devices(got[k], want[k])

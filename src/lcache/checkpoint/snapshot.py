@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from lcache.checkpoint.format import ArrayRef, encode_tree, layout, torch_dtype
+from lcache.checkpoint.format import (
+    ArrayRef,
+    StreamedArray,
+    encode_tree,
+    layout,
+    streamed_last,
+    torch_dtype,
+)
 from lcache.io import align_up
 
 _HUGE = 2 << 20
@@ -76,8 +83,10 @@ class Snapshot:
         tree: the JSON form of the state (``format.encode_tree``).
         arrays: one ``ArrayRef`` per array, offsets set, checksums filled in by the persist.
         nbytes: the data file's padded size (a multiple of ``format.ALIGN``).
-        data: the host buffer's first ``nbytes`` bytes.
+        data: the host buffer's bytes: the data file up to the first streamed array.
         cuda_event: recorded after the device-to-host copies; the persist waits for it.
+        streamed: the arrays copied from their files by the persist (the table's last ones;
+            their ``source`` is a ``StreamedArray``), not held in the host buffer.
     """
 
     tree: Any
@@ -86,6 +95,17 @@ class Snapshot:
     data: memoryview
     cuda_event: Any = None
     array_bytes: int = field(default=0)
+    streamed: list[ArrayRef] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Let the streamed arrays' owners go on (once the persist is done with them)."""
+        release_streamed(self.streamed)
+
+
+def release_streamed(arrays: list[ArrayRef]) -> None:
+    for ref in arrays:
+        if isinstance(ref.source, StreamedArray):
+            ref.source.release()
 
 
 def _plain_address(src: Any, kind: str) -> int:
@@ -107,13 +127,32 @@ def take_snapshot(state: Any, buffer: HostBuffer) -> Snapshot:
         UnsupportedValueError: the state holds a value that cannot be saved (names its key).
     """
     arrays: list[ArrayRef] = []
-    tree = encode_tree(state, arrays)
+    try:
+        tree, arrays = streamed_last(encode_tree(state, arrays), arrays)
+    except BaseException:
+        release_streamed(arrays)  # an offloaded optimizer must not wait for this save
+        raise
     nbytes = layout(arrays)
-    on_cuda = any(ref.kind == "torch" and ref.source.device.type == "cuda" for ref in arrays)
-    data = buffer.ensure(nbytes, pinned=on_cuda)[:nbytes]
+    streamed = [ref for ref in arrays if isinstance(ref.source, StreamedArray)]
+    held = arrays[: len(arrays) - len(streamed)]
+    in_memory = streamed[0].offset if streamed else nbytes
+    try:
+        data, event = _copy_arrays(held, in_memory, buffer)
+    except BaseException:
+        release_streamed(streamed)
+        raise
+    return Snapshot(tree, arrays, nbytes, data, event, sum(r.nbytes for r in arrays), streamed)
+
+
+def _copy_arrays(held: list[ArrayRef], in_memory: int, buffer: HostBuffer
+                 ) -> tuple[memoryview, Any]:
+    """Copy the ``held`` arrays into the first ``in_memory`` bytes of ``buffer``; returns
+    those bytes and the CUDA event recorded after the copies (None without CUDA)."""
+    on_cuda = any(ref.kind == "torch" and ref.source.device.type == "cuda" for ref in held)
+    data = buffer.ensure(in_memory, pinned=on_cuda)[:in_memory]
     event = None
-    base = np.frombuffer(data, dtype=np.uint8).ctypes.data if nbytes else 0
-    for ref in arrays:
+    base = np.frombuffer(data, dtype=np.uint8).ctypes.data if in_memory else 0
+    for ref in held:
         src = ref.source
         ref.source = None  # the snapshot must not keep the live state alive
         if ref.nbytes == 0:
@@ -141,4 +180,4 @@ def take_snapshot(state: Any, buffer: HostBuffer) -> Snapshot:
 
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
-    return Snapshot(tree, arrays, nbytes, data, event, sum(r.nbytes for r in arrays))
+    return data, event

@@ -30,8 +30,6 @@ from lcache.offload.plan import F32, SubGroup, buffer_bytes, choose_numel, plan
 from lcache.offload.swap import SwapFile, wait_all
 from lcache.store.layout import parse_size
 
-MASTER = "master"
-
 
 def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dict[str, Any]]]:
     """(names, tensors, groups) from tensors, ``(name, tensor)`` pairs or param-group dicts;
@@ -132,6 +130,8 @@ class OffloadedOptimizer:
         if "fused" in accepted and "fused" not in options and "foreach" not in options:
             options["fused"] = True
         self.defaults = options
+        # every group carries all its options, as torch's do (LR schedulers set "lr" there)
+        self.param_groups = [{**options, **g} for g in self.param_groups]
         self.state_names = self._probe()
         self.arrays = 1 + len(self.state_names)
         self.host_budget = parse_size(host_budget)
@@ -163,9 +163,7 @@ class OffloadedOptimizer:
 
     # --- construction --------------------------------------------------------------------
     def _options(self, group: int) -> dict[str, Any]:
-        opts = {**self.defaults, **self.param_groups[group]}
-        opts.pop("params")
-        return opts
+        return {k: v for k, v in self.param_groups[group].items() if k != "params"}
 
     def _probe(self) -> list[str]:
         """Names of the optimizer's per-element state tensors (one step on a dummy)."""
@@ -184,7 +182,7 @@ class OffloadedOptimizer:
 
     def _manifest(self, world: int) -> dict[str, Any]:
         return {"world": world, "optimizer": self.optimizer_class.__name__,
-                "arrays": [MASTER, *self.state_names], "slot_bytes": self.slot_bytes,
+                "arrays": ["master", *self.state_names], "slot_bytes": self.slot_bytes,
                 "sub_groups": [[sg.offset, sg.numel, sg.nbytes] for sg in self.sub_groups],
                 "params": [{"name": n, "shape": list(p.shape),
                             "pieces": [[sg.index, pc.start, pc.stop, pc.at]
@@ -381,6 +379,17 @@ class OffloadedOptimizer:
                 self._set_param(piece, self._f32(buf, piece.at, piece.numel))
         if self._on_cuda:
             self._torch.cuda.synchronize()
+
+    # --- checkpoints (lcache.checkpoint streams them; see state.py) -------------------------
+    def __lcache_checkpoint__(self) -> dict[str, Any]:
+        from lcache.offload.state import checkpoint_state
+
+        return checkpoint_state(self)
+
+    def __lcache_restore__(self, saved: Any) -> OffloadedOptimizer:
+        from lcache.offload.state import restore_state
+
+        return restore_state(self, saved)
 
     # --- life ----------------------------------------------------------------------------
     @property
