@@ -100,6 +100,41 @@ def test_sampling_a_non_python_process_tree(tmp_path: Path) -> None:
     assert s["devices"], "no block device in /proc/diskstats"
 
 
+def test_sampler_opens_each_proc_file_once_and_writes_what_it_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sample is one pread per process of a /proc/<pid>/io kept open (and one of
+    # /proc/diskstats), written as read: no open, parse or JSON per sample; the loader and
+    # --jsonl parse them into the same counters.
+    from lcache.report.load import json_lines, load
+    from lcache.trace.sampler import ProcSampler
+    from lcache.trace.writer import TraceWriter
+
+    t = tmp_path / "s.trace"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a: opened.append(str(p)) or real_open(p, *a))
+    try:
+        writer = TraceWriter(str(t))
+        sampler = ProcSampler(child.pid, writer, 60)
+        for _ in range(5):
+            sampler.sample()
+        sampler.stop()  # one more sample
+        writer.close()
+    finally:
+        child.kill()
+        child.wait()
+    assert sorted(opened) == sorted([str(t), f"/proc/{child.pid}/io", "/proc/diskstats"])
+    trace = load(t)
+    ts, counters = trace.proc[child.pid]
+    assert len(ts) == 6 and (counters >= 0).all() and (counters[-1] >= counters[0]).all()
+    assert trace.disks and all(len(v[0]) == 6 for v in trace.disks.values())
+    events = [json.loads(line) for line in json_lines(str(t))]
+    io = [e for e in events if e.get("cat") == "proc-io"]
+    assert [e["args"]["rchar"] for e in io] == counters[:, 0].tolist()
+    assert {e["name"] for e in events if e.get("cat") == "diskstats"} == set(trace.disks)
+
+
 @pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
                     reason="strace is not installed and cannot be (not root)")
 def test_syscalls_with_offsets(tmp_path: Path) -> None:

@@ -200,3 +200,37 @@ def test_damaged_binary_blocks_are_one_line_errors(tmp_path: Path, data: bytes,
         load(path)
     assert "byte " in str(err.value) and "\n" not in str(err.value)
     check(tmp_path / "b.trace.gz", gzip.compress(data))
+
+
+def _sample(kind: int, payload: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<4sHHIII", b"\0LCB", 1, kind, 7, 7, len(payload)) + payload
+
+
+PROC_IO = (b"rchar: 1\nwchar: 2\nsyscr: 3\nsyscw: 4\nread_bytes: 5\nwrite_bytes: 6\n"
+           b"cancelled_write_bytes: 0\n")
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (_sample(2, (1000).to_bytes(8, "little") + (9).to_bytes(4, "little")
+             + len(PROC_IO).to_bytes(4, "little") + PROC_IO), None),
+    (_sample(2, (1000).to_bytes(8, "little") + (9).to_bytes(4, "little")
+             + (500).to_bytes(4, "little") + PROC_IO), "runs past the block"),
+    (_sample(2, (1000).to_bytes(8, "little") + (9).to_bytes(4, "little")
+             + len(PROC_IO).to_bytes(4, "little") + PROC_IO.replace(b"1", b"x")), "parse"),
+    (_sample(2, (1000).to_bytes(8, "little") + b"\1\2"), "parse"),
+    (_sample(3, (-5).to_bytes(8, "little", signed=True) + b"8 0 vda 1 2 3 4 5 6 7 8 9 10"),
+     "parse"),
+    (_sample(2, b"\1\2\3"), "which no writer makes"),
+])
+def test_damaged_proc_sample_blocks_are_one_line_errors(tmp_path: Path, data: bytes,
+                                                        says: str | None) -> None:
+    path = tmp_path / "s.trace"
+    check(path, data)
+    if says is None:
+        assert load(path).proc[9][1].tolist() == [[1, 2, 3, 4, 5, 6]]
+        return
+    with pytest.raises(CorruptionError, match=says) as err:
+        load(path)
+    assert "byte 0" in str(err.value) and "\n" not in str(err.value)

@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import stat
+import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +24,11 @@ import numpy.typing as npt
 
 from lcache.trace import blocks
 from lcache.trace.mounts import MEMORY_FS
-from lcache.trace.schema import DISKSTATS, PROC_IO, RAM_CLASS, TraceFormatError
-from lcache.trace.writer import io_event
-
-PROC_FIELDS = ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")
-DISK_FIELDS = ("reads", "read_sectors", "writes", "write_sectors", "io_ms")
+from lcache.trace.sampler import DISK_FIELDS as DISK_FIELDS  # the loader's public names
+from lcache.trace.sampler import PROC_FIELDS as PROC_FIELDS
+from lcache.trace.sampler import parse_diskstats, parse_proc_io
+from lcache.trace.schema import DISKS, DISKSTATS, PROC_IO, RAM_CLASS, TraceFormatError
+from lcache.trace.writer import dumps, io_event
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Block:
     """One binary block of a trace (``lcache.trace.blocks``), header checked."""
 
     at: int  # byte offset in the (uncompressed) trace
+    kind: int  # blocks.KIND_EVENTS, KIND_PROC_IO or KIND_DISKSTATS
     pid: int
     tid: int
     payload: bytes
@@ -157,10 +159,11 @@ def _read_block(path: str, stream: Any, at: int) -> Block:
     if magic != blocks.MAGIC:
         raise TraceFormatError(f"{where}: neither a JSON line nor an lcache binary block; "
                                "is this a trace written by lcache?")
-    if version != blocks.VERSION or kind != blocks.KIND_EVENTS:
+    if version != blocks.VERSION or kind not in blocks.KINDS:
         raise TraceFormatError(f"{where}: a binary block of version {version}, kind {kind}, "
                                "which this lcache does not read; upgrade lcache")
-    if length > blocks.MAX_PAYLOAD or length % blocks.RECORD_BYTES:
+    if length > blocks.MAX_PAYLOAD or (length % blocks.RECORD_BYTES if kind == blocks.KIND_EVENTS
+                                       else length < blocks.TIME.size):
         raise TraceFormatError(f"{where}: a binary block of {length} bytes, which no writer "
                                "makes; the trace is damaged")
     parts: list[bytes] = []
@@ -172,7 +175,7 @@ def _read_block(path: str, stream: Any, at: int) -> Block:
                                    "truncated)")
         parts.append(part)
         left -= len(part)
-    return Block(at, pid, tid, b"".join(parts))
+    return Block(at, kind, pid, tid, b"".join(parts))
 
 
 def json_lines(path: str) -> Iterator[str]:
@@ -189,11 +192,19 @@ def json_lines(path: str) -> Iterator[str]:
 def _lines(path: str) -> Iterator[tuple[int, str]]:
     """The trace as JSON lines, binary blocks turned into one line per event."""
     names: dict[tuple[int, str, int], str] = {}
+    whole: dict[int, set[str]] = {}  # sampler pid -> whole disks
     for n, rec in records(path):
         if isinstance(rec, Block):
-            for line in _block_lines(path, rec, names):
+            lines = _block_lines(path, rec, names) if rec.kind == blocks.KIND_EVENTS \
+                else _sample_lines(path, rec, whole.get(rec.pid))
+            for line in lines:
                 yield n, line + "\n"
             continue
+        if rec.startswith('{"name":"disks"'):
+            ev = _parse(path, n, rec, last=False)
+            if ev is not None:
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    whole[_int(ev["pid"])] = _whole_disks(ev)
         if rec.startswith('{"name":"io_name"'):  # ours, so in this key order
             ev = _parse(path, n, rec, last=False)
             if ev is not None:
@@ -213,6 +224,51 @@ def _block_lines(path: str, block: Block, names: dict[tuple[int, str, int], str]
         op = _name(path, block, names, "op", code & 0xFFFF)
         cat = _name(path, block, names, "cat", code >> 16)
         yield io_event(pid, block.tid, op, cat, t0, t1 - t0, fid, off, size, ret)
+
+
+def _whole_disks(ev: dict[str, Any]) -> set[str]:
+    return {str(d) for d in ev["args"]["whole"]}
+
+
+def _sample_lines(path: str, block: Block, whole: set[str] | None) -> Iterator[str]:
+    ts, samples = _samples(path, block, whole)
+    us = f"{ts // 1000}.{ts % 1000:03d}"
+    for key, values in samples:
+        if block.kind == blocks.KIND_PROC_IO:
+            yield dumps({"name": "io", "cat": PROC_IO, "ph": "C", "pid": key, "tid": key,
+                         "ts": float(us), "args": dict(zip(PROC_FIELDS, values, strict=True))})
+        else:
+            yield dumps({"name": key, "cat": DISKSTATS, "ph": "C", "pid": block.pid,
+                         "tid": block.pid, "ts": float(us),
+                         "args": dict(zip(DISK_FIELDS, values, strict=True))})
+
+
+def _samples(path: str, block: Block, whole: set[str] | None
+             ) -> tuple[int, list[tuple[Any, list[int]]]]:
+    """A /proc sample block: its time (ns) and (pid, counters) or (disk, counters)."""
+    data = block.payload
+    try:
+        (ts,) = blocks.TIME.unpack_from(data)
+        if ts < 0 or ts // 1000 > 1 << 53:
+            raise ValueError(f"time {ts} ns")
+        if block.kind == blocks.KIND_DISKSTATS:
+            return ts, list(parse_diskstats(data[blocks.TIME.size :], whole).items())
+        out: list[tuple[Any, list[int]]] = []
+        pos = blocks.TIME.size
+        while pos < len(data):
+            pid, n = blocks.PROC_ENTRY.unpack_from(data, pos)
+            pos += blocks.PROC_ENTRY.size
+            if pos + n > len(data):
+                raise ValueError("an entry runs past the block")
+            values = parse_proc_io(data[pos : pos + n])
+            pos += n
+            if values is not None:
+                out.append((pid, values))
+        return ts, out
+    except (struct.error, ValueError) as exc:
+        detail = " ".join(str(exc)[:200].split())
+        raise TraceFormatError(f"{path}: byte {block.at}: a /proc sample block that does not "
+                               f"parse ({detail}); the trace is damaged") from exc
 
 
 def _name(path: str, block: Block, names: dict[tuple[int, str, int], str], kind: str,
@@ -289,6 +345,7 @@ class _Builder:
         self.rows: list[tuple[int, int, int, int, int, float, float, int, int, int]] = []
         self.chunks: list[list[npt.NDArray[Any]]] = []  # columns, in file order with rows
         self.io_names: dict[tuple[int, int, str, int], str] = {}  # (source, pid, kind, id)
+        self.whole: dict[tuple[int, int], set[str]] = {}  # (source, sampler pid) -> disks
         self.ops: dict[str, int] = {}
         self.classes: dict[str, int] = {}
         self.files: dict[str, int] = {}
@@ -330,6 +387,8 @@ class _Builder:
                 if "dev" in args and not self.where.get(name):
                     self.where[name] = {k: str(args[k])[:4096] for k in ("dev", "fs", "mnt")
                                         if k in args}
+            elif ph == "M" and ev.get("name") == DISKS:
+                self.whole[(source, pid)] = _whole_disks(ev)
             elif ph == "M" and ev.get("name") == "io_name":
                 self.io_names[(source, pid, str(args["kind"]), _int(args["id"]))] = \
                     str(args["name"])[:4096]
@@ -350,6 +409,16 @@ class _Builder:
 
 
     def add_block(self, source: int, path: str, block: Block) -> None:
+        if block.kind != blocks.KIND_EVENTS:
+            ts, samples = _samples(path, block, self.whole.get((source, block.pid)))
+            self.events += len(samples)
+            for key, values in samples:
+                table: Any = self.proc if block.kind == blocks.KIND_PROC_IO else self.disks
+                table.setdefault(key, []).append((ts / 1000.0, values))
+            return
+        self.add_events(source, path, block)
+
+    def add_events(self, source: int, path: str, block: Block) -> None:
         """A binary block's events, as columns (no Python object per event)."""
         code, fid, off, size, ret, t0, t1 = _block_columns(path, block)
         n = len(code)

@@ -7,7 +7,10 @@ binary blocks, in any order. A block starts with a NUL byte, which no JSON line 
 
 all little-endian. Kind 1 (I/O events): ``FIELDS`` int64 per event: code (op id | class
 id << 16, ids named by ``io_name`` lines of the same pid), file id (named by ``file_name``
-lines), offset, size, result, start and end in ns of ``perf_counter_ns``. Each flush writes its
+lines), offset, size, result, start and end in ns of ``perf_counter_ns``. Kind 2 (a sample of
+``/proc/<pid>/io``): the time (int64 ns), then per process its pid (u32), a length (u32) and
+the bytes read. Kind 3 (a sample of ``/proc/diskstats``): the time, then the bytes read; the
+whole disks are named by a ``disks`` line of the sampler's pid. Each flush writes its
 name lines before its blocks, in one ``write()``.
 """
 
@@ -20,12 +23,21 @@ from lcache.io.tracer import RECORD, RECORD_FIELDS
 MAGIC = b"\0LCB"
 VERSION = 1
 KIND_EVENTS = 1
+KIND_PROC_IO = 2
+KIND_DISKSTATS = 3
+KINDS = (KIND_EVENTS, KIND_PROC_IO, KIND_DISKSTATS)
 HEADER = struct.Struct("<4sHHIII")
+TIME = struct.Struct("<q")  # a /proc sample's time (ns of perf_counter_ns)
+PROC_ENTRY = struct.Struct("<II")  # pid, bytes of its /proc/<pid>/io read, which follow
 RECORD_BYTES = RECORD.size
 FIELDS = RECORD_FIELDS
 #: Largest payload a writer makes (a block per 16 MiB, ~300,000 events); a reader refuses more
 #: as damage, so a corrupt length cannot make it allocate without bound.
 MAX_PAYLOAD = 1 << 24
+
+
+def block(kind: int, pid: int, tid: int, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, pid, tid, len(payload)) + payload
 
 
 def event_blocks(pid: int, tid: int, data: bytes) -> list[bytes]:

@@ -2,23 +2,26 @@
 
 Every ``interval`` seconds the sampler finds the descendants of the root process (through
 ``/proc/<pid>/task/<tid>/children``, or a scan of ``/proc/*/stat`` where the kernel lacks it),
-reads each one's ``/proc/<pid>/io`` and the whole-disk lines of ``/proc/diskstats``, and writes
-them as Chrome counter events (cumulative values; the report turns them into rates). A process
+reads each one's ``/proc/<pid>/io`` and ``/proc/diskstats``, and writes what it read, as it
+is, in binary blocks; the loader parses them into counters (cumulative values; the report
+turns them into rates), and ``lcache report --jsonl`` into Chrome counter events. A process
 that starts and ends between two samples is not seen; the last interval of one that exits is
 lost (the kernel drops its counters when it is reaped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 
-from lcache.trace.schema import DISKSTATS, PROC_IO
+from lcache.trace import blocks
+from lcache.trace.schema import DISKS
 from lcache.trace.writer import TraceWriter, dumps, process_metadata, read_cmdline
 
-_IO_KEYS = {"rchar": "rchar", "wchar": "wchar", "syscr": "syscr", "syscw": "syscw",
-            "read_bytes": "read_bytes", "write_bytes": "write_bytes"}
+PROC_FIELDS = ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")
+DISK_FIELDS = ("reads", "read_sectors", "writes", "write_sectors", "io_ms")
 _SKIP_DEVICES = ("loop", "ram", "zram", "sr", "fd")
 
 
@@ -64,47 +67,41 @@ def descendants(root: int, use_children_files: bool = True) -> list[int]:
     return out
 
 
-def read_proc_io(pid: int) -> dict[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            text = f.read()
-    except OSError:  # gone, or another user's
-        return None
+def parse_proc_io(raw: bytes) -> list[int] | None:
+    """The counters of one ``/proc/<pid>/io`` read, in ``PROC_FIELDS`` order (``None``: not
+    all of them are there)."""
     values: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in _IO_KEYS:
-            values[key] = int(value)
-    return values if len(values) == len(_IO_KEYS) else None
+    for line in raw.split(b"\n"):
+        key, _, value = line.partition(b":")
+        name = key.decode("ascii", "replace")
+        if name in PROC_FIELDS:
+            values[name] = int(value)
+    return [values[k] for k in PROC_FIELDS] if len(values) == len(PROC_FIELDS) else None
 
 
-def read_diskstats() -> dict[str, dict[str, int]]:
-    """Whole disks only (partitions would count the same bytes twice)."""
-    try:
-        disks = set(os.listdir("/sys/block"))
-    except OSError:
-        disks = set()
-    out: dict[str, dict[str, int]] = {}
-    try:
-        with open("/proc/diskstats") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
+def parse_diskstats(raw: bytes, whole: set[str] | None) -> dict[str, list[int]]:
+    """Counters (``DISK_FIELDS`` order) of the whole disks in a ``/proc/diskstats`` read:
+    partitions would count the same bytes twice. ``whole``: the disks of ``/sys/block`` (all
+    but loop, ram... devices where the trace does not name them)."""
+    out: dict[str, list[int]] = {}
+    for line in raw.split(b"\n"):
         parts = line.split()
         if len(parts) < 13:
             continue
-        name = parts[2]
-        if (disks and name not in disks) or name.startswith(_SKIP_DEVICES):
+        name = parts[2].decode("utf-8", "replace")
+        if (whole and name not in whole) or name.startswith(_SKIP_DEVICES):
             continue
-        out[name] = {"reads": int(parts[3]), "read_sectors": int(parts[5]),
-                     "writes": int(parts[7]), "write_sectors": int(parts[9]),
-                     "io_ms": int(parts[12])}
+        out[name] = [int(parts[i]) for i in (3, 5, 7, 9, 12)]
     return out
 
 
 class ProcSampler:
-    """Samples the tree under ``root_pid`` into ``writer`` from a background thread."""
+    """Samples the tree under ``root_pid`` into ``writer`` from a background thread.
+
+    Each sample is one ``pread`` per process, of a ``/proc/<pid>/io`` kept open, and one of
+    ``/proc/diskstats``, written as they are in two binary blocks (``lcache.trace.blocks``);
+    the loader parses them. The whole disks are named once, in a ``disks`` line.
+    """
 
     def __init__(self, root_pid: int, writer: TraceWriter, interval: float,
                  exclude: set[int] | None = None) -> None:
@@ -114,32 +111,57 @@ class ProcSampler:
         self.exclude = exclude or set()
         self.samples = 0
         self.cpu_s = 0.0
-        self._seen: set[int] = set()
+        self._io_fds: dict[int, int] = {}  # pid -> fd of its /proc/<pid>/io
+        self._disk_fd = -1
         self._use_children = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lcache-trace-sampler",
                                         daemon=True)
 
+    def _first_lines(self) -> list[str]:
+        me = os.getpid()
+        with contextlib.suppress(OSError):
+            self._disk_fd = os.open("/proc/diskstats", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            disks = sorted(d for d in os.listdir("/sys/block") if not d.startswith(_SKIP_DEVICES))
+        except OSError:
+            disks = []
+        return [dumps({"name": DISKS, "ph": "M", "pid": me, "tid": me,
+                       "args": {"whole": disks}})]
+
+    def _proc_io(self, pid: int, lines: list[str]) -> bytes:
+        fd = self._io_fds.get(pid)
+        if fd is None:
+            try:
+                fd = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # gone, or another user's
+                return b""
+            self._io_fds[pid] = fd
+            lines.extend(process_metadata(pid, read_cmdline(pid)[:300]))
+        try:
+            return os.pread(fd, 4096, 0)
+        except OSError:  # reaped: its file is dead, even if the pid comes back
+            os.close(self._io_fds.pop(pid))
+            return b""
+
     def sample(self) -> None:
         cpu0 = time.thread_time()
-        ts = f"{time.perf_counter_ns() / 1000:.3f}"
-        lines: list[str] = []
+        ts = time.perf_counter_ns()
+        lines = self._first_lines() if self.samples == 0 else []
+        parts = [blocks.TIME.pack(ts)]
         for pid in descendants(self.root_pid, self._use_children):
             if pid in self.exclude:
                 continue
-            io = read_proc_io(pid)
-            if io is None:
-                continue
-            if pid not in self._seen:
-                self._seen.add(pid)
-                lines.extend(process_metadata(pid, read_cmdline(pid)[:300]))
-            lines.append(f'{{"name":"io","cat":"{PROC_IO}","ph":"C","pid":{pid},"tid":{pid},'
-                         f'"ts":{ts},"args":{dumps(io)}}}')
+            raw = self._proc_io(pid, lines)
+            if raw:
+                parts += (blocks.PROC_ENTRY.pack(pid, len(raw)), raw)
+        disk = bytearray(blocks.TIME.pack(ts))
+        if self._disk_fd >= 0:
+            while chunk := os.pread(self._disk_fd, 1 << 16, len(disk) - blocks.TIME.size):
+                disk += chunk
         me = os.getpid()
-        for dev, counters in read_diskstats().items():
-            lines.append(f'{{"name":{dumps(dev)},"cat":"{DISKSTATS}","ph":"C","pid":{me},'
-                         f'"tid":{me},"ts":{ts},"args":{dumps(counters)}}}')
-        self.writer.write_lines(lines)
+        self.writer.write_lines(lines, blocks.block(blocks.KIND_PROC_IO, me, me, b"".join(parts))
+                                + blocks.block(blocks.KIND_DISKSTATS, me, me, bytes(disk)))
         self.samples += 1
         self.cpu_s += time.thread_time() - cpu0  # what sampling costs the machine
 
@@ -153,7 +175,13 @@ class ProcSampler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop and take one last sample (of the devices; the root may be gone)."""
+        """Stop, take one last sample (of the devices; the root may be gone), close."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
         self.sample()
+        for fd in (*self._io_fds.values(), self._disk_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._io_fds.clear()
+        self._disk_fd = -1

@@ -56,6 +56,8 @@ DATA_OPS = frozenset({"read", "write"})
 #: Category names of the counter events the /proc sampler writes.
 PROC_IO = "proc-io"
 DISKSTATS = "diskstats"
+#: Name of the metadata line that lists the whole disks (``/sys/block``) the sampler saw.
+DISKS = "disks"
 
 
 class TraceFormatError(CorruptionError):
