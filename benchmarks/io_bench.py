@@ -74,10 +74,14 @@ def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
              runtime_s: float, threads: bool = False) -> float:
     """fio's MB/s: libaio with ``qd`` in flight from one thread, or (``threads``) ``qd``
     threads of blocking psync I/O, the engine's own model."""
-    shape = ([f"--numjobs={qd}", "--thread", "--group_reporting", "--ioengine=psync"]
-             if threads else ["--ioengine=libaio", f"--iodepth={qd}"])
+    if threads:  # each thread its own slice, so "read" stays one pass over the file
+        part = max(block, file_bytes // qd // block * block)
+        shape = [f"--numjobs={qd}", "--thread", "--group_reporting", "--ioengine=psync",
+                 f"--size={part}", f"--offset_increment={part}"]
+    else:
+        shape = ["--ioengine=libaio", f"--iodepth={qd}", f"--size={file_bytes}"]
     result = sb._run_fio(
-        [f"--filename={path}", f"--size={file_bytes}", "--direct=1", *shape,
+        [f"--filename={path}", "--direct=1", *shape,
          f"--name={pattern}", f"--rw={pattern}", f"--bs={block}",
          "--time_based", f"--runtime={runtime_s}", "--norandommap", "--randrepeat=0",
          "--invalidate=1"],
