@@ -132,6 +132,40 @@ def test_forked_child_appends_its_own_events(tmp_path: Path) -> None:
     assert by_file == {"parent-before": os.getpid(), "child": pid}  # no duplicate in child
 
 
+def test_forked_child_names_what_it_inherited(tmp_path: Path) -> None:
+    # A file opened, and an op and class first used, before the fork: the child's events
+    # name them under the child's own pid (names are per process in the trace).
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"d" * 4096)
+    trace = tmp_path / "t.trace"
+    buf = memoryview(bytearray(16))
+    lcache.trace.enable(str(trace))
+    try:
+        fd = open_file(str(data), os.O_RDONLY)
+        pread_full(fd, 0, buf, "cache-read")
+        lcache.trace.flush()  # the parent's names are written under the parent's pid
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                pread_full(fd, 16, buf, "cache-read")
+                lcache.trace.flush()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        close_file(fd)
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    names = _files(events)
+    got = [(e["pid"], e["name"], e["cat"], names[(e["pid"], e["args"]["fid"])],
+            e["args"]["off"]) for e in _io(events)]
+    assert got == [(os.getpid(), "read", "cache-read", str(data), 0),
+                   (pid, "read", "cache-read", str(data), 16)]
+
+
 def test_dataloader_workers_events_arrive_complete(tmp_path: Path) -> None:
     trace = tmp_path / "dl.trace"
     n = 96
