@@ -29,7 +29,7 @@ import numpy as np
 
 from lcache.bench.config import Workload
 from lcache.errors import CorruptionError
-from lcache.io import aligned_buffer, drop_page_cache, open_file, pread_full
+from lcache.io import aligned_buffer, close_file, drop_page_cache, open_file, pread_full
 from lcache.io.buffers import align_down, align_up
 from lcache.io.files import logical_block_size
 
@@ -100,7 +100,7 @@ class SampleReader:
         if fd is not None:
             with self._lock:
                 self._all_fds.remove(fd)
-            os.close(fd)
+            close_file(fd)
 
     def _buffer(self, nbytes: int) -> memoryview:
         st = self._local
@@ -146,7 +146,7 @@ class SampleReader:
                     raw = bytearray(os.fstat(fd).st_size)
                     pread_full(fd, 0, memoryview(raw), io_class=IO_CLASS)
                 finally:
-                    os.close(fd)
+                    close_file(fd)
                 arrays.append(np.frombuffer(raw, dtype="<u8"))
             found = (arrays[0], arrays[1])
         if len(found[0]) < self.w.num_samples_per_file:
@@ -170,7 +170,7 @@ class SampleReader:
                 sizes.append(length)
                 pos += 12 + length + 4
         finally:
-            os.close(fd)
+            close_file(fd)
         return np.array(offs, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
 
     def read_sample(self, sample: int) -> int:
@@ -213,17 +213,17 @@ class SampleReader:
         if self.remote is not None:
             return  # nothing of an object store is in this host's page cache
         for path in self.files:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_file(path, os.O_RDONLY)
             try:
                 drop_page_cache(fd)
             finally:
-                os.close(fd)
+                close_file(fd)
 
     def close(self) -> None:
         with self._lock:
             fds, self._all_fds = self._all_fds, []
         for fd in fds:
-            os.close(fd)
+            close_file(fd)
         self._local = _ThreadState()
 
 

@@ -24,7 +24,7 @@ import xxhash
 from lcache.checkpoint.errors import CorruptionError, StateMismatchError
 from lcache.checkpoint.format import MANIFEST, ArrayRef, decode_tree, numpy_dtype, torch_dtype
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, open_data_file
-from lcache.io import Pending, default_engine, settle
+from lcache.io import Pending, close_file, default_engine, settle
 
 # chunk buffers kept for the process's later loads: reused memory costs no page faults
 _RING: list[mmap.mmap] = []
@@ -219,4 +219,4 @@ def _stream_with(ring: mmap.mmap, data_path: str, nbytes: int, order: list[Any],
     finally:
         # no read may outlive fd or land in the ring after it is handed to the next load
         settle(p for _, _, p in inflight)
-        os.close(fd)
+        close_file(fd)

@@ -26,6 +26,7 @@ from lcache.io import (
     Completions,
     Pending,
     ReadRequest,
+    close_file,
     default_engine,
     open_direct,
     open_file,
@@ -66,7 +67,7 @@ def open_member(path: str, what: str, direct: bool = False) -> tuple[int, bool, 
                               "are, so it is refused, not followed") from exc
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
+        close_file(fd)
         raise CorruptionError(f"{what} {path} is not a regular file; the checkpoint is damaged")
     return fd, used_direct, st.st_size
 
@@ -75,7 +76,7 @@ def open_data_file(path: str, nbytes: int, direct: bool) -> tuple[int, bool]:
     """``open_member`` for a data file that must hold at least ``nbytes``: (fd, direct)."""
     fd, used_direct, size = open_member(path, "data file", direct)
     if size < nbytes:
-        os.close(fd)
+        close_file(fd)
         raise CorruptionError(f"data file {path} is {size} bytes, the manifest says {nbytes}: "
                               "it was truncated")
     return fd, used_direct
@@ -150,12 +151,12 @@ def write_data_file(path: str, data: memoryview, arrays: list[ArrayRef], *,
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
             # the filesystem took O_DIRECT at open but refuses the I/O: go buffered
-            os.close(fd)
+            close_file(fd)
             fd, used_direct = _open(path, flags, False)
             _write_all(fd, data, queue_depth, sums)
         sync_fd(fd, data_only=False, io_class=IO_CLASS)
     finally:
-        os.close(fd)
+        close_file(fd)
     return used_direct
 
 
@@ -177,7 +178,7 @@ def read_small_file(path: str, limit: int) -> bytearray:
         del buf[got:]  # shorter only if it shrank meanwhile; no copy
         return buf
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: int = 8,
@@ -211,13 +212,13 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
         except OSError as exc:
             if not used_direct or exc.errno != errno.EINVAL:
                 raise
-            os.close(fd)
+            close_file(fd)
             fd, used_direct = open_data_file(path, nbytes, False)
             for req in requests:
                 req.fd = fd
             got = engine.read_batch(requests, IO_CLASS, done, queue_depth)
     finally:
-        os.close(fd)
+        close_file(fd)
     total = 0
     for req, n in zip(requests, got, strict=False):
         total += n

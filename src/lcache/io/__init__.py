@@ -16,7 +16,13 @@ from lcache.io.engine import (
     settle,
     sync_fd,
 )
-from lcache.io.files import drop_page_cache, fsync_dir, logical_block_size, open_file
+from lcache.io.files import (
+    close_file,
+    drop_page_cache,
+    fsync_dir,
+    logical_block_size,
+    open_file,
+)
 from lcache.io.publish import atomic_write
 from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
 
@@ -36,6 +42,7 @@ __all__ = [
     "aligned_empty",
     "atomic_write",
     "check_private_dir",
+    "close_file",
     "default_engine",
     "drop_page_cache",
     "fsync_dir",

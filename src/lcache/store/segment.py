@@ -33,6 +33,7 @@ from lcache.io import (
     align_down,
     align_up,
     aligned_buffer,
+    close_file,
     default_engine,
     fsync_dir,
     logical_block_size,
@@ -261,7 +262,7 @@ class SegmentWriter:
         self.path = log_path(root, seg)
         self.fd = open_in_store(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         if not try_lock(self.fd):  # cannot happen: the id is new and we hold the meta lock
-            os.close(self.fd)
+            close_file(self.fd)
             raise CorruptionError(f"{self.path} is locked by another process")
         self.offset = 0
         self._direct_fd = -1
@@ -416,11 +417,11 @@ class SegmentWriter:
             settle(staged.pending)
         self._inflight.clear()
         if self._direct_fd >= 0:
-            os.close(self._direct_fd)
+            close_file(self._direct_fd)
             self._direct_fd = -1
         for buf in self._stages:  # reused by the next writer: no fresh page faults
             self._buffers.give(buf)
         self._stages = []
         if self.fd >= 0:
-            os.close(self.fd)
+            close_file(self.fd)
             self.fd = -1
