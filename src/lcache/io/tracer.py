@@ -2,9 +2,9 @@
 
 The hook is a single module-level slot, ``None`` by default, so an untraced operation costs one
 global load and one ``is None`` test. Any callable taking an :class:`IOEvent` can be installed;
-``lcache.trace`` installs its recorder, which ``emit`` serves without building an object: it
-appends seven integers to this thread's ``array`` (no lock: one C call under the GIL), and the
-recorder writes those arrays out as binary blocks.
+``lcache.trace`` installs its recorder, which ``emit`` serves without an event object or a
+system call: it packs seven integers into 56 bytes appended to this thread's list (no lock: one
+C call under the GIL), and the recorder writes them out, joined, as binary blocks.
 
 Files are named by id, not looked up per event: :func:`note_open` (called by
 ``lcache.io.files.open_file``) gives every opened fd a fresh file id and remembers its path, so
@@ -52,8 +52,9 @@ class Tracer(Protocol):
 
 
 #: A binary record, little-endian int64s: code (op id | class id << 16), file id, offset,
-#: size, result, start and end (``perf_counter_ns``). Packed in the hot path: a 56-byte append
-#: costs less than an ``array.extend`` or a tuple that is converted later.
+#: size, result, start and end (``perf_counter_ns``). Packed in the hot path and appended to a
+#: list: fewer instructions than ``bytearray.extend`` (~430 a record, callgrind),
+#: ``array.extend`` or a tuple converted later.
 RECORD = struct.Struct("<7q")
 RECORD_FIELDS = 7
 _pack = RECORD.pack
@@ -64,7 +65,7 @@ _binary: Tracer | None = None  # the recorder whose events go to the per-thread 
 
 _local = threading.local()
 #: (native thread id, records, thread) of every thread that recorded since the last reset
-buffers: list[tuple[int, bytearray, threading.Thread]] = []
+buffers: list[tuple[int, list[bytes], threading.Thread]] = []
 _buffers_lock = threading.Lock()
 
 _ops: dict[str, int] = {}  # op name -> id (1..65535)
@@ -110,7 +111,7 @@ def emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_clas
         end = time.perf_counter_ns()
         if tracer is _binary:
             try:  # the hot path: no object kept per event, no system call
-                _local.events.extend(_pack(_codes[io_class][op], _fids[fd], offset,
+                _local.events.append(_pack(_codes[io_class][op], _fids[fd], offset,
                                            size, result, t0, end))
             except (AttributeError, KeyError, struct.error):  # new thread, name or fd
                 append(op, fid_for(fd), offset, size, result, t0, end, io_class)
@@ -124,11 +125,11 @@ def append(op: str, fid: int, offset: int, size: int, result: int, start_ns: int
     try:
         events = _local.events
     except AttributeError:
-        events = _local.events = bytearray()
+        events = _local.events = []
         with _buffers_lock:
             buffers.append((threading.get_native_id(), events, threading.current_thread()))
     lo, hi = _INT64  # a value no system call returns must not fail the I/O it records
-    events.extend(_pack(code(op, io_class), fid, *(min(max(v, lo), hi) for v in (
+    events.append(_pack(code(op, io_class), fid, *(min(max(v, lo), hi) for v in (
         offset, size, result, start_ns, end_ns))))
 
 
@@ -263,7 +264,7 @@ def reset_buffers() -> None:
     del pending[:]
 
 
-def forget_dead_buffer(entry: tuple[int, bytearray, threading.Thread]) -> None:
+def forget_dead_buffer(entry: tuple[int, list[bytes], threading.Thread]) -> None:
     """Stop tracking an empty array whose thread has ended."""
     with _buffers_lock:
         if entry in buffers:

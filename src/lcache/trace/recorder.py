@@ -1,7 +1,7 @@
 """The in-process recorder: per-thread binary buffers, a background flush, flush at exit and fork.
 
 Hot path (``lcache.io.tracer.emit``, installed by ``enable``): a 56-byte record appended to
-this thread's ``bytearray``; files are named by the id ``lcache.io.files.open_file`` gave the
+this thread's list; files are named by the id ``lcache.io.files.open_file`` gave the
 fd. A daemon thread writes the buffers as binary blocks (``lcache.trace.blocks``), with JSON
 lines naming the files, ops and classes they use, every ``FLUSH_INTERVAL_S`` and at exit.
 ``lcache report`` and ``lcache.report.load`` turn the blocks into events; nothing is formatted
@@ -86,7 +86,7 @@ class Recorder:
                     if not thread.is_alive():
                         _io_tracer.forget_dead_buffer(entry)
                     continue
-                chunk = bytes(events[:n])
+                chunk = b"".join(events[:n])
                 del events[:n]  # appends made meanwhile sit after n and stay
                 blocks.extend(event_blocks(self.pid, tid, chunk))
                 lines.extend(self._file_lines(chunk))
