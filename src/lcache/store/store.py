@@ -28,8 +28,8 @@ import numpy as np
 from lcache.errors import CorruptionError, DiskFullError, IndexFullError, StoreFullError
 from lcache.io import (
     BufferPool,
-    IOEngine,
     SyncPolicy,
+    default_engine,
     drop_page_cache,
     logical_block_size,
 )
@@ -109,7 +109,8 @@ class Store(Reader):
         self.direct_io = direct_io
         self.direct_writes = direct_writes
         self.policy: EvictionPolicy = make_policy(config.policy)
-        self.engine = IOEngine(queue_depth)
+        self.engine = default_engine()  # the process's, shared with every other layer
+        self.queue_depth = queue_depth
         self.counters = Counters()
         self._block = logical_block_size(root) if direct_io else 1
         self._closed = False
@@ -151,7 +152,8 @@ class Store(Reader):
                 3x faster than buffered writes here, and the page cache keeps room for reads).
                 Each write call re-writes the partial block at the end, so many tiny ``put``
                 calls write more than ``put_many`` batches do.
-            queue_depth: reads kept in flight by ``get_many``.
+            queue_depth: reads kept in flight by ``get_many`` (at most the process I/O
+                engine's depth, ``LCACHE_IO_QUEUE_DEPTH``).
 
         Raises:
             ConfigError: a setting is invalid or conflicts with the existing store.
@@ -258,7 +260,6 @@ class Store(Reader):
         if self._writer is not None:
             self._writer.close()
         self._meta.close()
-        self.engine.close()
         self._closed = True
 
     def _abandon(self) -> None:
