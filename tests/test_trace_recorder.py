@@ -433,3 +433,28 @@ def test_enable_and_disable_start_and_join_no_thread(tmp_path: Path) -> None:
         seen.add(flushers[0].ident)
         assert [e["args"]["off"] for e in _io(_events(tmp_path / f"t{i}.trace"))] == [i]
     assert len(seen) == 1
+
+
+def test_made_up_class_names_never_fail_the_io(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ids are 16 bits: past 65,535 names (a caller making up a class per call) the rest are
+    # recorded as class "other" rather than the I/O raising. The limit is lowered to keep
+    # the test short.
+    from lcache.io import tracer as io_tracer
+
+    limit = len(io_tracer._classes) + 50
+    monkeypatch.setattr(io_tracer, "MAX_NAMES", limit)
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"d")
+    trace = tmp_path / "t.trace"
+    buf = memoryview(bytearray(1))
+    lcache.trace.enable(str(trace))
+    try:
+        fd = open_file(str(data), os.O_RDONLY)
+        for i in range(100):
+            pread_full(fd, 0, buf, f"made-up-{i}")
+        close_file(fd)
+    finally:
+        lcache.trace.disable()
+    cats = [e["cat"] for e in _io(_events(trace))]
+    assert cats == [f"made-up-{i}" for i in range(50)] + ["other"] * 50

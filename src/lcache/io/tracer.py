@@ -59,17 +59,18 @@ RECORD = struct.Struct("<7q")
 RECORD_FIELDS = 7
 _pack = RECORD.pack
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+MAX_NAMES = 0xFFFF  # op or class names per process: ids are 16 bits of the code
 
 _tracer: Tracer | None = None
-_binary: Tracer | None = None  # the recorder whose events go to the per-thread arrays
+_binary: Tracer | None = None  # the recorder whose events go to the per-thread lists
 
 _local = threading.local()
 #: (native thread id, records, thread) of every thread that recorded since the last reset
 buffers: list[tuple[int, list[bytes], threading.Thread]] = []
 _buffers_lock = threading.Lock()
 
-_ops: dict[str, int] = {}  # op name -> id (1..65535)
-_classes: dict[str, int] = {}  # class name -> id << 16
+_ops: dict[str, int] = {"other": 1}  # op name -> id (1..65535)
+_classes: dict[str, int] = {"other": 1}  # class name -> id (1..65535)
 _codes: dict[str, dict[str, int]] = {}  # class name -> op name -> code (one lookup each)
 _file_ids = itertools.count(1)
 _fids: dict[int, int] = {}  # fd -> file id, for fds opened through lcache.io
@@ -87,8 +88,8 @@ def set_tracer(tracer: Tracer | None, binary: bool = False) -> Tracer | None:
     """Install ``tracer`` (or remove it with ``None``); returns the previous one.
 
     With ``binary`` (the ``lcache.trace`` recorder), ``emit`` appends binary records to the
-    per-thread arrays in :data:`buffers` instead of calling ``tracer``, and every name in use
-    is queued in :data:`pending` for the recorder to write.
+    per-thread lists in :data:`buffers` instead of calling ``tracer``, and every op and class
+    name in use is queued in :data:`pending` for the recorder to write.
     """
     global _tracer, _binary
     previous = _tracer
@@ -110,7 +111,7 @@ def emit(op: str, fd: int, offset: int, size: int, result: int, t0: int, io_clas
     if tracer is not None:
         end = time.perf_counter_ns()
         if tracer is _binary:
-            try:  # the hot path: no object kept per event, no system call
+            try:  # the hot path: one 56-byte record, no event object, no system call
                 _local.events.append(_pack(_codes[io_class][op], _fids[fd], offset,
                                            size, result, t0, end))
             except (AttributeError, KeyError, struct.error):  # new thread, name or fd
@@ -135,20 +136,18 @@ def append(op: str, fid: int, offset: int, size: int, result: int, start_ns: int
 
 def code(op: str, io_class: str) -> int:
     """The record code of an (op, class) pair; a new name is given an id and queued."""
-    op_id = _ops.get(op)
-    if op_id is None:
-        op_id = _ops[op] = _new_id(_ops, "op", op)
-    class_id = _classes.get(io_class)
-    if class_id is None:
-        class_id = _classes[io_class] = _new_id(_classes, "cat", io_class) << 16
-    _codes.setdefault(io_class, {})[op] = op_id | class_id
+    op_id = _ops.get(op) or _new_id(_ops, "op", op)
+    class_id = (_classes.get(io_class) or _new_id(_classes, "cat", io_class)) << 16
+    if op in _ops and io_class in _classes:  # not an overflow mapped to "other"
+        _codes.setdefault(io_class, {})[op] = op_id | class_id
     return op_id | class_id
 
 
 def _new_id(table: dict[str, int], kind: str, name: str) -> int:
     n = len(table) + 1
-    if n > 0xFFFF:  # 65,535 names of one kind: a caller makes up names per call
-        raise ValueError(f"more than 65,535 trace {kind} names; use the documented classes")
+    if n > MAX_NAMES:  # a caller makes up names per call: the rest count as "other" (id 1)
+        return 1
+    table[name] = n
     if _binary is not None:
         pending.append((kind, n, name))
     return n
@@ -244,7 +243,7 @@ def queue_all_names() -> None:
     """Queue every op and class name (at ``enable`` and in a forked child, whose trace lines
     carry its own pid)."""
     pending.extend(("op", n, name) for name, n in _ops.items())
-    pending.extend(("cat", n >> 16, name) for name, n in _classes.items())
+    pending.extend(("cat", n, name) for name, n in _classes.items())
 
 
 def take_pending() -> list[tuple[str, int, str]]:
@@ -256,7 +255,7 @@ def take_pending() -> list[tuple[str, int, str]]:
 
 
 def reset_buffers() -> None:
-    """Drop every thread's array (after ``fork()``: the parent writes what they held)."""
+    """Drop every thread's records (after ``fork()``: the parent writes what they held)."""
     global _local
     _local = threading.local()
     with _buffers_lock:
@@ -265,7 +264,7 @@ def reset_buffers() -> None:
 
 
 def forget_dead_buffer(entry: tuple[int, list[bytes], threading.Thread]) -> None:
-    """Stop tracking an empty array whose thread has ended."""
+    """Stop tracking the empty list of a thread that has ended."""
     with _buffers_lock:
         if entry in buffers:
             buffers.remove(entry)
