@@ -200,3 +200,24 @@ def test_a_swap_file_that_does_not_fit_is_refused_up_front(tmp_path: Path) -> No
             OffloadedOptimizer(make_model().parameters(), dir=small, **SMALL)
         assert "free space" in str(info.value)
         assert os.listdir(small) == []
+
+
+def test_bytes_per_step_are_what_lcache_model_predicts(tmp_path: Path) -> None:
+    from lcache.model import config_from_preset, predict
+
+    pred = predict(config_from_preset("llama3-8b", gpus=8, optimizer_offload=True))
+    demand = pred.classes["optimizer-offload"]
+    per_param = demand.read_bytes_per_event / pred.params  # 12: fp32 master, m and v
+    layer = torch.nn.Linear(1024, 1024)
+    n = sum(p.numel() for p in layer.parameters())
+    with OffloadedOptimizer(layer.parameters(), dir=tmp_path, host_budget="64MB",
+                            direct=False) as opt:
+        layer(torch.ones(2, 1024)).sum().backward()
+        opt.step()  # the first update reads what the construction wrote
+        r0, w0 = opt.read_bytes, opt.write_bytes
+        layer(torch.ones(2, 1024)).sum().backward()
+        opt.step()
+        read, written = opt.read_bytes - r0, opt.write_bytes - w0
+    assert demand.write_bytes_per_event == demand.read_bytes_per_event
+    # the same per parameter, but for the padding of one block to 4 KiB
+    assert per_param * n <= read == written <= per_param * n + 4096
