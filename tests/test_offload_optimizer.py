@@ -4,9 +4,11 @@ pile up, refusals up front (issue 12, 2-5)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,3 +223,16 @@ def test_bytes_per_step_are_what_lcache_model_predicts(tmp_path: Path) -> None:
     assert demand.write_bytes_per_event == demand.read_bytes_per_event
     # the same per parameter, but for the padding of one block to 4 KiB
     assert per_param * n <= read == written <= per_param * n + 4096
+
+
+def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "offload.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
+    assert blocks
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # so mkdtemp reads TMPDIR again
+    try:
+        for code in blocks:
+            exec(compile(code, str(doc), "exec"), {"__name__": "__doc__"})
+    finally:
+        tempfile.tempdir = None
