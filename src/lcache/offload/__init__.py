@@ -9,8 +9,15 @@
 
 The fp32 master weights and the optimizer's moments live in one preallocated swap file per
 rank and stream through a bounded pool of host buffers, one sub-group at a time.
+
+    with lcache.offload.activations(dir, min_bytes="1MiB"):   # saved tensors spill to SSD
+        loss = model(x); loss.backward()
 """
 
+# ``activations`` the function shadows ``activations`` the module as an attribute of this
+# package, as the issue's ``lcache.offload.activations(dir, ...)`` wants; the module's other
+# names are imported from ``lcache.offload.activations`` (found in sys.modules).
+from lcache.offload.activations import activations
 from lcache.offload.optimizer import OffloadedOptimizer
 
-__all__ = ["OffloadedOptimizer"]
+__all__ = ["OffloadedOptimizer", "activations"]
