@@ -179,7 +179,8 @@ def run_child(args: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     model = make_model(args.params)
     row = CHILDREN[args.child](model, args)
-    n = sum(p.numel() for p in model.parameters())
+    # ZeRO-3 partitions the parameters in place: ds_numel is a parameter's full size
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     print(json.dumps({"system": args.child, "params": n, **row, "peak_rss_bytes": peak_rss()}))
 
 
