@@ -16,6 +16,7 @@ import pytest
 
 import lcache.trace
 from lcache.report import summarize, write_perfetto, write_report
+from lcache.report.load import json_lines
 from lcache.trace import TraceFormatError
 
 HERE = Path(__file__).parent
@@ -29,6 +30,8 @@ def _small_trace(path: Path) -> None:
                                 1000 * i, 500, 10)
     finally:
         lcache.trace.disable()
+    # as JSON lines (the recorder writes binary blocks): these tests damage lines
+    path.write_text("".join(json_lines(str(path))))
 
 
 def test_missing_truncated_and_foreign_files(tmp_path: Path) -> None:
