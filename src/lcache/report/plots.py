@@ -70,6 +70,9 @@ OKABE_ITO = ("#0072B2", "#E69F00", "#D55E00", "#56B4E9", "#009E73", "#CC79A7", "
 _SOLID = ("data-source", "cache-read", "cache-write", "cache-ram", "checkpoint", "offload",
           "other", "cache-gc")
 _DASHED = ("cache-recovery", "cache-fsck", "cache-meta", "syscall")
+#: Offload's streams: mostly the colour of ``offload``, told apart by line and hatch.
+_OFFLOAD = {"offload-read": ("offload", "--", "//"), "offload-write": ("offload", "-.", "\\\\"),
+            "offload-act-read": ("offload", ":", "oo"), "offload-act-write": ("other", "-.", "xx")}
 
 
 def class_style(name: str) -> tuple[str, str, str]:
@@ -79,6 +82,9 @@ def class_style(name: str) -> tuple[str, str, str]:
         return OKABE_ITO[_SOLID.index(name)], "-", ""
     if name in _DASHED:
         return OKABE_ITO[1 + _DASHED.index(name)], "--", "//"
+    if name in _OFFLOAD:
+        like, line, hatch = _OFFLOAD[name]
+        return OKABE_ITO[_SOLID.index(like)], line, hatch
     return OKABE_ITO[sum(map(ord, name)) % len(OKABE_ITO)], ":", ".."
 
 
