@@ -99,6 +99,7 @@ class Reader:
     counters: Counters
     policy: EvictionPolicy
     engine: IOEngine
+    queue_depth: int
     _block: int
     _fds: dict[int, int]
     _meta: MetaPage
@@ -339,12 +340,13 @@ class Reader:
                     out[i] = None if view is None else view.toreadonly()
 
         if self.direct_io:
-            self.engine.read_batch(requests, "cache-read", check)
+            self.engine.read_batch(requests, "cache-read", check, depth=self.queue_depth)
         else:
             left = self._read_cached(requests, check)
             if left:
                 self.engine.read_batch([requests[j] for j in left], "cache-read",
-                                       lambda j, got: check(left[j], got))
+                                       lambda j, got: check(left[j], got),
+                                       depth=self.queue_depth)
         for _, _, members in placed:
             for i in members:
                 if out[i] is None:
