@@ -49,3 +49,16 @@ def test_round_trip_compute_bound(tmp_path: Path) -> None:
         for key in ("read_bytes_per_step", "write_bytes_per_step", "size_p50"):
             assert again[name][key] == pytest.approx(g[key], rel=0.10), (name, key)
         assert again[name]["read_fraction"] == pytest.approx(g["read_fraction"], abs=0.1)
+
+
+def test_reads_in_the_training_loop_stay_there(tmp_path: Path) -> None:
+    """Reads made by the training thread itself (read_threads 0): the markers give the compute,
+    and the emitted workload reads in its loop too, not ahead of it in reader threads."""
+    doc = {**ORIGINAL, "reader": {**ORIGINAL["reader"], "read_threads": 0, "prefetch_size": 0},
+           "workflow": {"generate_data": True, "train": True}}
+    doc.pop("checkpoint")
+    _, trace = _run(doc, tmp_path / "a")
+    fitted = advise(trace)
+    assert fitted["fit"]["steps"]["source"] == "markers"
+    assert fitted["fit"]["steps"]["reads_in_training_thread"] is True
+    assert fitted["workload"]["doc"]["reader"]["read_threads"] == 0

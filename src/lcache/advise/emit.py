@@ -63,7 +63,7 @@ def _data(fitted: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], ...
                      f"trace took per sample ({compute:.6f} s at {mbps:,.1f} MB/s), so the "
                      "workload asks the measured data bandwidth; record step markers to fit "
                      "the real batch and compute")
-    elif not steps["reads_in_training_thread"]:
+    elif steps["source"] == "rhythm" and not steps["reads_in_training_thread"]:
         notes.append("reads ran ahead of compute: computation_time is the step period (an "
                      "upper bound on compute when the readers never waited)")
     reader = {"data_loader": "pytorch", "batch_size": batch, "read_threads": threads,

@@ -220,13 +220,14 @@ def fit(trace: Trace) -> dict[str, Any]:
 
 
 def _steps(trace: Trace, samples: Mask) -> Steps:
-    markers = _rows(trace, (MARKER,), MARKER)
-    if markers.any():
-        return from_markers(trace.ts_us[markers], trace.dur_us[markers], trace.ts_us[samples])
-    if not samples.any():
-        return Steps("", why="no data reads to take the training loop's rhythm from")
     threads = set(zip(trace.pid[samples].tolist(), trace.tid[samples].tolist(), strict=True))
     # Reads in the process's main thread alone: a loop without reader threads or workers.
     inline = len(threads) == 1 and next(iter(threads))[0] == next(iter(threads))[1]
+    markers = _rows(trace, (MARKER,), MARKER)
+    if markers.any():
+        return from_markers(trace.ts_us[markers], trace.dur_us[markers], trace.ts_us[samples],
+                            inline)
+    if not samples.any():
+        return Steps("", why="no data reads to take the training loop's rhythm from")
     return from_rhythm(trace.ts_us[samples], trace.ts_us[samples] + trace.dur_us[samples],
                        inline)

@@ -59,8 +59,9 @@ class Steps:
 
 
 def from_markers(ts_us: npt.NDArray[np.float64], dur_us: npt.NDArray[np.float64],
-                 read_ts_us: npt.NDArray[np.float64]) -> Steps:
-    """Steps from marker events (start and compute of each step)."""
+                 read_ts_us: npt.NDArray[np.float64], inline: bool) -> Steps:
+    """Steps from marker events (start and compute of each step); ``inline``: the reads are
+    the training thread's own."""
     order = np.argsort(ts_us)
     ts, dur = ts_us[order], dur_us[order]
     if len(ts) < MIN_STEPS + 1:
@@ -70,7 +71,7 @@ def from_markers(ts_us: npt.NDArray[np.float64], dur_us: npt.NDArray[np.float64]
     reads = np.histogram(read_ts_us, bins=np.append(ts, np.inf))[0]
     batch = int(np.median(reads[1:])) if len(read_ts_us) else None
     return Steps("markers", len(ts), round(step_s, 6), round(float(np.median(dur)) / 1e6, 6),
-                 batch or None)
+                 batch or None, inline)
 
 
 def _too_short(steps: int, step_s: float | None) -> str:
