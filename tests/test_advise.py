@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,9 @@ def test_mixed_runs_fit_one_and_name_the_others(tmp_path: Path) -> None:
         subprocess.run([sys.executable, "-c", _CHILD, str(p), cls, root], check=True,
                        env=subprocess_env(), timeout=60)
         paths.append(p)
+        # The child's events span 200 ms from its start, past its exit on a fast machine:
+        # the next child starts after them, as a second run would.
+        time.sleep(0.3)
     doc = advise(paths)
     runs = doc["fit"]["runs"]
     assert runs["count"] == 2 and runs["fitted"] == 2
