@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -36,6 +37,36 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+#: The repository's root: README.md and docs/ live there.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def doc_blocks(page: str, lang: str = "python") -> list[str]:
+    """The ``lang`` code blocks of ``page`` (``README.md``, ``docs/trace.md``...)."""
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)
+
+
+def run_doc_python(page: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a docs page's Python block as a reader would, with ``tmp_path`` as the working
+    directory and the temporary directory, and no trace of the test run's own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("LCACHE_TRACE", raising=False)
+    exec(compile(code, str(ROOT / page), "exec"), {"__name__": "__doc__"})
+
+
+def run_doc_shell(script: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a docs page's shell block in ``tmp_path`` with this interpreter's ``lcache`` first
+    on the PATH; fails the test on a non-zero exit."""
+    env = {k: v for k, v in subprocess_env().items() if k != "LCACHE_TRACE"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr
+    return run
 
 
 @pytest.fixture

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
-import tempfile
 from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "io.md"
-PYTHON = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+from .conftest import doc_blocks, run_doc_python
+
+PYTHON = doc_blocks("docs/io.md")
 
 
 def test_doc_has_examples() -> None:
@@ -18,6 +17,4 @@ def test_doc_has_examples() -> None:
 
 @pytest.mark.parametrize("code", PYTHON, ids=[f"python{i}" for i in range(len(PYTHON))])
 def test_python_example(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    exec(compile(code, str(DOC), "exec"), {"__name__": "__doc__"})
+    run_doc_python("docs/io.md", code, tmp_path, monkeypatch)

@@ -4,11 +4,9 @@ pile up, refusals up front (issue 12, 2-5)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from lcache.errors import ConfigError, DiskFullError
 from lcache.io import set_tracer
 from lcache.offload import OffloadedOptimizer
 from tests._offload_model import batch, loss_of, make_model, train
-from tests.conftest import mounted_tmpfs, subprocess_env
+from tests.conftest import doc_blocks, mounted_tmpfs, run_doc_python, subprocess_env
 
 # ~11 sub-groups, params split across; through the page cache, as blocks this small take
 # milliseconds each with O_DIRECT (the AMSGrad test and the file tests keep O_DIRECT)
@@ -225,14 +223,6 @@ def test_bytes_per_step_are_what_lcache_model_predicts(tmp_path: Path) -> None:
     assert per_param * n <= read == written <= per_param * n + 4096
 
 
-def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    doc = Path(__file__).resolve().parents[1] / "docs" / "offload.md"
-    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
-    assert blocks
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    tempfile.tempdir = None  # so mkdtemp reads TMPDIR again
-    try:
-        for code in blocks:
-            exec(compile(code, str(doc), "exec"), {"__name__": "__doc__"})
-    finally:
-        tempfile.tempdir = None
+@pytest.mark.parametrize("code", doc_blocks("docs/offload.md"))
+def test_docs_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_doc_python("docs/offload.md", code, tmp_path, monkeypatch)

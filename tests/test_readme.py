@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+from .conftest import doc_blocks, run_doc_python
+
+BLOCKS = doc_blocks("README.md")
 
 
 def test_readme_has_examples() -> None:
@@ -17,6 +17,4 @@ def test_readme_has_examples() -> None:
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+    run_doc_python("README.md", code, tmp_path, monkeypatch)

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "trace.md"
-TEXT = DOC.read_text()
-PYTHON = re.findall(r"```python\n(.*?)```", TEXT, flags=re.DOTALL)
-BASH = re.findall(r"```bash\n(.*?)```", TEXT, flags=re.DOTALL)
+from .conftest import doc_blocks, run_doc_python, run_doc_shell
+
+PAGE = "docs/trace.md"
+PYTHON = doc_blocks(PAGE)
+BASH = doc_blocks(PAGE, "bash")
 
 
 def test_doc_has_examples() -> None:
@@ -23,19 +20,12 @@ def test_doc_has_examples() -> None:
 
 @pytest.mark.parametrize("code", PYTHON, ids=[f"python{i}" for i in range(len(PYTHON))])
 def test_python_example(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.delenv("LCACHE_TRACE", raising=False)
-    exec(compile(code, str(DOC), "exec"), {"__name__": "__doc__"})
+    run_doc_python(PAGE, code, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("script", BASH, ids=[f"bash{i}" for i in range(len(BASH))])
 def test_shell_example(script: str, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    run_doc_shell(script, tmp_path, timeout=120)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (tmp_path / "report.html").stat().st_size > 10_000
     assert any(p["wchar"] >= 8 << 20 for p in summary["processes"].values())
