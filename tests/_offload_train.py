@@ -5,6 +5,7 @@ swap writes and says so, for the parent to kill it there."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +26,12 @@ def main() -> None:
     model = make_model()
     opt = OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=root / "swap", **SMALL)
     armed = False
+    said = threading.Lock()  # the engine's threads may all reach a write at once: say it once
 
     def stall(event: object) -> None:
         if armed and getattr(event, "io_class", "") == "offload-write":
-            print("mid-step", flush=True)
+            if said.acquire(blocking=False):
+                print("mid-step", flush=True)
             time.sleep(60)
 
     set_tracer(stall)
