@@ -16,13 +16,9 @@ from lcache.store.index import IntIndex, pack_loc
 from lcache.store.segment import SegmentWriter, Summary, log_path
 
 
-def _old_locs(summary: Summary) -> npt.NDArray[np.uint64]:
-    return (np.uint64(summary.segment) << np.uint64(32)) | summary.offsets.astype(np.uint64)
-
-
 def live_records(summary: Summary, ints: IntIndex, hashes: HashIndex) -> npt.NDArray[np.bool_]:
     """Which records of a segment the index still points at."""
-    return _live(summary.keys, summary.kinds, _old_locs(summary), ints, hashes)
+    return _live(summary.keys, summary.kinds, summary.locs, ints, hashes)
 
 
 def live_bytes(summaries: list[Summary], ints: IntIndex, hashes: HashIndex) -> list[int]:
@@ -32,7 +28,7 @@ def live_bytes(summaries: list[Summary], ints: IntIndex, hashes: HashIndex) -> l
         return []
     live = _live(np.concatenate([s.keys for s in summaries]),
                  np.concatenate([s.kinds for s in summaries]),
-                 np.concatenate([_old_locs(s) for s in summaries]), ints, hashes)
+                 np.concatenate([s.locs for s in summaries]), ints, hashes)
     owner = np.repeat(np.arange(len(summaries)), [len(s.keys) for s in summaries])
     lengths = np.concatenate([s.lengths for s in summaries])
     sums = np.bincount(owner[live], weights=lengths[live], minlength=len(summaries))
@@ -69,7 +65,7 @@ def evict_records(summary: Summary, evict: npt.NDArray[np.bool_], ints: IntIndex
                   hashes: HashIndex) -> list[tuple[int, int]]:
     """Remove the index entries of the records ``evict`` marks, unless a key was written
     again meanwhile (its entry then points elsewhere). Returns the (kind, key64) removed."""
-    old = _old_locs(summary)
+    old = summary.locs
     is_int = summary.kinds == record.KIND_INT
     gone = ints.remove_many(summary.keys[evict & is_int], old[evict & is_int])
     removed = [(record.KIND_INT, k) for k in gone.tolist()]

@@ -109,6 +109,13 @@ class Summary:
     lengths: npt.NDArray[np.uint32]
     kinds: npt.NDArray[np.uint8]
     data_len: int
+    #: Each record's packed index location (segment << 32 | offset), made once: cleaning
+    #: compares a window of summaries with the index at every segment allocation.
+    locs: npt.NDArray[np.uint64] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "locs", (np.uint64(self.segment) << np.uint64(32))
+                           | self.offsets.astype(np.uint64))
 
     def encode(self) -> bytes:
         body = (
