@@ -4,7 +4,9 @@ timeouts, coalesced ranges split exactly, and responses of the wrong length refu
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
 import random
 import threading
 import time
@@ -126,6 +128,21 @@ def test_missing_or_refused_objects_are_not_retried(tmp_path: Path, objects: lis
             src.fetch_many([0, 1])
         assert sum(server.paths.values()) <= 2  # one GET per object at most, no retry
     assert "after" not in str(info.value) and f"{server.url}/d/00" in str(info.value)
+
+
+def test_every_failed_request_of_a_batch_is_collected(tmp_path: Path, objects: list[bytes],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """One error is raised, and the others' are not left for asyncio to print as "Task
+    exception was never retrieved" tracebacks on the user's terminal."""
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "404") as server:
+        src = FileSource(server.url + "/d/", files=_names(8), retries=0, **FAST)
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for pair in range(0, 8, 2):  # two answers at once: both often fail in one wait
+                with pytest.raises(SourceError):
+                    src.fetch_many([pair, pair + 1])
+            del src
+            gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 def test_a_stalled_request_times_out_and_is_retried(tmp_path: Path,

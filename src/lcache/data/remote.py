@@ -280,9 +280,12 @@ class Remote:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
-        for task in tasks:  # the first failure in request order
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        # Every failure is collected, not only the one raised: asyncio prints the others as
+        # "Task exception was never retrieved" tracebacks when the tasks are dropped.
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]
+        first = next((e for e in errors if e is not None), None)  # in request order
+        if first is not None:
+            raise first
         return [t.result() for t in tasks]
 
     # ------------------------------------------------------------------- requests
