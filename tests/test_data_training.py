@@ -525,6 +525,21 @@ def test_sampler_plan_is_the_whole_sequence_belady(small_data: Path, tmp_path: P
         assert sampler.plan(e).hits.tolist() == whole.hits[e * N:(e + 1) * N].tolist()
 
 
+def test_next_epochs_plan_is_made_while_this_epoch_runs(small_data: Path,
+                                                        tmp_path: Path) -> None:
+    """Belady over a million samples takes seconds: epoch e + 1's plan is computed in the
+    background once epoch e starts, and is the plan a fresh sampler computes."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, seed=4, prefetch=False)
+    iter(sampler).__next__()  # epoch 0 starts
+    assert sampler._ahead is not None
+    sampler._ahead.join(timeout=60)
+    assert 1 in sampler._plans  # made without being asked for
+    fresh = SeedAwareSampler(ds, seed=4, prefetch=False)
+    assert sampler.plan(1).keep.tolist() == fresh.plan(1).keep.tolist()
+    assert sampler.plan(1).hits.tolist() == fresh.plan(1).hits.tolist()
+
+
 def test_simulate_lru_on_known_sequences() -> None:
     # cache of 2: 0 1 2(evicts 0) 0(evicts 1) 3(evicts 2) 0(hit) 1(evicts 3) -> 1 hit of 7
     assert simulate_lru(np.array([0, 1, 2, 0, 3, 0, 1]), 1, 2) == pytest.approx(1 / 7)

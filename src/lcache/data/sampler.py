@@ -8,7 +8,9 @@ iterates, a prefetcher in this process fetches the rank's upcoming misses.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,6 +98,8 @@ class SeedAwareSampler:
         self._start = 0
         self._yielded = 0
         self._plans: dict[int, PlanResult] = {}
+        self._plan_lock = threading.Lock()
+        self._ahead: threading.Thread | None = None
 
     def _shard_window(self, window: int) -> ShardWindow:
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -125,15 +129,39 @@ class SeedAwareSampler:
     def plan(self, epoch: int) -> PlanResult:
         """Belady's plan for the node's accesses of ``epoch`` (computed from epoch 0 on, as
         each epoch starts with what the previous one left cached)."""
-        done = max((e for e in self._plans if e <= epoch), default=-1)
-        sizes = self.cache.record_sizes()
-        while done < epoch:
-            done += 1
-            carried = self._plans[done - 1].carried if done > 0 else {}
-            self._plans[done] = belady(self.node_sequence(done), sizes, self.plan_capacity,
-                                       horizon=self.node_sequence(done + 1), carried=carried)
-            self._plans.pop(done - 2, None)
-        return self._plans[epoch]
+        with self._plan_lock:  # the next epoch's may be under way in the background
+            done = max((e for e in self._plans if e <= epoch), default=-1)
+            sizes = self.cache.record_sizes()
+            while done < epoch:
+                done += 1
+                carried = self._plans[done - 1].carried if done > 0 else {}
+                self._plans[done] = belady(self.node_sequence(done), sizes, self.plan_capacity,
+                                           horizon=self.node_sequence(done + 1),
+                                           carried=carried)
+                self._plans.pop(done - 2, None)
+            return self._plans[epoch]
+
+    def _plan_ahead(self, epoch: int) -> None:
+        """Start computing ``epoch``'s plan in the background. Why: Belady's rule costs 3-5 us
+        per access, so over a million samples every rank would wait seconds at the start of
+        each epoch; made during the previous epoch, it is ready when asked for."""
+        if self._ahead is not None and self._ahead.is_alive():
+            return
+
+        def plan() -> None:
+            with contextlib.suppress(Exception):  # asked again in the foreground, raised there
+                self.plan(epoch)
+
+        self._ahead = threading.Thread(target=plan, name="lcache-plan", daemon=True)
+        self._ahead.start()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_plan_lock"], state["_ahead"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _plan_lock=threading.Lock(), _ahead=None)
 
     def order(self, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """This rank's sample indices for ``epoch`` (default: the current one)."""
@@ -145,6 +173,7 @@ class SeedAwareSampler:
         order = self.order()
         local, ranks = self.rank - self.node_ranks.start, len(self.node_ranks)
         plan = self.plan(self.epoch)
+        self._plan_ahead(self.epoch + 1)
         keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
         start, self._start = self._start, 0
         self._yielded = start
