@@ -5,6 +5,11 @@ sub-group i is updated on the CPU, i+1 is being read and i-1 written by the proc
 engine. The update is the wrapped optimizer's own ``step()`` on fp32 views of the buffer, so
 the bits are the optimizer's (fused or foreach, on torch's intra-op threads).
 
+It is a ``torch.optim.Optimizer``: ``param_groups`` is the live list LR schedulers, GradScaler
+and training frameworks read and change (a new ``lr`` or ``betas`` applies from the next
+sub-group updated), and step hooks run as torch's do. Its ``state`` stays empty: the state
+is in the swap file, never whole in memory.
+
 Lifecycle of a step: every sub-group with gradients is read from its committed slot, updated,
 its parameters set from the new master weights, and written to its other slot; only when
 every write is done do those slots become the committed ones. A step that fails (a full
@@ -23,6 +28,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from lcache.checkpoint.dist import rank_and_world
 from lcache.errors import ConfigError
 from lcache.io import Pending, aligned_buffer
@@ -34,6 +41,9 @@ from lcache.store.layout import parse_size
 def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dict[str, Any]]]:
     """(names, tensors, groups) from tensors, ``(name, tensor)`` pairs or param-group dicts;
     each group dict keeps its options and gets ``"params"``: the indices of its tensors."""
+    if isinstance(params, torch.Tensor):
+        raise ConfigError("params must be an iterable of tensors, (name, tensor) pairs or "
+                          "param-group dicts, not one tensor")
     items = list(params)
     if not items:
         raise ConfigError("OffloadedOptimizer got an empty parameter list")
@@ -90,8 +100,12 @@ class _Pins:
             self.cond.wait_for(lambda: all(s[sub_group] != slot for s in self.live.values()))
 
 
-class OffloadedOptimizer:
+class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps an elementwise torch optimizer (AdamW, Adam...) and keeps its state on the SSD.
+
+    A ``torch.optim.Optimizer``: LR schedulers, ``GradScaler`` and step hooks work with it.
+    ``state_dict()`` returns the whole state in memory, as torch's does; give the optimizer
+    itself to ``lcache.checkpoint`` to stream it instead (see docs/offload.md).
 
     Args:
         params: tensors, ``model.named_parameters()`` (the names then name the state in the
@@ -119,23 +133,27 @@ class OffloadedOptimizer:
                  dir: Any, host_budget: int | str = "2GB", sub_group_size: int | None = None,
                  buffers: int = 3, direct: bool = True, preallocate: bool = True,
                  **options: Any) -> None:
-        import torch
-
-        self._torch = torch
         self.optimizer_class = optimizer_class or torch.optim.AdamW
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
             raise ConfigError(f"buffers={buffers!r}: the pipeline needs at least 2 buffers")
-        self.names, self._params, self.param_groups = _named_groups(params)
+        self.names, self._params, groups = _named_groups(params)
         accepted = inspect.signature(self.optimizer_class).parameters
         if "fused" in accepted and "fused" not in options and "foreach" not in options:
             options["fused"] = True
-        self.defaults = options
-        # every group carries all its options, as torch's do (LR schedulers set "lr" there)
-        self.param_groups = [{**options, **g} for g in self.param_groups]
-        self.state_names = self._probe()
+        # the wrapped optimizer's full defaults, as schedulers look for "betas" or "momentum"
+        self.state_names, defaults = self._probe(options)
+        self._members = [g.pop("params") for g in groups]  # parameter indices per group
+        self._laid_out = False  # add_param_group is torch's until the swap is laid out
+        try:
+            super().__init__([{**g, "params": [self._params[i] for i in members]}
+                              for g, members in zip(groups, self._members, strict=True)],
+                             defaults)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"OffloadedOptimizer: {exc}") from exc
+        self._laid_out = True
         self.arrays = 1 + len(self.state_names)
         self.host_budget = parse_size(host_budget)
-        sizes = [[(p, self._params[p].numel()) for p in g["params"]] for g in self.param_groups]
+        sizes = [[(p, self._params[p].numel()) for p in members] for members in self._members]
         numel = choose_numel(self.host_budget, buffers, self.arrays,
                              max(sum(n for _, n in g) for g in sizes), sub_group_size)
         self.sub_groups = plan(sizes, numel, self.arrays)
@@ -146,8 +164,10 @@ class OffloadedOptimizer:
         for sg in self.sub_groups:
             for piece in sg.pieces:
                 self._pieces_of[piece.param].append((sg, piece))
-        self._inner = [self.optimizer_class([torch.zeros(1)], **self._options(g))
-                       for g in range(len(self.param_groups))]
+        # one per group, made with the options its constructor takes; a step sets them all
+        self._inner = [self.optimizer_class([torch.zeros(1)], **{
+            k: v for k, v in self._options(g).items() if k in accepted})
+            for g in range(len(self.param_groups))]
         self._scalars: list[dict[str, Any]] = [{} for _ in self._params]  # e.g. "step"
         self._slot_of = [0] * len(self.sub_groups)
         self._pins = _Pins()
@@ -163,22 +183,38 @@ class OffloadedOptimizer:
 
     # --- construction --------------------------------------------------------------------
     def _options(self, group: int) -> dict[str, Any]:
-        return {k: v for k, v in self.param_groups[group].items() if k != "params"}
+        """Group ``group``'s options as they are now (a scheduler may have changed them)."""
+        return {k: v for k, v in self.param_groups[group].items()
+                if k not in ("params", "param_names")}
 
-    def _probe(self) -> list[str]:
-        """Names of the optimizer's per-element state tensors (one step on a dummy)."""
-        torch = self._torch
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once constructed: the swap file is laid out for the groups given then.
+
+        Raises:
+            ConfigError: always, after construction.
+        """
+        if self._laid_out:
+            raise ConfigError("OffloadedOptimizer cannot add a param group after "
+                              "construction (its swap file is laid out for the groups it "
+                              "was made with); pass every group to the constructor: a "
+                              "parameter without a gradient is not updated")
+        super().add_param_group(param_group)
+
+    def _probe(self, options: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+        """(names of the optimizer's per-element state tensors, its defaults with
+        ``options``), from one step on a dummy."""
         dummy = torch.zeros(2, requires_grad=True)
         dummy.grad = torch.ones(2)
         try:
-            probe = self.optimizer_class([dummy], **self.defaults)
+            probe = self.optimizer_class([dummy], **options)
             probe.step()
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"{self.optimizer_class.__name__}({self.defaults}) cannot run: "
+            raise ConfigError(f"{self.optimizer_class.__name__}({options}) cannot run: "
                               f"{exc}") from exc
         state = probe.state[dummy]
-        return sorted(k for k, v in state.items()
-                      if isinstance(v, torch.Tensor) and v.shape == dummy.shape)
+        return (sorted(k for k, v in state.items()
+                       if isinstance(v, torch.Tensor) and v.shape == dummy.shape),
+                dict(probe.defaults))
 
     def _manifest(self, world: int) -> dict[str, Any]:
         return {"world": world, "optimizer": self.optimizer_class.__name__,
@@ -192,7 +228,7 @@ class OffloadedOptimizer:
 
     def _new_buffer(self, nbytes: int) -> Any:
         if self._on_cuda:  # pinned: device copies run asynchronously at full speed
-            return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return aligned_buffer(nbytes)
 
     def _view(self, buf: Any) -> memoryview:
@@ -203,9 +239,9 @@ class OffloadedOptimizer:
     def _f32(self, buf: Any, offset_elems: int, count: int) -> Any:
         """A leaf fp32 tensor over ``count`` elements of ``buf`` from element ``offset``."""
         if isinstance(buf, mmap.mmap):
-            return self._torch.frombuffer(buf, dtype=self._torch.float32, count=count,
+            return torch.frombuffer(buf, dtype=torch.float32, count=count,
                                           offset=offset_elems * F32)
-        return buf[offset_elems * F32 : (offset_elems + count) * F32].view(self._torch.float32)
+        return buf[offset_elems * F32 : (offset_elems + count) * F32].view(torch.float32)
 
     def _write_initial(self) -> None:
         """Slot 0 gets the master weights (the states start empty: the optimizer makes them
@@ -234,17 +270,6 @@ class OffloadedOptimizer:
             self.read_bytes += nbytes
 
     # --- the step ------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' gradients (as ``torch.optim.Optimizer.zero_grad``)."""
-        for p in self._params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
@@ -254,11 +279,11 @@ class OffloadedOptimizer:
         """
         loss = None
         if closure is not None:
-            with self._torch.enable_grad():
+            with torch.enable_grad():
                 loss = closure()
         if self._swap.fd < 0:
             raise ConfigError("this OffloadedOptimizer is closed")
-        with self._torch.no_grad():
+        with torch.no_grad():
             self._step()
         return loss
 
@@ -317,7 +342,6 @@ class OffloadedOptimizer:
 
     def _update(self, sg: SubGroup, buf: Any, scalars: dict[int, dict[str, Any]]) -> None:
         """Run the optimizer on sub-group ``sg``'s block in ``buf``; set its parameters."""
-        torch = self._torch
         n = sg.numel
         grads = self._f32(buf, sg.nbytes // F32, n)
         inner = self._inner[sg.group]
@@ -378,9 +402,38 @@ class OffloadedOptimizer:
             for piece in sg.pieces:
                 self._set_param(piece, self._f32(buf, piece.at, piece.numel))
         if self._on_cuda:
-            self._torch.cuda.synchronize()
+            torch.cuda.synchronize()
 
     # --- checkpoints (lcache.checkpoint streams them; see state.py) -------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state keyed by parameter name, its arrays read from the swap into tensors:
+        the whole state in memory, as torch's ``state_dict()``. ``lcache.checkpoint``
+        streams it instead when handed the optimizer itself (``{"optimizer": opt}``)."""
+        from lcache.offload.state import memory_state
+
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        saved = memory_state(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            saved = post_hook(self, saved) or saved
+        return saved
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Load a ``state_dict()`` of an OffloadedOptimizer, or what ``lcache.checkpoint``
+        loaded of one, into the swap; parameters are set from its master weights.
+
+        Raises:
+            ConfigError: not such a state, or one for other parameters.
+            CorruptionError: an array of the wrong size or dtype (the state stays as it was).
+        """
+        from lcache.offload.state import restore_state
+
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        restore_state(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
     def __lcache_checkpoint__(self) -> dict[str, Any]:
         from lcache.offload.state import checkpoint_state
 

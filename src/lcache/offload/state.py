@@ -12,11 +12,17 @@ A save pins the slots it reads: a step that would overwrite one of them waits un
 has copied it, so an ``async_save`` holds the state of the step it was called after. A restore
 writes into the slots a step would write and commits them only once every array's checksum
 matched: a damaged checkpoint leaves the optimizer as it was.
+
+``state_dict()`` is the same form with its arrays read into tensors (the whole state in
+memory, as torch's optimizers give it), and ``load_state_dict()`` takes either form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lcache.checkpoint.format import StoredArray, StreamedArray, torch_dtype
 from lcache.errors import ConfigError, CorruptionError
@@ -55,7 +61,6 @@ def _reader(fd: int, ranges: list[tuple[int, int, int]]) -> Any:
 
 def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
     """The optimizer's state for ``lcache.checkpoint``, its arrays streamed from the swap."""
-    torch = opt._torch
     slots = list(opt._slot_of)
     release = opt._pins.pin(slots)
     arrays = [MASTER, *opt.state_names]
@@ -73,16 +78,33 @@ def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
         for key, value in scalars.items():
             entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
         state[name] = entry
-    groups = [{**opt._options(g), "params": [opt.names[p] for p in group["params"]]}
-              for g, group in enumerate(opt.param_groups)]
+    groups = [{**opt._options(g), "params": [opt.names[p] for p in members]}
+              for g, members in enumerate(opt._members)]
     return {"format": FORMAT, "optimizer": opt.optimizer_class.__name__,
             "param_groups": groups, "state": state}
+
+
+def memory_state(opt: OffloadedOptimizer) -> dict[str, Any]:
+    """``checkpoint_state`` with every array read into a tensor of its own."""
+    saved = checkpoint_state(opt)
+    streamed = [(entry, key, value) for entry in saved["state"].values()
+                for key, value in entry.items() if isinstance(value, StreamedArray)]
+    try:
+        for entry, key, value in streamed:
+            tensor = torch.empty(value.shape, dtype=torch.float32)
+            value.read_into(0, tensor.numpy().data.cast("B"))
+            entry[key] = tensor
+    finally:
+        for _, _, value in streamed[:1]:
+            value.release()  # one pin for all of them
+    return saved
 
 
 def _check(opt: OffloadedOptimizer, saved: Any) -> dict[str, Any]:
     """The saved state's entries by name, after checking they fit this optimizer."""
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ConfigError("the checkpoint holds no OffloadedOptimizer state at this key")
+        raise ConfigError("this is not an OffloadedOptimizer's state (a state_dict() of one, "
+                          "or what lcache.checkpoint saved of one was expected)")
     if saved.get("optimizer") != opt.optimizer_class.__name__:
         raise ConfigError(f"the checkpoint holds {saved.get('optimizer')!r} state; this "
                           f"optimizer runs {opt.optimizer_class.__name__}")
@@ -99,8 +121,12 @@ def _check(opt: OffloadedOptimizer, saved: Any) -> dict[str, Any]:
         has_states = isinstance(entry, dict) and any(k in entry for k in arrays[1:])
         for array in arrays if has_states else arrays[:1]:
             got = entry.get(array) if isinstance(entry, dict) else None
-            if not isinstance(got, StoredArray) or got.nbytes != numel * F32 \
-                    or got.dtype != "float32":
+            if isinstance(got, torch.Tensor):
+                ok = got.dtype == torch.float32 and got.numel() == numel
+            else:
+                ok = isinstance(got, StoredArray) and got.nbytes == numel * F32 \
+                    and got.dtype == "float32"
+            if not ok:
                 raise CorruptionError(f"checkpoint state {name!r}/{array}: a float32 array of "
                                       f"{numel} elements was expected")
     return state
@@ -121,31 +147,43 @@ def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
                 continue
             ranges = _ranges(opt, i, a, target)
             offset = 0
-            for chunk in entry[array].chunks(CHUNK):
+            for chunk in _chunks(entry[array]):
                 _write_ranges(opt._swap.plain_fd, ranges, offset, chunk)
                 offset += len(chunk)
-        scalars.append({k: _small(opt, v) for k, v in entry.items() if k not in arrays}
+        scalars.append({k: _small(v) for k, v in entry.items() if k not in arrays}
                        if any(k in entry for k in arrays[1:]) else {})
     opt._slot_of = target  # every checksum matched: commit
     opt._scalars = scalars
     for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):
         if isinstance(saved_group, dict):
-            group.update({k: _small(opt, v) for k, v in saved_group.items() if k != "params"})
+            group.update({k: _small(v) for k, v in saved_group.items()
+                          if k not in ("params", "param_names")})
     opt._params_from_slots(opt.sub_groups)
     return opt
 
 
-def _small(opt: OffloadedOptimizer, value: Any) -> Any:
+def _chunks(array: Any) -> Iterator[memoryview]:
+    """A saved array's bytes, ``CHUNK`` at a time (a ``StoredArray`` reads them as it goes)."""
+    if isinstance(array, StoredArray):
+        yield from array.chunks(CHUNK)
+        return
+    raw = array.detach().cpu().contiguous().numpy().data.cast("B")
+    for at in range(0, len(raw), CHUNK):
+        yield raw[at : at + CHUNK]
+
+
+def _small(value: Any) -> Any:
     """A scalar state or option as a value of its own (a load streams every array of the
     optimizer's part, these small ones included)."""
     if isinstance(value, tuple):
-        return tuple(_small(opt, v) for v in value)
+        return tuple(_small(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()  # the caller's state dict stays theirs
     if not isinstance(value, StoredArray):
         return value
     if value.nbytes > _SMALL:
         raise CorruptionError(f"a scalar optimizer state of {value.nbytes} bytes; the "
                               "checkpoint is damaged")
-    torch = opt._torch
     raw = bytearray()
     for chunk in value.chunks(_SMALL):
         raw += chunk

@@ -1,0 +1,174 @@
+"""OffloadedOptimizer as a torch.optim.Optimizer: LR schedulers, GradScaler, step hooks and
+state_dict() work with it as with torch's own, to the bit (issue 12)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import (
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    OneCycleLR,
+    SequentialLR,
+)
+
+from lcache import checkpoint
+from lcache.errors import ConfigError
+from lcache.offload import OffloadedOptimizer
+from tests._offload_model import batch, loss_of, make_model
+
+SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_offload_optimizer.one_thread
+    yield
+    torch.set_num_threads(before)
+
+
+def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def one_cycle(opt: torch.optim.Optimizer) -> LRScheduler:
+    return OneCycleLR(opt, max_lr=3e-2, total_steps=STEPS)  # moves lr and beta1 each step
+
+
+def warmup_cosine(opt: torch.optim.Optimizer) -> LRScheduler:
+    return SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=5),
+                              CosineAnnealingLR(opt, STEPS - 5)], milestones=[5])
+
+
+def run(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: LRScheduler,
+        steps: range) -> None:
+    for s in steps:
+        if s == 12:  # an option changed by hand, as some training loops do
+            opt.param_groups[0]["weight_decay"] = 0.3
+        loss_of(model, batch(s)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("schedule", [one_cycle, warmup_cosine], ids=["one-cycle",
+                                                                       "warmup-cosine"])
+def test_schedulers_drive_it_to_the_same_bits_as_adamw(
+        tmp_path: Path, schedule: Callable[[torch.optim.Optimizer], LRScheduler]) -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1,
+                            dir=tmp_path, **SMALL) as opt:
+        assert isinstance(opt, torch.optim.Optimizer)
+        ref_sched, sched = schedule(ref), schedule(opt)
+        run(ref_model, ref, ref_sched, range(STEPS))
+        run(model, opt, sched, range(STEPS))
+        assert same(ref_model, model)
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+        assert len(opt.state) == 0  # the state is in the swap file only
+
+
+def test_grad_scaler_unscales_and_skips_steps_as_with_adamw(tmp_path: Path) -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        scales: list[list[float]] = [[], []]
+        for i, (m, o) in enumerate(((ref_model, ref), (model, opt))):
+            scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+            for s in range(12):
+                loss = loss_of(m, batch(s))
+                if s in (3, 8):  # gradients that overflow: the step is skipped
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad(set_to_none=True)
+                scales[i].append(scaler.get_scale())
+        assert scales[0] == scales[1]
+        assert scales[1][0] < scales[1][1] > scales[1][3]  # grew, then fell at step 3
+        assert same(ref_model, model)
+        assert not torch.equal(model.head.weight, make_model().head.weight)
+
+
+def test_step_hooks_run_and_add_param_group_is_refused(tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.parameters(), dir=tmp_path, **SMALL) as opt:
+        calls: list[str] = []
+        opt.register_step_pre_hook(lambda o, args, kw: calls.append("pre"))
+        opt.register_step_post_hook(lambda o, args, kw: calls.append("post"))
+        loss_of(model, batch(0)).backward()
+        opt.step()
+        assert calls == ["pre", "post"]
+        with pytest.raises(ConfigError, match="cannot add a param group"):
+            opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+        assert len(opt.param_groups) == 1
+    with pytest.raises(ConfigError, match="non-leaf"):
+        OffloadedOptimizer([torch.zeros(4, requires_grad=True) * 2], dir=tmp_path, **SMALL)
+
+
+def reference(steps: int) -> torch.nn.Module:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    run(model, opt, one_cycle(opt), range(steps))
+    return model
+
+
+def fresh(root: Path) -> tuple[torch.nn.Module, OffloadedOptimizer, LRScheduler]:
+    model = make_model(seed=5)  # other weights: all of them must come from the checkpoint
+    opt = OffloadedOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1,
+                             dir=root, host_budget="4MB", direct=False)
+    return model, opt, one_cycle(opt)  # the scheduler's first step sets lr: restored below
+
+
+def test_resume_mid_schedule_through_lcache_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1,
+                            dir=tmp_path / "a", **SMALL) as opt:
+        sched = one_cycle(opt)
+        run(model, opt, sched, range(14))
+        checkpoint.save({"model": model.state_dict(), "optimizer": opt,
+                         "scheduler": sched.state_dict()}, tmp_path / "ckpt" / "step-14")
+    model, opt, sched = fresh(tmp_path / "b")
+    with opt:
+        state = checkpoint.load(tmp_path / "ckpt" / "step-14",
+                                like={"model": model.state_dict(), "optimizer": opt,
+                                      "scheduler": sched.state_dict()})
+        model.load_state_dict(state["model"])
+        sched.load_state_dict(state["scheduler"])
+        run(model, opt, sched, range(14, STEPS))
+    assert same(model, reference(STEPS))
+
+
+def test_state_dict_round_trips_through_torch_save_and_load_state_dict(
+        tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1,
+                            dir=tmp_path / "a", **SMALL) as opt:
+        sched = one_cycle(opt)
+        run(model, opt, sched, range(14))
+        saved: dict[str, Any] = opt.state_dict()
+        assert saved["state"]["head.weight"]["exp_avg"].shape == (97, 32)
+        blob = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": saved,
+                    "scheduler": sched.state_dict()}, blob)
+        run(model, opt, sched, range(14, 16))  # the saved tensors are the state of step 14
+    blob.seek(0)
+    loaded = torch.load(blob, weights_only=True)
+    model, opt, sched = fresh(tmp_path / "b")
+    with opt:
+        opt.load_state_dict(loaded["optimizer"])  # sets the parameters from the masters
+        sched.load_state_dict(loaded["scheduler"])
+        run(model, opt, sched, range(14, STEPS))
+        with pytest.raises(ConfigError, match="not an OffloadedOptimizer's state"):
+            opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    assert same(model, reference(STEPS))
