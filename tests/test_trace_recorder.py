@@ -458,3 +458,78 @@ def test_made_up_class_names_never_fail_the_io(tmp_path: Path,
         lcache.trace.disable()
     cats = [e["cat"] for e in _io(_events(trace))]
     assert cats == [f"made-up-{i}" for i in range(50)] + ["other"] * 50
+
+
+def test_values_past_30_bits_and_beyond_int64_arrive_exact(tmp_path: Path) -> None:
+    # The hot path packs native ssize_t (faster than "<q" for ints past 2**30); the bytes must
+    # be the documented little-endian int64s, and values beyond int64 are clamped, not lost.
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"x")
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        fd = open_file(str(data), os.O_RDONLY)
+        pread_full(fd, 2**33 + 5, memoryview(bytearray(3)), "cache-read")  # past the end: 0
+        close_file(fd)
+        lcache.trace.record("read", "s3://b/k", 2**62 + 1, 2**40, "data-source", 2**44 + 7,
+                            2**31 + 3, -5)
+        lcache.trace.record("read", "s3://b/k", 2**70, -(2**70), "data-source", 0, 0, 2**64)
+    finally:
+        lcache.trace.disable()
+    got = [(e["args"]["off"], e["args"]["size"], e["args"]["ret"]) for e in _io(_events(trace))]
+    assert got == [(2**33 + 5, 3, 0), (2**62 + 1, 2**40, -5),
+                   (2**63 - 1, -(2**63), 2**63 - 1)]
+    big = _io(_events(trace))[1]
+    assert (big["ts"], big["dur"]) == ((2**44 + 7) / 1000, (2**31 + 3) / 1000)
+
+
+def test_store_reads_from_mapped_segments_are_exact(tmp_path: Path) -> None:
+    # The store's mapped read path hands over the end time it already read (emit_span): one
+    # event per record read, at the record's place in its segment, within the get that read it.
+    from lcache.store import Store
+    from lcache.store import record as record_format
+
+    root = tmp_path / "s"
+    store = Store.open(root, capacity="8MiB", segment_size="256KiB")
+    values = {k: bytes([k % 251]) * (2000 + k) for k in range(400)}
+    store.put_many(list(values), list(values.values()))
+    store.close()
+    store = Store.open(root)
+    order = [(k * 37) % 400 for k in range(400)]
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        spans = []
+        for k in order:
+            t0 = lcache.trace.now_ns()
+            assert store.get(k) == values[k]
+            spans.append((t0, lcache.trace.now_ns()))
+    finally:
+        lcache.trace.disable()
+        store.close()
+    events = _events(trace)
+    names = _files(events)
+    reads = _io(events)
+    assert len(reads) == len(order)
+    for k, (t0, t1), e in zip(order, spans, reads, strict=True):
+        assert (e["name"], e["cat"]) == ("read", "cache-read")
+        assert e["args"]["ret"] == e["args"]["size"]
+        assert t0 / 1000 <= e["ts"] and e["ts"] + e["dur"] <= t1 / 1000 + 0.001 and e["dur"] > 0
+        path = names[(e["pid"], e["args"]["fid"])]
+        assert Path(path).parent == root / "segments"
+        with open(path, "rb") as f:
+            record = os.pread(f.fileno(), e["args"]["size"], e["args"]["off"])
+        assert record_format.verify(memoryview(record), *record_format.key_parts(k)) == values[k]
+
+
+def test_a_flush_of_more_parts_than_writev_takes_is_written_whole(tmp_path: Path) -> None:
+    # A flush is one writev() of its lines and the blocks' parts, uncopied; past IOV_MAX
+    # (1024) parts, one joined write.
+    from lcache.trace.writer import TraceWriter
+
+    parts = [bytes([i % 256]) * (i % 7 + 1) for i in range(3000)]
+    writer = TraceWriter(str(tmp_path / "t.trace"))
+    writer.write_lines(['{"a":1}'], parts)
+    writer.write_lines([], [memoryview(b"tail")])
+    writer.close()
+    assert (tmp_path / "t.trace").read_bytes() == b'{"a":1}\n' + b"".join(parts) + b"tail"

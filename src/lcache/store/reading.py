@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.io import ReadRequest, SyncPolicy, aligned_empty, get_tracer, pread_full
-from lcache.io.tracer import emit
+from lcache.io.tracer import emit, emit_span
 from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.readplan import Run, plan_reads
@@ -298,11 +298,11 @@ class Reader:
             t0 = time.perf_counter_ns()
             kind, key64, kb = (record.KIND_INT, key64s[i], b"") if parts is None else parts[i]
             view = out[i] = verify(m.view[off : off + length], kind, key64, kb)
-            took = time.perf_counter_ns() - t0
-            if took > 30_000 + length:  # far slower than memory: the fault read the disk
+            end = time.perf_counter_ns()
+            if end - t0 > 30_000 + length:  # far slower than memory: the fault read the disk
                 slow += 1
             if tracer is not None:  # the bytes page faults moved, traced as reads
-                emit("read", m.fd, off, length, length, t0, "cache-read")
+                emit_span("read", m.fd, off, length, length, t0, end, "cache-read")
             if view is None:
                 self._verify_failed(key64)
             else:

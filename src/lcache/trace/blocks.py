@@ -40,8 +40,13 @@ def block(kind: int, pid: int, tid: int, payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, VERSION, kind, pid, tid, len(payload)) + payload
 
 
-def event_blocks(pid: int, tid: int, data: bytes) -> list[bytes]:
-    """The blocks of a run of packed event records (split at ``MAX_PAYLOAD``)."""
+def event_blocks(pid: int, tid: int, data: bytes) -> list[bytes | memoryview]:
+    """Headers and payloads of the blocks of a run of packed event records (a block per
+    ``MAX_PAYLOAD``), to be written as they are: the payloads are views of ``data``."""
     step = MAX_PAYLOAD - MAX_PAYLOAD % RECORD_BYTES
-    return [HEADER.pack(MAGIC, VERSION, KIND_EVENTS, pid, tid, len(chunk)) + chunk
-            for chunk in (data[i : i + step] for i in range(0, len(data), step))]
+    view = memoryview(data)
+    out: list[bytes | memoryview] = []
+    for i in range(0, len(data), step):
+        chunk = view[i : i + step]
+        out += (HEADER.pack(MAGIC, VERSION, KIND_EVENTS, pid, tid, len(chunk)), chunk)
+    return out

@@ -71,12 +71,13 @@ class Recorder:
 
     # -- flushing ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Write every buffered event of every thread (one ``write()``)."""
+        """Write every buffered event of every thread (one ``writev()``: each thread's records
+        are joined once and not copied again)."""
         with self._flush_lock:
             if self.writer.fd < 0:
                 return
             _io_tracer.next_flush()
-            blocks: list[bytes] = []
+            blocks: list[bytes | memoryview] = []
             lines = self._pending_meta
             self._pending_meta = []
             for entry in list(_io_tracer.buffers):
@@ -95,7 +96,7 @@ class Recorder:
             lines.extend(dumps({"name": "io_name", "ph": "M", "pid": pid, "tid": pid,
                                 "args": {"kind": kind, "id": ident, "name": name}})
                          for kind, ident, name in _io_tracer.take_pending())
-            self.writer.write_lines(lines, b"".join(blocks))
+            self.writer.write_lines(lines, blocks)
 
     def _file_lines(self, chunk: bytes) -> list[str]:
         """``file_name`` lines of the files first used in ``chunk`` (found without a Python

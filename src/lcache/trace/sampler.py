@@ -160,8 +160,8 @@ class ProcSampler:
             while chunk := os.pread(self._disk_fd, 1 << 16, len(disk) - blocks.TIME.size):
                 disk += chunk
         me = os.getpid()
-        self.writer.write_lines(lines, blocks.block(blocks.KIND_PROC_IO, me, me, b"".join(parts))
-                                + blocks.block(blocks.KIND_DISKSTATS, me, me, bytes(disk)))
+        self.writer.write_lines(lines, [blocks.block(blocks.KIND_PROC_IO, me, me, b"".join(parts)),
+                                        blocks.block(blocks.KIND_DISKSTATS, me, me, bytes(disk))])
         self.samples += 1
         self.cpu_s += time.thread_time() - cpu0  # what sampling costs the machine
 

@@ -2,10 +2,10 @@
 
 Every process (the one that enabled tracing, its forked DataLoader workers, spawned children
 that inherit ``LCACHE_TRACE``, and the ``lcache trace`` sampler) opens the same file with
-``O_APPEND`` and writes each flush as one ``write()`` of whole lines, so lines of different
-processes never interleave inside a line (local filesystems serialize appends per inode). A
-compressed trace is a sequence of gzip members, one per flush, which ``gzip`` reads as one
-stream.
+``O_APPEND`` and writes each flush as one ``writev()`` of whole lines and blocks, so lines of
+different processes never interleave inside a line (local filesystems serialize appends per
+inode, for a ``writev`` as for a ``write``). A compressed trace is a sequence of gzip members,
+one per flush, which ``gzip`` reads as one stream.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import gzip
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 _WALL_MINUS_MONO_US: float | None = None
+_IOV_MAX = 1024  # buffers one writev() takes (Linux)
 
 
 def wall_minus_mono_us() -> float:
@@ -37,7 +38,7 @@ def dumps(event: Any) -> str:
 
 
 class TraceWriter:
-    """An ``O_APPEND`` file descriptor on the trace; ``write_lines`` is one ``write()``."""
+    """An ``O_APPEND`` file descriptor on the trace; ``write_lines`` is one ``writev()``."""
 
     def __init__(self, path: str, compress: bool | None = None) -> None:
         self.path = os.path.abspath(path)
@@ -49,17 +50,24 @@ class TraceWriter:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
                           | os.O_NOFOLLOW, 0o600)
 
-    def write_lines(self, lines: Iterable[str], blocks: bytes = b"") -> None:
-        """Append ``lines`` and then the binary ``blocks`` (``lcache.trace.blocks``)."""
-        data = "".join(line + "\n" for line in lines).encode("ascii") + blocks
-        if not data:
+    def write_lines(self, lines: Iterable[str],
+                    blocks: Sequence[bytes | memoryview] = ()) -> None:
+        """Append ``lines`` and then the binary ``blocks`` (``lcache.trace.blocks``), given
+        as their parts, in one ``writev()``: the parts are not copied into one buffer."""
+        text = "".join(line + "\n" for line in lines).encode("ascii")
+        parts = [text, *blocks] if text else list(blocks)
+        if not parts:
             return
         if self.compress:
-            data = gzip.compress(data, compresslevel=1)
-        view = memoryview(data)
-        while view:  # a short write only happens on a full disk; finish it anyway
-            n = os.write(self.fd, view)
-            view = view[n:]
+            parts = [gzip.compress(b"".join(parts), compresslevel=1)]
+        elif len(parts) > _IOV_MAX:
+            parts = [b"".join(parts)]
+        total = sum(len(p) for p in parts)
+        n = os.writev(self.fd, parts)
+        if n < total:  # a short write only happens on a full disk; finish it anyway
+            view = memoryview(b"".join(parts))[n:]
+            while view:
+                view = view[os.write(self.fd, view):]
 
     def close(self) -> None:
         if self.fd >= 0:
