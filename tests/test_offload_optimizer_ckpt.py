@@ -161,3 +161,18 @@ def test_peak_rss_stays_under_the_budget_plus_a_constant(tmp_path: Path) -> None
     got = json.loads(done.stdout)
     assert got["state_bytes"] >= 3 * got["budget"]
     assert got["peak"] - got["baseline"] <= got["budget"] + RSS_CONSTANT, got
+
+
+def test_loading_an_earlier_checkpoint_into_the_trained_optimizer_rewinds_it(
+        tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=tmp_path / "swap",
+                            **SMALL) as opt:
+        train(model, opt, range(3))
+        path = checkpoint.save({"model": model.state_dict(), "optimizer": opt},
+                               tmp_path / "ckpt" / "step-3")
+        train(model, opt, range(3, 6))  # its last blocks are in the buffers: now stale
+        state = checkpoint.load(path, like={"model": model.state_dict(), "optimizer": opt})
+        model.load_state_dict(state["model"])
+        train(model, opt, range(3, 8))
+    assert same(model, reference(8))

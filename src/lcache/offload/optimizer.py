@@ -179,6 +179,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                          for _ in range(buffers)]
         self.read_bytes = 0
         self.write_bytes = 0
+        #: bytes a step did not read because the sub-group's block was still in a buffer
+        self.reused_bytes = 0
+        # sub-group index -> the buffer that still holds its committed block (the last ones
+        # a step wrote): the next step updates those first, without reading them
+        self._resident: dict[int, Any] = {}
         self._write_initial()
 
     # --- construction --------------------------------------------------------------------
@@ -292,7 +297,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
         if not work:
             return
-        free = list(self._buffers)
+        resident, self._resident = self._resident, {}  # rebuilt only if the step succeeds
+        keep = {sg.index: resident[sg.index] for sg in work if sg.index in resident}
+        work = [sg for sg in work if sg.index in keep] + \
+            [sg for sg in work if sg.index not in keep]
+        free = [b for b in self._buffers if all(b is not r for r in keep.values())]
+        written: list[tuple[SubGroup, Any]] = []
         reads: dict[int, tuple[Any, list[Pending], int]] = {}
         writes: deque[tuple[Any, list[Pending], int]] = deque()
         scalars: dict[int, dict[str, Any]] = {}
@@ -307,9 +317,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         def start_read(k: int) -> None:
             sg = work[k]
-            buf = take()
             # in place, the parameters are the master weights: read only the states
             skip = sg.numel * F32 if self._in_place(sg) and sg.numel * F32 % ALIGN == 0 else 0
+            if sg.index in keep:  # its block is still in a buffer: nothing to read
+                self.reused_bytes += sg.nbytes - skip
+                reads[k] = (keep.pop(sg.index), [], 0)
+                return
+            buf = take()
             view = self._view(buf)[skip : sg.nbytes]
             at = self._offset(sg, self._slot_of[sg.index]) + skip
             reads[k] = (buf, self._swap.read(at, view), sg.nbytes - skip)
@@ -328,6 +342,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 view = self._view(buf)[: sg.nbytes]
                 writes.append((buf, self._swap.write(self._offset(sg, target), view),
                                sg.nbytes))
+                written.append((sg, buf))
             while writes:
                 buf, pending, nbytes = writes.popleft()
                 self._io(pending, nbytes, write=True)
@@ -340,6 +355,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise
         for sg in work:
             self._slot_of[sg.index] ^= 1
+        last = {id(buf): (sg.index, buf) for sg, buf in written}  # each buffer's last block
+        self._resident = dict(last.values())
         for p, values in scalars.items():
             self._scalars[p] = values
 
@@ -415,6 +432,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _params_from_slots(self, sub_groups: list[SubGroup]) -> None:
         """Set the parameters of ``sub_groups`` from their committed master weights."""
+        self._resident = {}  # buffers[0] is overwritten; a restore changes the slots
         buf = self._buffers[0]
         for sg in sub_groups:
             view = self._view(buf)[: sg.nbytes]
@@ -478,6 +496,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Remove the swap file and its manifest, and free the host buffers."""
         self._closer()
         self._buffers = []
+        self._resident = {}
 
     def __enter__(self) -> OffloadedOptimizer:
         return self
