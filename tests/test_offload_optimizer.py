@@ -113,15 +113,29 @@ def test_accumulation_zero_grad_and_params_without_grads(tmp_path: Path) -> None
 
 def test_a_budget_too_small_for_one_sub_group_is_refused_with_the_minimum(
         tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"at least 3,145,728 bytes") as info:
+    # 3 buffers x 65,536 elements x (master, m, v): fp32 gradients on the CPU are used where
+    # they are, others get room in the buffers
+    with pytest.raises(ConfigError, match=r"at least 2,359,296 bytes") as info:
         OffloadedOptimizer([torch.zeros(1 << 20, requires_grad=True)], dir=tmp_path,
                            host_budget="1MB")
     assert "raise host_budget" in str(info.value)
+    with pytest.raises(ConfigError, match=r"\+ gradients\) = at least 3,145,728 bytes"):
+        OffloadedOptimizer([torch.zeros(1 << 20, dtype=torch.bfloat16, requires_grad=True)],
+                           dir=tmp_path, host_budget="1MB")
     assert os.listdir(tmp_path) == []  # refused before any file was made
     with pytest.raises(ConfigError, match="at least"):
         OffloadedOptimizer(make_model().parameters(), dir=tmp_path, host_budget=4096)
     with pytest.raises(ConfigError, match="cannot read"):
         OffloadedOptimizer(make_model().parameters(), dir=tmp_path, host_budget="lots")
+
+
+def test_a_model_cast_after_its_optimizer_was_made_is_refused_clearly(tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), dir=tmp_path, **SMALL) as opt:
+        model.to(torch.bfloat16)  # its buffers have no room for gradients to copy
+        loss_of(model, batch(0)).backward()
+        with pytest.raises(ConfigError, match="no longer fp32 on the CPU"):
+            opt.step()
 
 
 def test_swap_files_have_stable_names_and_close_removes_them(tmp_path: Path) -> None:

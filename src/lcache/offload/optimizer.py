@@ -154,8 +154,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.arrays = 1 + len(self.state_names)
         self.host_budget = parse_size(host_budget)
         sizes = [[(p, self._params[p].numel()) for p in members] for members in self._members]
+        # room in the buffers for gradients to copy, unless every one is fp32 on the CPU
+        self._grad_room = any(p.dtype != torch.float32 or p.device.type != "cpu"
+                              for p in self._params)
         numel = choose_numel(self.host_budget, buffers, self.arrays,
-                             max(sum(n for _, n in g) for g in sizes), sub_group_size)
+                             max(sum(n for _, n in g) for g in sizes), sub_group_size,
+                             self._grad_room)
         self.sub_groups = plan(sizes, numel, self.arrays)
         self.sub_group_size = numel
         self.slot_bytes = sum(sg.nbytes for sg in self.sub_groups)
@@ -175,7 +179,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._swap = SwapFile(dir, rank, 2 * self.slot_bytes, self._manifest(world),
                               direct=direct, preallocate=preallocate)
         self._closer = weakref.finalize(self, self._swap.close)
-        self._buffers = [self._new_buffer(buffer_bytes(numel, self.arrays))
+        self._buffers = [self._new_buffer(buffer_bytes(numel, self.arrays, self._grad_room))
                          for _ in range(buffers)]
         self.read_bytes = 0
         self.write_bytes = 0
@@ -373,7 +377,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         updating them in place, the block's master weights from them)."""
         n = sg.numel
         in_place = self._in_place(sg)
-        grads = self._f32(buf, sg.nbytes // F32, n)
         inner = self._inner[sg.group]
         proxies: list[tuple[Any, Any]] = []
         fresh: list[int] = []
@@ -386,8 +389,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                      else self._f32(buf, at, count))
             grad = self._flat(param.grad)[piece.start : piece.stop]
             if grad.dtype != torch.float32 or grad.device.type != "cpu":
-                grads[at : at + count].copy_(grad)
-                grad = grads[at : at + count]
+                if not self._grad_room:
+                    raise ConfigError(f"parameter {self.names[piece.param]!r} is no longer "
+                                      "fp32 on the CPU; move or cast the model before "
+                                      "making its optimizer")
+                grad = self._f32(buf, sg.nbytes // F32 + at, count).copy_(grad)
             proxy.grad = grad
             known = self._scalars[piece.param]
             if known:

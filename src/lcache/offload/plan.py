@@ -59,15 +59,18 @@ class SubGroup:
     nbytes: int
 
 
-def buffer_bytes(numel: int, arrays: int) -> int:
-    """Host bytes one pipeline buffer needs for a sub-group of ``numel`` elements: its block
-    plus room for its gradients in fp32."""
-    return align_up(arrays * numel * F32, ALIGN) + align_up(numel * F32, ALIGN)
+def buffer_bytes(numel: int, arrays: int, grads: bool = True) -> int:
+    """Host bytes one pipeline buffer needs for a sub-group of ``numel`` elements: its block,
+    plus room for its gradients in fp32 if ``grads`` (gradients that are not fp32 on the CPU
+    are copied there; fp32 ones on the CPU are used where they are)."""
+    return align_up(arrays * numel * F32, ALIGN) + (align_up(numel * F32, ALIGN) if grads
+                                                    else 0)
 
 
 def choose_numel(budget: int, buffers: int, arrays: int, largest_group: int,
-                 requested: int | None) -> int:
-    """Elements per sub-group: ``requested``, or the most ``budget`` allows for ``buffers``.
+                 requested: int | None, grads: bool = True) -> int:
+    """Elements per sub-group: ``requested``, or the most ``budget`` allows for ``buffers``
+    (with room for gradients if ``grads``, see ``buffer_bytes``).
 
     Raises:
         ConfigError: the budget cannot hold ``buffers`` sub-groups; says the minimum.
@@ -78,17 +81,18 @@ def choose_numel(budget: int, buffers: int, arrays: int, largest_group: int,
         numel = min(requested, max(largest_group, 1))
     else:
         numel = min(max(largest_group, 1), MIN_SUB_GROUP)
-    need = buffers * buffer_bytes(numel, arrays)
+    need = buffers * buffer_bytes(numel, arrays, grads)
     if budget < need:
         raise ConfigError(
             f"host_budget {budget:,} bytes is too small: the pipeline needs {buffers} buffers "
-            f"of one sub-group ({numel:,} elements x {arrays} fp32 arrays + gradients) = "
+            f"of one sub-group ({numel:,} elements x {arrays} fp32 arrays"
+            f"{' + gradients' if grads else ''}) = "
             f"at least {need:,} bytes; raise host_budget to {need:,} or more"
             + (" or lower sub_group_size" if requested is not None else ""))
     if requested is not None:
         return numel
     # the largest sub-group the budget holds, in whole pages per array
-    per_elem = buffers * (arrays + 1) * F32
+    per_elem = buffers * (arrays + grads) * F32
     numel = max(numel, (budget - 2 * buffers * ALIGN) // per_elem // 1024 * 1024)
     return min(numel, max(largest_group, 1))
 
