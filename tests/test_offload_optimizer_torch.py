@@ -3,6 +3,7 @@ state_dict() work with it as with torch's own, to the bit (issue 12)."""
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,7 +101,7 @@ def test_grad_scaler_unscales_and_skips_steps_as_with_adamw(tmp_path: Path) -> N
         assert not torch.equal(model.head.weight, make_model().head.weight)
 
 
-def test_step_hooks_run_and_add_param_group_is_refused(tmp_path: Path) -> None:
+def test_step_hooks_run_and_add_param_group_and_copies_are_refused(tmp_path: Path) -> None:
     model = make_model()
     with OffloadedOptimizer(model.parameters(), dir=tmp_path, **SMALL) as opt:
         calls: list[str] = []
@@ -112,6 +113,8 @@ def test_step_hooks_run_and_add_param_group_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="cannot add a param group"):
             opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
         assert len(opt.param_groups) == 1
+        with pytest.raises(ConfigError, match="cannot be pickled or copied"):
+            copy.deepcopy(opt)
     with pytest.raises(ConfigError, match="non-leaf"):
         OffloadedOptimizer([torch.zeros(4, requires_grad=True) * 2], dir=tmp_path, **SMALL)
 

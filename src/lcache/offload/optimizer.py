@@ -490,6 +490,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return restore_state(self, saved)
 
     # --- life ----------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy would share the swap file, and the first to close would remove it
+        raise ConfigError("an OffloadedOptimizer cannot be pickled or copied (its state is in "
+                          "its swap file); save it with lcache.checkpoint or state_dict()")
+
     @property
     def swap_path(self) -> str:
         return self._swap.path
