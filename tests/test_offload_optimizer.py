@@ -95,6 +95,33 @@ def test_bf16_params_match_adamw_on_an_fp32_master_copy(tmp_path: Path) -> None:
         assert same(model, master.to(torch.bfloat16))
 
 
+def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: Path) -> None:
+    """A model loaded after its optimizer was made (a pretrained checkpoint, a broadcast) is
+    trained from the loaded weights, not overwritten by the old masters at the next step."""
+    model = make_model(dtype=torch.bfloat16)
+    master = make_model(dtype=torch.bfloat16).float()
+    ref = torch.optim.AdamW(master.parameters(), lr=3e-3, fused=True)
+    loaded = make_model(seed=1, dtype=torch.bfloat16).state_dict()
+    with OffloadedOptimizer(model.named_parameters(), lr=3e-3, dir=tmp_path, **SMALL) as opt:
+        for s in range(6):
+            if s == 3:
+                model.load_state_dict(loaded)
+                with torch.no_grad():
+                    for m, p in zip(master.parameters(), model.parameters(), strict=True):
+                        m.copy_(p.float())
+                saved = opt.state_dict()["state"]  # a checkpoint now holds the loaded weights
+                for name, p in model.named_parameters():
+                    assert torch.equal(saved[name]["master"].view(p.shape), p.float()), name
+            loss_of(model, batch(s)).backward()
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                m.grad = p.grad.float()
+            opt.step()
+            ref.step()
+            opt.zero_grad(set_to_none=True)
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                assert torch.equal(p, m.to(torch.bfloat16))
+
+
 def test_accumulation_zero_grad_and_params_without_grads(tmp_path: Path) -> None:
     ref_model, model = make_model(), make_model()
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
@@ -217,6 +244,30 @@ def test_disk_full_mid_step_leaves_params_and_swap_as_before_and_the_step_retrie
         assert same(ref_model, model)
         train(ref_model, ref, range(1, 4))
         train(model, opt, range(1, 4))
+        assert same(ref_model, model)
+        opt.close()
+
+
+def test_a_failed_step_after_weights_were_loaded_keeps_the_loaded_weights(
+        tmp_path: Path) -> None:
+    ref_model, model = make_model(seed=1), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    with mounted_tmpfs(tmp_path / "small", "1m") as small:
+        opt = OffloadedOptimizer(model.parameters(), lr=1e-2, dir=small, preallocate=False,
+                                 **SMALL)
+        model.load_state_dict(make_model(seed=1).state_dict())  # after the optimizer
+        filler = small / "filler"
+        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+        filler.write_bytes(b"x" * (free - opt.slot_bytes // 2))  # room for half a step
+        loss_of(model, batch(0)).backward()
+        loaded = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(DiskFullError):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), loaded, strict=True))
+        filler.unlink()
+        opt.step()
+        opt.zero_grad()
+        train(ref_model, ref, range(1))
         assert same(ref_model, model)
         opt.close()
 

@@ -14,7 +14,9 @@ Lifecycle of a step: every sub-group with gradients is read from its committed s
 its parameters set from the new master weights, and written to its other slot; only when
 every write is done do those slots become the committed ones. A step that fails (a full
 device, any I/O error) puts the parameters back from the committed slots and raises: memory
-and swap are as before the step, and it can be retried.
+and swap are as before the step, and it can be retried. Parameters written between steps
+(weights loaded into the model after the optimizer was made, a broadcast) become the master
+weights at the next step or checkpoint, as they would for a torch optimizer.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # a step wrote): the next step updates those first, without reading them
         self._resident: dict[int, Any] = {}
         self._write_initial()
+        self._versions = self._param_versions()
 
     # --- construction --------------------------------------------------------------------
     def _options(self, group: int) -> dict[str, Any]:
@@ -264,6 +267,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._io(self._swap.write(self._offset(sg, 0), self._view(buf)[: sg.nbytes]),
                      sg.nbytes, write=True)
 
+    def _param_versions(self) -> list[int]:
+        """Each parameter's in-place version counter (torch bumps it at every write)."""
+        return [p._version for p in self._params]
+
+    def _adopt_changed_params(self) -> None:
+        """Make the parameters written since this optimizer last set them (weights loaded
+        into the model after the optimizer was made, a broadcast from rank 0) the committed
+        master weights of their sub-groups, as a torch optimizer takes whatever its
+        parameters hold. Without it a step updated the stale masters and wrote them over the
+        loaded weights (bf16), and a failed step rolled back to them (fp32).
+
+        Each changed sub-group's block is written to its other slot, which is committed only
+        once written: an error leaves every sub-group consistent, and it is tried again."""
+        changed = {i for i, (p, seen) in enumerate(zip(self._params, self._versions,
+                                                       strict=True)) if p._version != seen}
+        if not changed:
+            return
+        self._resident = {}  # buffers[0] is overwritten, and the committed slots change
+        buf = self._buffers[0]
+        for sg in self.sub_groups:
+            if not any(piece.param in changed for piece in sg.pieces):
+                continue
+            slot = self._slot_of[sg.index]
+            view = self._view(buf)[: sg.nbytes]
+            self._io(self._swap.read(self._offset(sg, slot), view), sg.nbytes, write=False)
+            for piece in sg.pieces:
+                if piece.param in changed:
+                    src = self._flat(self._params[piece.param])[piece.start : piece.stop]
+                    self._f32(buf, piece.at, piece.numel).copy_(src)
+            self._pins.wait_free(sg.index, 1 - slot)
+            self._io(self._swap.write(self._offset(sg, 1 - slot), view), sg.nbytes,
+                     write=True)
+            self._slot_of[sg.index] = 1 - slot
+        self._versions = self._param_versions()
+
     # --- helpers -------------------------------------------------------------------------
     def _flat(self, tensor: Any) -> Any:
         return (tensor if tensor.is_contiguous() else tensor.contiguous()).detach().view(-1)
@@ -301,6 +339,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
         if not work:
             return
+        self._adopt_changed_params()
         resident, self._resident = self._resident, {}  # rebuilt only if the step succeeds
         keep = {sg.index: resident[sg.index] for sg in work if sg.index in resident}
         work = [sg for sg in work if sg.index in keep] + \
@@ -359,6 +398,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise
         for sg in work:
             self._slot_of[sg.index] ^= 1
+        self._versions = self._param_versions()  # the step's own writes are no change
         last = {id(buf): (sg.index, buf) for sg, buf in written}  # each buffer's last block
         self._resident = dict(last.values())
         for p, values in scalars.items():
@@ -448,6 +488,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._set_param(piece, self._f32(buf, piece.at, piece.numel))
         if self._on_cuda:
             torch.cuda.synchronize()
+        self._versions = self._param_versions()
 
     # --- checkpoints (lcache.checkpoint streams them; see state.py) -------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ def _reader(fd: int, ranges: list[tuple[int, int, int]]) -> Any:
 
 def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
     """The optimizer's state for ``lcache.checkpoint``, its arrays streamed from the swap."""
+    opt._adopt_changed_params()  # weights loaded since the last step are what is saved
     slots = list(opt._slot_of)
     release = opt._pins.pin(slots)
     arrays = [MASTER, *opt.state_names]
