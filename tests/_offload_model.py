@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 from torch import nn
+
+# ~11 sub-groups, params split across; through the page cache, as blocks this small take
+# milliseconds each with O_DIRECT (the AMSGrad test and the file tests keep O_DIRECT)
+SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Autouse in the modules that import it. Why: a 32k-parameter model gains nothing from
+    threads, and torch's spinning intra-op threads run 10x slower on a loaded 2-core machine;
+    the bits do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 class Block(nn.Module):

@@ -14,9 +14,8 @@ import torch
 from lcache import checkpoint
 from lcache.io import set_tracer
 from lcache.offload import OffloadedOptimizer
-from tests._offload_model import batch, loss_of, make_model
+from tests._offload_model import SMALL, batch, loss_of, make_model
 
-SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
 EVERY = 5
 
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,26 +15,16 @@ import torch
 from lcache.errors import ConfigError, DiskFullError
 from lcache.io import set_tracer
 from lcache.offload import OffloadedOptimizer
-from tests._offload_model import batch, loss_of, make_model, train
+from tests._offload_model import (  # one_thread: an autouse fixture
+    SMALL,
+    batch,
+    loss_of,
+    make_model,
+    one_thread,  # noqa: F401
+    same,
+    train,
+)
 from tests.conftest import doc_blocks, mounted_tmpfs, run_doc_python, subprocess_env
-
-# ~11 sub-groups, params split across; through the page cache, as blocks this small take
-# milliseconds each with O_DIRECT (the AMSGrad test and the file tests keep O_DIRECT)
-SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Why: a 32k-parameter model gains nothing from threads, and torch's spinning intra-op
-    # threads run 10x slower on a loaded 2-core machine; the bits do not depend on it.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(("impl", "size"), [({}, 3000), ({"foreach": False}, 3000),
@@ -84,15 +73,21 @@ def test_bf16_params_match_adamw_on_an_fp32_master_copy(tmp_path: Path) -> None:
     ref = torch.optim.AdamW(master.parameters(), lr=3e-3, fused=True)
     with OffloadedOptimizer(model.parameters(), lr=3e-3, dir=tmp_path, **SMALL) as opt:
         for s in range(20):
-            loss_of(model, batch(s)).backward()
-            for p, m in zip(model.parameters(), master.parameters(), strict=True):
-                m.grad = p.grad.float()
-            opt.step()
-            ref.step()
-            opt.zero_grad(set_to_none=True)
-            for p, m in zip(model.parameters(), master.parameters(), strict=True):
-                assert torch.equal(p, m.to(torch.bfloat16))
+            step_bf16_and_master(model, opt, master, ref, s)
         assert same(model, master.to(torch.bfloat16))
+
+
+def step_bf16_and_master(model: torch.nn.Module, opt: OffloadedOptimizer,
+                         master: torch.nn.Module, ref: torch.optim.Optimizer, s: int) -> None:
+    """One step of the bf16 model and of AdamW on its fp32 master copy; checks they agree."""
+    loss_of(model, batch(s)).backward()
+    for p, m in zip(model.parameters(), master.parameters(), strict=True):
+        m.grad = p.grad.float()
+    opt.step()
+    ref.step()
+    opt.zero_grad(set_to_none=True)
+    for p, m in zip(model.parameters(), master.parameters(), strict=True):
+        assert torch.equal(p, m.to(torch.bfloat16))
 
 
 def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: Path) -> None:
@@ -112,14 +107,7 @@ def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: P
                 saved = opt.state_dict()["state"]  # a checkpoint now holds the loaded weights
                 for name, p in model.named_parameters():
                     assert torch.equal(saved[name]["master"].view(p.shape), p.float()), name
-            loss_of(model, batch(s)).backward()
-            for p, m in zip(model.parameters(), master.parameters(), strict=True):
-                m.grad = p.grad.float()
-            opt.step()
-            ref.step()
-            opt.zero_grad(set_to_none=True)
-            for p, m in zip(model.parameters(), master.parameters(), strict=True):
-                assert torch.equal(p, m.to(torch.bfloat16))
+            step_bf16_and_master(model, opt, master, ref, s)
 
 
 def test_accumulation_zero_grad_and_params_without_grads(tmp_path: Path) -> None:
@@ -221,6 +209,23 @@ def test_offload_io_is_traced_under_its_own_classes(tmp_path: Path) -> None:
 
 
 @pytest.mark.root
+def fail_for_room_then_retry(model: torch.nn.Module, opt: OffloadedOptimizer,
+                             small: Path) -> None:
+    """With room for half a step, a step raises DiskFullError and leaves the parameters as
+    they were; the same step, retried once there is room, goes through."""
+    filler = small / "filler"
+    free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+    filler.write_bytes(b"x" * (free - opt.slot_bytes // 2))
+    loss_of(model, batch(0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DiskFullError):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    filler.unlink()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_disk_full_mid_step_leaves_params_and_swap_as_before_and_the_step_retries(
         tmp_path: Path) -> None:
     ref_model, model = make_model(), make_model()
@@ -229,19 +234,9 @@ def test_disk_full_mid_step_leaves_params_and_swap_as_before_and_the_step_retrie
         # not preallocated, so the second slot's blocks are allocated by the first step
         opt = OffloadedOptimizer(model.parameters(), lr=1e-2, dir=small, preallocate=False,
                                  **SMALL)
-        filler = small / "filler"
-        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
-        filler.write_bytes(b"x" * (free - opt.slot_bytes // 2))  # room for half a step
+        fail_for_room_then_retry(model, opt, small)
         train(ref_model, ref, range(1))
-        loss_of(model, batch(0)).backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(DiskFullError):
-            opt.step()
-        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-        filler.unlink()
-        opt.step()  # the same gradients, retried: the same bits as one clean step
-        opt.zero_grad()
-        assert same(ref_model, model)
+        assert same(ref_model, model)  # the retried step: the same bits as one clean step
         train(ref_model, ref, range(1, 4))
         train(model, opt, range(1, 4))
         assert same(ref_model, model)
@@ -256,17 +251,7 @@ def test_a_failed_step_after_weights_were_loaded_keeps_the_loaded_weights(
         opt = OffloadedOptimizer(model.parameters(), lr=1e-2, dir=small, preallocate=False,
                                  **SMALL)
         model.load_state_dict(make_model(seed=1).state_dict())  # after the optimizer
-        filler = small / "filler"
-        free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
-        filler.write_bytes(b"x" * (free - opt.slot_bytes // 2))  # room for half a step
-        loss_of(model, batch(0)).backward()
-        loaded = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(DiskFullError):
-            opt.step()
-        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), loaded, strict=True))
-        filler.unlink()
-        opt.step()
-        opt.zero_grad()
+        fail_for_room_then_retry(model, opt, small)  # the failed step keeps the loaded weights
         train(ref_model, ref, range(1))
         assert same(ref_model, model)
         opt.close()

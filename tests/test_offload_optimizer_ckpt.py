@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,23 +19,12 @@ from lcache import checkpoint
 from lcache.errors import ConfigError, CorruptionError
 from lcache.io import IOEvent, set_tracer
 from lcache.offload import OffloadedOptimizer
-from tests._offload_model import make_model, train
+from tests._offload_model import SMALL, make_model, one_thread, same, train  # noqa: F401
 from tests.conftest import subprocess_env
 
-SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_offload_optimizer.one_thread
-    yield
-    torch.set_num_threads(before)
-
-
-def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def reference(steps: int) -> torch.nn.Module:

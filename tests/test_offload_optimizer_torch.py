@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +22,18 @@ from torch.optim.lr_scheduler import (
 from lcache import checkpoint
 from lcache.errors import ConfigError
 from lcache.offload import OffloadedOptimizer
-from tests._offload_model import batch, loss_of, make_model
+from tests._offload_model import (  # one_thread: an autouse fixture
+    SMALL,
+    batch,
+    loss_of,
+    make_model,
+    one_thread,  # noqa: F401
+    same,
+)
 
-SMALL = {"host_budget": "1MB", "sub_group_size": 3000, "direct": False}
 STEPS = 30
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_offload_optimizer.one_thread
-    yield
-    torch.set_num_threads(before)
-
-
-def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def one_cycle(opt: torch.optim.Optimizer) -> LRScheduler:
