@@ -48,8 +48,10 @@ def _nested(depth: int) -> Any:
 def _place(doc: dict[str, Any], section: str, key: str, value: Any) -> None:
     node = doc.setdefault(section, {})
     *parents, last = key.split(".")
-    for p in parents:
-        node = node.setdefault(p, {})
+    for p in parents:  # a value placed earlier where a table goes is replaced by the table
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
     node[last] = value
 
 
