@@ -1,0 +1,291 @@
+"""The store's space: what the segments on disk use, allocating a new segment after evicting
+what the capacity bound requires, cleaning segments (copy forward the records worth keeping,
+evict the rest), compacting the delete journal, sealing the segments of dead writers, and
+``gc``.
+
+A mixin of ``Store`` (the methods' ``self`` is the store), as ``reading.py`` is: every method
+here runs under the store's meta lock, which the caller holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AbstractContextManager, suppress
+
+import numpy as np
+
+from lcache.errors import CorruptionError, StoreFullError
+from lcache.io import BufferPool, SyncPolicy
+from lcache.store.compaction import (
+    copy_forward,
+    evict_records,
+    live_bytes,
+    live_records,
+    referenced_records,
+)
+from lcache.store.counters import Counters
+from lcache.store.deletes import DeleteJournal
+from lcache.store.files import open_in_store, stale_generation_files
+from lcache.store.hashindex import HashIndex
+from lcache.store.index import IntIndex
+from lcache.store.layout import MetaPage, StoreConfig, format_size
+from lcache.store.policy import EvictionPolicy
+from lcache.store.recovery import remove_leftovers, seal_if_orphan
+from lcache.store.segment import (
+    SegmentWriter,
+    Summary,
+    list_segments,
+    log_path,
+    read_summary,
+    scan_log,
+    sum_path,
+)
+
+log = logging.getLogger("lcache")
+GREEDY_WINDOW = 64  # segments a greedy policy compares when it must free space
+
+
+class Space:
+    root: str
+    config: StoreConfig
+    sync: SyncPolicy
+    direct_writes: bool
+    policy: EvictionPolicy
+    counters: Counters
+    _meta: MetaPage
+    _buffers: BufferPool
+    _fds: dict[int, int]
+    _summaries: dict[int, Summary]
+    _sealed_bytes: dict[int, int]
+    _journal_checked: int
+
+    def _check_process(self) -> None:
+        raise NotImplementedError
+
+    def _meta_lock(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _ints(self) -> IntIndex:
+        raise NotImplementedError
+
+    def _hashes(self) -> HashIndex:
+        raise NotImplementedError
+
+    def _journal(self) -> DeleteJournal:
+        raise NotImplementedError
+
+    def _writer_with_room(self, size: int) -> SegmentWriter:
+        raise NotImplementedError
+
+    def _segment_bytes(self, seg: int) -> int:
+        size = self._sealed_bytes.get(seg)
+        if size is None:
+            size = 0
+            for path in (log_path(self.root, seg), sum_path(self.root, seg)):
+                with suppress(FileNotFoundError):
+                    size += os.stat(path).st_size
+            self._sealed_bytes[seg] = size
+        return size
+
+    def _survey(self) -> tuple[list[int], int, int]:
+        """(sealed segment ids, bytes they use, active segments of live writers).
+
+        Recovers orphans on the way; the caller holds the meta lock.
+        """
+        logs, sums = list_segments(self.root)
+        sealed: list[int] = []
+        actives = 0
+        for seg in logs:
+            if seg not in sums and not self._recover_if_orphan(seg):
+                actives += 1
+                continue
+            sealed.append(seg)
+        used = sum(self._segment_bytes(s) for s in sealed)
+        used += self._ints().bytes_on_disk() + self._hashes().bytes_on_disk()
+        journal = self._journal().size()
+        self._journal_checked = journal
+        return sealed, used + journal, actives
+
+    def _allocate_writer(self, need: int = 0) -> SegmentWriter:
+        """A new active segment, after evicting what the capacity bound requires.
+
+        ``need`` bytes of it are kept free of eviction copies for the caller's records.
+        """
+        sealed, used, actives = self._survey()
+        if actives >= self.config.max_writers:
+            raise StoreFullError(
+                f"{actives} processes already write to {self.root} (max_writers="
+                f"{self.config.max_writers}); reopen the store with a larger max_writers"
+            )
+        seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
+        writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes,
+                               self._buffers)
+        try:
+            self._evict_to_fit(sealed, used, actives + 1, writer, need)
+        except BaseException:
+            writer.close()
+            os.unlink(writer.path)
+            raise
+        return writer
+
+    def _evict_to_fit(self, sealed: list[int], used: int, segments: int,
+                      dest: SegmentWriter | None, need: int = 0) -> None:
+        """Clean sealed segments in the policy's order until ``used`` bytes and ``segments``
+        whole segments fit the capacity with one segment kept free for compaction; records
+        the policy keeps are copied into ``dest``. The caller holds the meta lock.
+
+        Raises:
+            StoreFullError: nothing is left to clean and it still does not fit.
+        """
+        size = self.config.segment_size
+        budget = self.config.capacity - size
+        if used + size * segments > budget:
+            victims = self.policy.victim_order(sealed)
+            if self.policy.greedy:  # the deadest of the oldest (bounded work per allocation)
+                window = victims[:GREEDY_WINDOW]
+                live = live_bytes([self._summary(s) for s in window], self._ints(),
+                                  self._hashes())
+                victims[:GREEDY_WINDOW] = [window[i] for i in np.argsort(live, kind="stable")]
+            for victim in victims:
+                used -= self._clean_segment(victim, dest, need=need)
+                used -= self._compact_journal()  # older segments gone: entries may go too
+                if used + size * segments <= budget:
+                    break
+            else:
+                raise StoreFullError(
+                    f"cannot free space in {self.root}: {format_size(used)} in use, capacity "
+                    f"{format_size(self.config.capacity)}; raise the capacity"
+                )
+        self._compact_journal()
+
+    def _compact_journal(self) -> int:
+        """Drop the delete entries no segment still needs, when the journal has grown;
+        returns the bytes freed."""
+        journal = self._journal()
+        if not journal.wants_compaction():
+            return 0
+        before = journal.size()
+        logs, _ = list_segments(self.root)
+        journal.compact(min(logs, default=self._meta.next_segment))
+        return before - journal.size()
+
+    # ----------------------------------------------------------------------- recovery
+    def _recover_orphans(self) -> None:
+        logs, sums = list_segments(self.root)
+        if logs:  # a lost ``lock`` restarts its counter: ids must stay above the segments
+            self._meta.ensure_next_segment(max(logs) + 1)
+        for seg in logs:
+            if seg not in sums:
+                self._recover_if_orphan(seg)
+        remove_leftovers(self.root)
+        for path in stale_generation_files(self.root, self._meta):
+            os.unlink(path)
+
+    def _recover_if_orphan(self, seg: int) -> bool:
+        """Seal ``seg`` if its writer is dead; False if a live writer holds it."""
+        dropped: list[tuple[int, int]] = []
+        result = seal_if_orphan(self.root, seg, self._ints(), self._hashes(),
+                                self.sync is not SyncPolicy.NEVER, dropped)
+        self._journal().append(dropped, self._meta.next_segment)  # see deletes.py
+        if isinstance(result, Summary):
+            self._summaries[seg] = result
+            self.counters.recovered_segments += 1
+            return True
+        return result
+
+    # ----------------------------------------------------------------------- cleaning
+    def _summary(self, seg: int) -> Summary:
+        summary = self._summaries.get(seg)
+        if summary is None:
+            try:
+                summary = read_summary(self.root, seg)
+            except (CorruptionError, FileNotFoundError):
+                log.warning("segment %d: summary unreadable, rebuilding it by a scan", seg)
+                fd = open_in_store(log_path(self.root, seg), os.O_RDONLY)
+                try:
+                    summary = scan_log(fd, seg, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+            self._summaries[seg] = summary
+        return summary
+
+    def _clean_segment(self, seg: int, dest: SegmentWriter | None, keep_all: bool = False,
+                       need: int = 0) -> int:
+        """Copy the records worth keeping into ``dest``, evict the rest, delete ``seg``.
+
+        Order matters for crashes: copies are written (and synced) and the index re-pointed
+        before the segment is unlinked, so a crash at any point loses no kept record.
+        Returns the bytes freed. The caller holds the meta lock.
+        """
+        summary = self._summary(seg)
+        ints, hashes = self._ints(), self._hashes()
+        live = live_records(summary, ints, hashes)
+        if keep_all:
+            keep = live.copy()
+        else:
+            refs = referenced_records(summary, ints, hashes) if self.policy.tracks_references \
+                else np.zeros(len(live), dtype=bool)
+            keep = live & self.policy.keep(summary.keys, summary.kinds, refs)
+        # Copies may take at most half of the new segment, so the writer that asked for room
+        # always gets some: without this, a cache whose records were all read (every CLOCK bit
+        # set) would fill each new segment with copies and starve new writes.
+        # Why ``need``: half a segment is not enough for a record larger than that; the new
+        # segment then overflowed segment_size (and gc() evicted live records it meant to copy).
+        # A greedy policy cleans the deadest segments first, so its copies are few and may
+        # fill the segment up to what the writer needs.
+        reserve = 0 if keep_all else need if self.policy.greedy else \
+            max(self.config.segment_size // 2, need)
+        copied = 0
+        if keep.any() and dest is not None:
+            copied = copy_forward(self.root, summary, keep, dest, reserve, ints, hashes)
+        else:
+            keep[:] = False
+        evicted = evict_records(summary, live & ~keep, ints, hashes)
+        # Why journal evictions: another writer's segment may hold an older record of the key,
+        # which an index rebuilt from the segments would otherwise serve (see deletes.py).
+        self._journal().append(evicted, self._meta.next_segment)
+        self.counters.evictions += len(evicted)
+        if copied and dest is not None and self.sync is not SyncPolicy.NEVER:
+            dest.sync()
+        freed = self._segment_bytes(seg)
+        for path in (log_path(self.root, seg), sum_path(self.root, seg)):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+        self._meta.bump_gc_generation()
+        self._forget_segment(seg)
+        self.counters.gc_segments += 1
+        self.counters.gc_bytes_copied += copied
+        return freed
+
+    def _forget_segment(self, seg: int) -> None:
+        self._summaries.pop(seg, None)
+        self._sealed_bytes.pop(seg, None)
+        fd = self._fds.pop(seg, None)
+        if fd is not None:
+            os.close(fd)
+
+    def gc(self, min_dead_fraction: float = 0.5) -> int:
+        """Compact sealed segments whose dead share is at least ``min_dead_fraction``.
+
+        Live records are copied forward into this process's segment. Returns bytes freed.
+        """
+        self._check_process()
+        freed = 0
+        with self._meta_lock():
+            sealed, _, _ = self._survey()
+            for seg in sealed:
+                if not os.path.exists(log_path(self.root, seg)):
+                    continue  # cleaned while making room for a new writer
+                summary = self._summary(seg)
+                live = live_records(summary, self._ints(), self._hashes())
+                live_bytes = int(summary.lengths[live].sum())
+                if summary.data_len and 1 - live_bytes / summary.data_len < min_dead_fraction:
+                    continue
+                # a fully dead segment is just deleted: no new segment (and eviction) for it
+                dest = self._writer_with_room(live_bytes) if live_bytes else None
+                if not os.path.exists(log_path(self.root, seg)):
+                    continue
+                freed += self._clean_segment(seg, dest, keep_all=True)
+            self._compact_journal()
+        return freed
