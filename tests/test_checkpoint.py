@@ -7,7 +7,6 @@ import collections
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from lcache.cli.main import cli
 from lcache.errors import ConfigError, CorruptionError, LCacheError, StorePermissionError
 from lcache.io import IOEvent, set_tracer
 
-from .conftest import subprocess_env
+from .conftest import doc_blocks, run_doc_python, subprocess_env
 
 torch = pytest.importorskip("torch")
 
@@ -411,14 +410,12 @@ def test_each_failure_raises_its_documented_error(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- docs
-DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
-DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+DOC_BLOCKS = doc_blocks("docs/checkpoint.md")
 
 
 @pytest.mark.parametrize("code", DOC_BLOCKS, ids=[f"block{i}" for i in range(len(DOC_BLOCKS))])
 def test_docs_examples_run(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(DOC), "exec"), {"__name__": "__doc_example__"})
+    run_doc_python("docs/checkpoint.md", code, tmp_path, monkeypatch)
 
 
 # --------------------------------------------------------------------------- load(into=True)
