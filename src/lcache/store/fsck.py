@@ -96,6 +96,7 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
     meta = MetaPage(os.path.join(root, "lock"))
     try:
         fcntl.flock(meta.fd, fcntl.LOCK_EX)
+        meta.take_over(0)  # a repair may change segments: open stores list them again
         if not repair:
             return _Checker(root, meta, fix=False).run()
         first = _Checker(root, meta, fix=True).run()

@@ -303,14 +303,17 @@ class MetaPage:
 
     ``next_segment`` makes segment ids unique forever (a reader's cached descriptor of a deleted
     segment can never be confused with a new one); ``gc_generation`` tells readers that
-    segments were deleted so they drop descriptors of unlinked files; one word per file that is
-    replaced by generations (``files.py``) holds its current generation. The page is allocated
-    for real when the file is opened, so it is never a hole of the mapping (see
-    ``files.allocate``).
+    segments were deleted so they drop descriptors of unlinked files; ``holder`` names the
+    store handle that last took the lock, so a handle that finds its own name there knows no
+    other changed the segments since (``space.py`` keeps its listing of them); one word per
+    file that is replaced by generations (``files.py``) holds its current generation. The
+    page is allocated for real when the file is opened, so it is never a hole of the mapping
+    (see ``files.allocate``).
     """
 
     _WORD = struct.Struct("<Q")
-    _WORDS = {"next_segment": 0, "gc_generation": 1} | {s: 2 + i for i, s in enumerate(STEMS)}
+    _WORDS = {"next_segment": 0, "gc_generation": 1} | \
+        {s: 2 + i for i, s in enumerate(STEMS)} | {"holder": 2 + len(STEMS)}
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -356,6 +359,14 @@ class MetaPage:
 
     def bump_gc_generation(self) -> None:
         self._set("gc_generation", self._get("gc_generation") + 1)
+
+    def take_over(self, token: int) -> bool:
+        """Record ``token`` as the lock's holder (the caller holds the lock); True if it
+        already was: nobody else held the lock since."""
+        if self._get("holder") == token:
+            return True
+        self._set("holder", token)
+        return False
 
     def generation(self, stem: str) -> int:
         return self._get(stem)

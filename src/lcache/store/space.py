@@ -9,9 +9,11 @@ here runs under the store's meta lock, which the caller holds.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 from contextlib import AbstractContextManager, suppress
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,6 +46,20 @@ from lcache.store.segment import (
 
 log = logging.getLogger("lcache")
 GREEDY_WINDOW = 64  # segments a greedy policy compares when it must free space
+RELIST = 64  # surveys between listings of the directory even when nobody else changed it
+
+
+@dataclass(slots=True)
+class Listing:
+    """The segments on disk as this store handle last listed them, kept up to date with its
+    own changes: listing a directory of thousands of files for every new segment cost more
+    than writing the segment's records. Every change to the segments is made under the meta
+    lock, so the listing holds while no other handle took it (``MetaPage.take_over``)."""
+
+    sealed: list[int]  # sorted ids of segments with a summary
+    unsealed: list[int]  # segments of live writers, or of dead ones not yet recovered
+    sealed_bytes: int  # what the sealed segments use on disk
+    uses: int = 0
 
 
 class Space:
@@ -59,6 +75,7 @@ class Space:
     _summaries: dict[int, Summary]
     _sealed_bytes: dict[int, int]
     _journal_checked: int
+    _listing: Listing | None
 
     def _check_process(self) -> None:
         raise NotImplementedError
@@ -88,24 +105,57 @@ class Space:
             self._sealed_bytes[seg] = size
         return size
 
+    def _list(self) -> Listing:
+        listing = self._listing
+        if listing is None or listing.uses >= RELIST:
+            logs, sums = list_segments(self.root)
+            sealed = [seg for seg in logs if seg in sums]
+            listing = self._listing = Listing(
+                sealed, [seg for seg in logs if seg not in sums],
+                sum(self._segment_bytes(seg) for seg in sealed))
+        listing.uses += 1
+        return listing
+
+    def _listed_new(self, seg: int) -> None:
+        if self._listing is not None:
+            self._listing.unsealed.append(seg)
+
+    def _listed_sealed(self, seg: int) -> None:
+        listing = self._listing
+        if listing is not None and seg in listing.unsealed:
+            listing.unsealed.remove(seg)
+            bisect.insort(listing.sealed, seg)
+            listing.sealed_bytes += self._segment_bytes(seg)
+
+    def _listed_gone(self, seg: int, freed: int = 0) -> None:
+        listing = self._listing
+        if listing is None:
+            return
+        if seg in listing.unsealed:
+            listing.unsealed.remove(seg)
+        else:
+            i = bisect.bisect_left(listing.sealed, seg)
+            if i < len(listing.sealed) and listing.sealed[i] == seg:
+                del listing.sealed[i]
+                listing.sealed_bytes -= freed
+
     def _survey(self) -> tuple[list[int], int, int]:
         """(sealed segment ids, bytes they use, active segments of live writers).
 
         Recovers orphans on the way; the caller holds the meta lock.
         """
-        logs, sums = list_segments(self.root)
-        sealed: list[int] = []
+        listing = self._list()
         actives = 0
-        for seg in logs:
-            if seg not in sums and not self._recover_if_orphan(seg):
+        for seg in list(listing.unsealed):
+            if not self._recover_if_orphan(seg):
                 actives += 1
-                continue
-            sealed.append(seg)
-        used = sum(self._segment_bytes(s) for s in sealed)
+            elif self._listing is None:  # recovered: list again
+                return self._survey()
+        used = listing.sealed_bytes
         used += self._ints().bytes_on_disk() + self._hashes().bytes_on_disk()
         journal = self._journal().size()
         self._journal_checked = journal
-        return sealed, used + journal, actives
+        return list(listing.sealed), used + journal, actives
 
     def _allocate_writer(self, need: int = 0) -> SegmentWriter:
         """A new active segment, after evicting what the capacity bound requires.
@@ -121,11 +171,13 @@ class Space:
         seg = self._meta.take_segment_id((max(sealed) + 1) if sealed else 1)
         writer = SegmentWriter(self.root, seg, self.config.segment_size, self.direct_writes,
                                self._buffers)
+        self._listed_new(seg)
         try:
             self._evict_to_fit(sealed, used, actives + 1, writer, need)
         except BaseException:
             writer.close()
             os.unlink(writer.path)
+            self._listed_gone(seg)
             raise
         return writer
 
@@ -188,6 +240,8 @@ class Space:
         result = seal_if_orphan(self.root, seg, self._ints(), self._hashes(),
                                 self.sync is not SyncPolicy.NEVER, dropped)
         self._journal().append(dropped, self._meta.next_segment)  # see deletes.py
+        if result is not False:  # sealed or gone
+            self._listing = None
         if isinstance(result, Summary):
             self._summaries[seg] = result
             self.counters.recovered_segments += 1
@@ -252,6 +306,7 @@ class Space:
         for path in (log_path(self.root, seg), sum_path(self.root, seg)):
             with suppress(FileNotFoundError):
                 os.unlink(path)
+        self._listed_gone(seg, freed)
         self._meta.bump_gc_generation()
         self._forget_segment(seg)
         self.counters.gc_segments += 1

@@ -68,7 +68,7 @@ from lcache.store.segment import (
     list_segments,
     log_path,
 )
-from lcache.store.space import Space
+from lcache.store.space import Listing, Space
 
 log = logging.getLogger("lcache")
 Key = int | bytes
@@ -183,6 +183,8 @@ class Store(Space, Reader):
         self._pid = os.getpid()
         self._meta = MetaPage(os.path.join(self.root, "lock"))
         self._lock_depth = 0
+        self._token = int.from_bytes(os.urandom(8), "little") | 1  # this handle, this process
+        self._listing: Listing | None = None
         self._int_index: IntIndex | None = None
         self._hash_index: HashIndex | None = None
         self._deletes: DeleteJournal | None = None
@@ -262,6 +264,8 @@ class Store(Space, Reader):
         with self._tlock:
             if self._lock_depth == 0:
                 fcntl.flock(self._meta.fd, fcntl.LOCK_EX)
+                if not self._meta.take_over(self._token):
+                    self._listing = None  # another handle may have changed the segments
             self._lock_depth += 1
             try:
                 yield
@@ -467,6 +471,7 @@ class Store(Space, Reader):
         if writer.offset == 0:  # nothing written: leave no empty segment behind
             writer.close()
             os.unlink(writer.path)
+            self._listed_gone(writer.segment)
             return
         try:
             summary = writer.seal(durable=self.sync is not SyncPolicy.NEVER)
@@ -474,6 +479,7 @@ class Store(Space, Reader):
             writer.close()  # left unsealed: the next open recovers it by scanning
             raise
         self._summaries[summary.segment] = summary
+        self._listed_sealed(summary.segment)
 
     # ----------------------------------------------------------------------- other ops
     def delete(self, key: Key) -> bool:

@@ -1,0 +1,89 @@
+"""Each store handle keeps its listing of the segments between surveys (``space.Listing``) and
+lists the directory again only when another handle took the meta lock: the listing must be
+what is on disk whenever it is used, with handles in one process and across a fork."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache.store import Store, space
+from lcache.store.segment import list_segments, log_path, sum_path
+
+CONFIG: dict[str, Any] = {"capacity": 1 << 20, "segment_size": 64 << 10, "max_writers": 4,
+                          "sync": "never", "direct_writes": False}
+
+
+@pytest.fixture(autouse=True)
+def never_relist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No periodic relisting: it would hide a listing that went stale."""
+    monkeypatch.setattr(space, "RELIST", 1 << 30)
+
+
+def on_disk(root: Path) -> tuple[list[int], int]:
+    logs, sums = list_segments(str(root))
+    sealed = [s for s in logs if s in sums]
+    size = sum(os.stat(p).st_size for s in sealed for p in (log_path(str(root), s),
+                                                             sum_path(str(root), s)))
+    return sealed, size
+
+
+def check(store: Store, root: Path) -> None:
+    """What ``store`` would use at its next survey is what is on disk."""
+    with store._meta_lock():
+        sealed, _, _ = store._survey()
+        assert store._listing is not None
+        assert (sealed, store._listing.sealed_bytes) == on_disk(root)
+    assert store.counters.recovered_segments == 0  # nothing orphaned: every writer lives
+
+
+def fill(store: Store, first: int, count: int) -> None:
+    store.put_many(list(range(first, first + count)), [os.urandom(9000)] * count)
+
+
+def test_two_handles_see_each_others_segments(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    a, b = Store.open(root, **CONFIG), Store.open(root, **CONFIG)
+    try:
+        for round_ in range(12):  # past the capacity: segments are cleaned, too
+            fill(a, round_ * 100, 20)
+            check(b, root)
+            fill(b, round_ * 100 + 50, 15)
+            check(a, root)
+            a.delete(round_ * 100)
+            b.gc(0.01)
+            check(a, root)
+            check(b, root)
+        a.close()
+        check(b, root)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forked_child_lists_for_itself(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    parent = Store.open(root, **CONFIG)
+    try:
+        fill(parent, 0, 40)
+        check(parent, root)
+        pid = os.fork()
+        if pid == 0:  # the child inherits the parent's listing and must not trust it
+            code = 1
+            try:
+                fill(parent, 1000, 60)
+                check(parent, root)
+                parent.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        check(parent, root)
+        fill(parent, 2000, 30)
+        check(parent, root)
+    finally:
+        parent.close()
