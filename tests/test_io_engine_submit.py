@@ -75,6 +75,31 @@ def test_wait_reraises_the_worker_error(tmp_path: Path) -> None:
         engine.close()
 
 
+def test_writev_now_is_done_on_return_and_raises_at_wait(tmp_path: Path) -> None:
+    engine = IOEngine(2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    ro = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        p = engine.writev_now(fd, 3, [b"ab", bytearray(b"cd"), memoryview(b"ef")], "test")
+        assert p.done() and os.pread(fd, 9, 0) == b"\0\0\0abcdef"  # written when it returned
+        assert p.wait() == 6
+        failed = engine.writev_now(ro, 0, [b"x"])  # the error waits for wait(), as submit's
+        with pytest.raises(OSError) as info:
+            failed.wait()
+        assert info.value.errno == errno.EBADF
+        with mounted_tmpfs(tmp_path / "small", "1m") as where:
+            full = os.open(where / "g", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                with pytest.raises(DiskFullError):
+                    engine.writev_now(full, 0, [b"z" * (2 << 20)]).wait()
+            finally:
+                os.close(full)
+    finally:
+        os.close(fd)
+        os.close(ro)
+        engine.close()
+
+
 def test_a_full_device_is_disk_full_error(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "small", "1m") as where:
         engine = IOEngine(4)

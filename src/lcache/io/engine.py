@@ -464,6 +464,21 @@ class IOEngine:
         first on an O_DIRECT descriptor). As ``submit_write`` otherwise."""
         return self._submit(fd, offset, list(bufs), True, io_class, notify)
 
+    def writev_now(self, fd: int, offset: int, bufs: Sequence[Buffer],
+                   io_class: str = "other") -> Pending:
+        """``submit_writev`` done in the calling thread, for a buffered descriptor: a write
+        into the page cache takes microseconds, less than handing it to a worker and waking
+        up again (behind whatever thread holds the GIL). Returns a finished handle whose
+        ``wait()`` returns or raises as a submitted one would."""
+        pending = Pending(os.getpid())
+        try:
+            n = pwrite_full(fd, offset, list(bufs), io_class)
+        except BaseException as exc:
+            pending._finish(0, exc)
+        else:
+            pending._finish(n, None)
+        return pending
+
     def read_batch(self, requests: Sequence[ReadRequest], io_class: str = "other",
                    on_done: Callable[[int, int], None] | None = None,
                    depth: int | None = None) -> list[int]:

@@ -344,8 +344,9 @@ class SegmentWriter:
         view.release()
 
     def submit(self, staged: StagedWrite, io_class: str = "cache-write") -> None:
-        """Start writing a staged batch in the background. The previous batch must be done,
-        unless this one is ``independent``.
+        """Start writing a staged batch (in the background with direct I/O; a buffered
+        write into the page cache is done here). The previous batch must be done, unless this
+        one is ``independent``.
 
         A large direct batch goes out as ``WRITE_DEPTH`` block-aligned pieces at once: one
         write in flight leaves this class of SSD at about two thirds of its sequential speed.
@@ -353,7 +354,7 @@ class SegmentWriter:
         engine = default_engine()
         self._inflight.append(staged)
         if self._direct_fd < 0:
-            staged.pending = [engine.submit_writev(self.fd, staged.base, staged.data, io_class)]
+            staged.pending = [engine.writev_now(self.fd, staged.base, staged.data, io_class)]
             return
         whole = staged.data[0]
         piece = max(SPLIT_ABOVE, align_up(-(-len(whole) // WRITE_DEPTH), self._block))
