@@ -107,6 +107,33 @@ class WriteCounters:
 # --- fio -----------------------------------------------------------------------------------
 
 
+def create_cost_us(folder: Path, files: int = 50) -> float:
+    """Microseconds to create (and later remove) an empty file in ``folder``: directory
+    operations on some filesystems slow down by 10-50x for a while after many files were
+    removed (ext4 with ``discard``), which moves every file-per-segment or file-per-chunk
+    cache with them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f".create-probe-{os.getpid()}-{i}" for i in range(files)]
+    t0 = time.perf_counter()
+    for p in paths:
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    seconds = time.perf_counter() - t0
+    for p in paths:
+        p.unlink()
+    return seconds / files * 1e6
+
+
+def settle_directory_ops(folder: Path, quiet_us: float, wait_s: float) -> tuple[float, float]:
+    """Wait (up to ``wait_s``) until a file creation in ``folder`` costs under ``quiet_us``;
+    returns (the cost when done, seconds waited)."""
+    t0 = time.perf_counter()
+    cost = create_cost_us(folder)
+    while cost > quiet_us and time.perf_counter() - t0 < wait_s:
+        time.sleep(2)
+        cost = create_cost_us(folder)
+    return cost, time.perf_counter() - t0
+
+
 def fio_available() -> bool:
     return shutil.which("fio") is not None
 

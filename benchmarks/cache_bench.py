@@ -36,7 +36,11 @@ Every epoch row carries ``floor_s``, the least time the epoch's traffic allows,
 ``max(missed bytes / bandwidth, requests x latency / 32 in flight, hit bytes / SSD random
 read bandwidth at the sample size (fio, O_DIRECT))`` (no compute: the loop only collates),
 ``over_floor`` (seconds / floor_s) and ``floor_by``, the term that sets it: a system far over
-its floor is limited by something else (CPU, its own concurrency).
+its floor is limited by something else (CPU, its own concurrency). ``create_us`` is what
+creating a file in the cache directory cost just before the system's run: each run waits
+(up to ``SETTLE_WAIT_S``) for it to fall under ``SETTLED_US``, since on this project's VM it
+rose from 20 us to 0.3-1 ms for a while after a run removed its files, and moved lcache's
+epochs by up to 1.6x (``settle_wait_s``: how long it waited).
 
 The peers live in their own venv (``--venv``, created on first use from
 ``benchmarks/requirements-peers.txt``, torch pinned to the local CPU build), never in the
@@ -99,6 +103,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                "bandwidth": 50e6, "shard_size": "1MiB"},
 }
 FLOOR_CONCURRENCY = 32  # requests in flight the floor assumes (lcache's fetch_many default)
+SETTLED_US = 100  # a file creation in the cache directory costs less than this before a run
+SETTLE_WAIT_S = 90  # ... or the run starts anyway after this long (its rows say the cost)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Timeout)\b")
 
 log = Console(stderr=True, soft_wrap=True)
@@ -295,6 +301,10 @@ def run_system(python: str, system: str, fraction: float, url: str, opt: Options
     cache_dir = opt.cache_dir / system
     shutil.rmtree(cache_dir, ignore_errors=True)  # a fresh cache for every fraction
     cache_dir.mkdir(parents=True)
+    # Every system starts on a settled disk: after the previous run removed its files, file
+    # creation here cost 0.3-1 ms for a while instead of 20 us, and lcache's epochs (two
+    # files per small segment) took up to 1.6x as long. The cost is kept in each row.
+    create_us, waited = sb.settle_directory_ops(cache_dir, SETTLED_US, SETTLE_WAIT_S)
     cfg = {"system": system, "shape": opt.shape, "url": url, "fraction": fraction,
            "budget": budget(system, fraction, opt, info), "cache_dir": str(cache_dir),
            "samples": opt.samples, "epochs": opt.epochs, "workers": opt.workers,
@@ -314,7 +324,8 @@ def run_system(python: str, system: str, fraction: float, url: str, opt: Options
         stderr, code = f"timed out after {opt.timeout} s", -1
     with contextlib.suppress(ProcessLookupError):  # what it left behind, if anything
         os.killpg(child.pid, signal.SIGKILL)
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    rows = [{**json.loads(line), "create_us": round(create_us), "settle_wait_s": round(waited, 1)}
+            for line in stdout.splitlines() if line.startswith("{")]
     logfile = opt.cache_dir / "logs" / f"{system}-{fraction}.log"
     logfile.parent.mkdir(exist_ok=True)
     logfile.write_text(stderr)
@@ -470,7 +481,9 @@ def _progress_line(r: dict[str, Any]) -> str:
         return f"  epoch {r['epoch']}: error: {r['error']}"
     return (f"  epoch {r['epoch']}: {r['seconds']} s, {r['samples_per_s']} samples/s, "
             f"{r['remote_bytes'] / 1e6:.1f} MB from the remote, hit ratio {r['hit_ratio']}, "
-            f"{r['over_floor']} x its floor ({r['floor_by']})")
+            f"{r['over_floor']} x its floor ({r['floor_by']})"
+            + (f"; a file creation took {r.get('create_us')} us before the run"
+               if r["epoch"] == 1 else ""))
 
 
 def print_summary(summary: list[dict[str, Any]]) -> None:
