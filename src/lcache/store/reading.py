@@ -42,17 +42,15 @@ from lcache.io import ReadRequest, SyncPolicy, aligned_empty, get_tracer, pread_
 from lcache.io.tracer import emit, emit_span
 from lcache.store import record
 from lcache.store.files import open_in_store
+from lcache.store.parts import StoreParts
 from lcache.store.readplan import Run, plan_reads
 from lcache.store.segment import log_path, sum_path
 
 if TYPE_CHECKING:
     from lcache.io import IOEngine
-    from lcache.store.counters import Counters, RateLimitedWarning
-    from lcache.store.deletes import DeleteJournal
+    from lcache.store.counters import RateLimitedWarning
     from lcache.store.hashindex import HashIndex
     from lcache.store.index import IntIndex
-    from lcache.store.layout import MetaPage
-    from lcache.store.policy import EvictionPolicy
     from lcache.store.store import Key
 
 MAP_BUDGET = 4 << 30  # bytes of segments mapped per process (address space, page tables)
@@ -90,33 +88,18 @@ class _Maps:
             self.bytes -= m.size
 
 
-class Reader:
+class Reader(StoreParts):
     """What reading uses of the store, declared here and provided by ``Store``."""
 
-    root: str
     direct_io: bool
-    sync: SyncPolicy
-    counters: Counters
-    policy: EvictionPolicy
     engine: IOEngine
     queue_depth: int
     _block: int
-    _fds: dict[int, int]
-    _meta: MetaPage
     _gc_seen: int
     _tlock: threading.RLock
     _warn_verify: RateLimitedWarning
     _maps_state: _Maps | None = None
     _nowait = True  # RWF_NOWAIT works on this file system (else plain preadv inline)
-
-    def _check_process(self) -> None:
-        raise NotImplementedError
-
-    def _ints(self) -> IntIndex:
-        raise NotImplementedError
-
-    def _hashes(self) -> HashIndex:
-        raise NotImplementedError
 
     def _lookup(self, kind: int, key64: int) -> tuple[int, int] | None:
         raise NotImplementedError
@@ -125,9 +108,6 @@ class Reader:
         raise NotImplementedError
 
     def _weigh_journal(self) -> None:
-        raise NotImplementedError
-
-    def _journal(self) -> DeleteJournal:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- descriptors, mappings

@@ -26,13 +26,9 @@ from lcache.store.compaction import (
     live_records,
     referenced_records,
 )
-from lcache.store.counters import Counters
-from lcache.store.deletes import DeleteJournal
 from lcache.store.files import open_in_store, stale_generation_files
-from lcache.store.hashindex import HashIndex
-from lcache.store.index import IntIndex
-from lcache.store.layout import MetaPage, StoreConfig, format_size
-from lcache.store.policy import EvictionPolicy
+from lcache.store.layout import StoreConfig, format_size
+from lcache.store.parts import StoreParts
 from lcache.store.recovery import remove_leftovers, seal_if_orphan
 from lcache.store.segment import (
     SegmentWriter,
@@ -62,34 +58,16 @@ class Listing:
     uses: int = 0
 
 
-class Space:
-    root: str
+class Space(StoreParts):
     config: StoreConfig
-    sync: SyncPolicy
     direct_writes: bool
-    policy: EvictionPolicy
-    counters: Counters
-    _meta: MetaPage
     _buffers: BufferPool
-    _fds: dict[int, int]
     _summaries: dict[int, Summary]
     _sealed_bytes: dict[int, int]
     _journal_checked: int
     _listing: Listing | None
 
-    def _check_process(self) -> None:
-        raise NotImplementedError
-
     def _meta_lock(self) -> AbstractContextManager[None]:
-        raise NotImplementedError
-
-    def _ints(self) -> IntIndex:
-        raise NotImplementedError
-
-    def _hashes(self) -> HashIndex:
-        raise NotImplementedError
-
-    def _journal(self) -> DeleteJournal:
         raise NotImplementedError
 
     def _writer_with_room(self, size: int) -> SegmentWriter:
