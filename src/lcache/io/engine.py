@@ -50,7 +50,7 @@ _log = logging.getLogger("lcache")
 _ALIGN_MASK = PAGE - 1  # O_DIRECT alignment: a page satisfies every common logical block size
 _BOUNCE = 4 << 20  # most bytes an unaligned O_DIRECT operation copies at a time
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
+IOV_MAX = 1024  # most buffers one pwritev or writev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
 
 
 class SyncPolicy(enum.Enum):
@@ -110,7 +110,7 @@ def _pwrite_all(fd: int, traced_fd: int, offset: int,
     t0 = time.perf_counter_ns() if _tracing._tracer is not None else 0
     size = sum(len(b) for b in bufs)
     total = 0
-    if len(bufs) > _IOV_MAX:
+    if len(bufs) > IOV_MAX:
         # Why: pwritev fails with EINVAL beyond IOV_MAX buffers, and put_many of small records
         # hands over one buffer per record part; one flat copy is cheap next to that.
         bufs = [b"".join(bufs)]

@@ -17,8 +17,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lcache.io.engine import IOV_MAX
+
 _WALL_MINUS_MONO_US: float | None = None
-_IOV_MAX = 1024  # buffers one writev() takes (Linux)
 
 
 def wall_minus_mono_us() -> float:
@@ -60,7 +61,7 @@ class TraceWriter:
             return
         if self.compress:
             parts = [gzip.compress(b"".join(parts), compresslevel=1)]
-        elif len(parts) > _IOV_MAX:
+        elif len(parts) > IOV_MAX:
             parts = [b"".join(parts)]
         total = sum(len(p) for p in parts)
         n = os.writev(self.fd, parts)
