@@ -1,4 +1,5 @@
-"""Per-sample CPU cost of the sample cache's warm read path (no network, no cold reads).
+"""Per-sample CPU cost of the sample cache's warm read path (no network, no cold reads), and
+of admitting samples into its store.
 
 Every sample is already cached and in the page cache, so what is measured is the Python and
 system-call work per sample: the store's reads and checks, the cache's claims and counters,
@@ -20,8 +21,13 @@ Prints one JSON object: a row per path with ``us_per_sample`` (wall time per sam
   loader_lcache          DataLoader, 2 persistent workers, collation off, over the
                          CachedDataset with the sampler (epochs after the first)
   loader_memory          the same DataLoader over the same bytes held in a Python list
+  store_admit_128        ``Store.put_many`` of 128 samples at a time into a store set up as a
+                         cache of half the samples sets up its own (segment size, policy,
+                         writers), the oldest samples read and removed as the newest arrive:
+                         a full cache in steady state, every new segment cleaning an old one
 
-Every row takes the best of ``--repeats`` runs (the machine's noise is one-sided). The
+Every row takes the best of ``--repeats`` runs (the machine's noise is one-sided); ``create_us``
+is what creating a file cost in ``--dir`` at the start (see the admit row). The
 ``cpu_us_per_sample`` of the loader rows counts this process only (its workers live on).
 """
 
@@ -39,12 +45,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _sysbench as sb
 import numpy as np
 
 from lcache.data import CachedDataset, SeedAwareSampler
+from lcache.data.cache import MAX_WRITERS, choose_segment_size
 from lcache.store import Store, parse_size
 
 BATCHES = (8, 32, 128)
+ADMIT_BATCH = 128  # samples per put_many of the admit row (a shard's misses, say)
 
 
 def _cpu() -> float:
@@ -95,6 +104,32 @@ def store_rows(root: Path, payloads: list[bytes], repeats: int, seed: int) -> li
         return rows
     finally:
         store.close()
+
+
+def admit_row(root: Path, payloads: list[bytes], repeats: int) -> dict[str, Any]:
+    n, size = len(payloads), len(payloads[0])
+    capacity = n * size // 2
+    segment = choose_segment_size(capacity, 512, size)
+    live_most = capacity // 2 // size  # what the reader leaves cached
+    runs = iter(range(repeats))
+
+    def admit() -> None:
+        store = Store.open(root / f"admit-{next(runs)}", capacity=capacity, segment_size=segment,
+                           policy="planned", sync="never", direct_writes=False,
+                           max_writers=min(MAX_WRITERS, capacity // segment - 2))
+        try:
+            live: list[int] = []
+            for lo in range(0, n, ADMIT_BATCH):
+                keys = list(range(lo, min(n, lo + ADMIT_BATCH)))
+                store.put_many(keys, payloads[lo : lo + len(keys)])
+                live += keys
+                if len(live) > live_most:  # the reader takes the oldest, as keep=False reads do
+                    gone, live = live[: len(live) - live_most], live[len(live) - live_most :]
+                    store.get_many(gone, remove=[True] * len(gone))
+        finally:
+            store.close()
+
+    return measure(f"store_admit_{ADMIT_BATCH}", n, admit, repeats)
 
 
 class MemoryDataset:
@@ -176,13 +211,18 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     payloads = [i.to_bytes(8, "little") + rng.bytes(size - 8) for i in range(args.samples)]
     root = Path(tempfile.mkdtemp(prefix="lcache-cpu-", dir=args.dir))
+    # the admit row makes and removes two files a segment: what a file creation costs here
+    # now (it rises 10-50x for a while after many removals on some filesystems) goes with it
+    create_us = sb.create_cost_us(root / "probe")
     try:
         rows = store_rows(root, payloads, args.repeats, args.seed)
+        rows.append(admit_row(root, payloads, args.repeats))
         rows += cache_rows(root, payloads, args.repeats, args.batch_size, args.seed)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     json.dump({"samples": args.samples, "sample_size": size, "python": sys.version.split()[0],
-               "cpus": os.cpu_count(), "rows": rows}, sys.stdout, indent=1)
+               "cpus": os.cpu_count(), "create_us": round(create_us), "rows": rows},
+              sys.stdout, indent=1)
     print()
 
 
