@@ -7,11 +7,14 @@ back and checks them bit for bit; a third save that fails on rank 1 must fail on
 and publish nothing; a fourth succeeds and keep_last=2 retires the first; a fifth is polled
 with done() alone (no wait()) and must be the newest visible checkpoint once done() is True; a
 sixth with bad meta on rank 1 fails on both.
-Rank R writes ``ROOT/../rank{R}.json`` with what it saw.
+Rank R writes ``ROOT/../rank{R}.json`` with what it saw, and at exit ``ROOT/../rank{R}.exit``
+with whether lcache still held its process groups (it must not: gloo aborts the process when a
+group is torn down with the interpreter).
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -24,6 +27,15 @@ import torch
 import torch.distributed as dist
 
 from lcache import checkpoint as ck
+from lcache.checkpoint import dist as ck_dist
+
+
+def report_groups_at_exit(path: str) -> None:
+    """Registered before the first save, so it runs after lcache's own exit handler."""
+    def write() -> None:
+        with open(path, "w") as f:
+            f.write("held" if ck_dist._group is not None else "released")
+    atexit.register(write)
 
 
 def rank_state(rank: int, step: int) -> dict[str, Any]:
@@ -44,6 +56,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     root = sys.argv[1]
+    report_groups_at_exit(os.path.join(os.path.dirname(root), f"rank{rank}.exit"))
     saver = ck.Checkpointer(keep_last=2)
     report: dict[str, Any] = {"rank": rank, "world": world}
 

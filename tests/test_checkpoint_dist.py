@@ -49,6 +49,7 @@ def test_two_ranks_save_and_load(tmp_path: Path) -> None:
     assert reports[1]["sixth"].startswith("ConfigError: meta"), reports[1]
     assert reports[0]["sixth"].startswith("CheckpointFailedError"), reports[0]
     assert not (root / "step-6").exists()
+    assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["released"] * 2
 
     body = ck.read_manifest(root / "step-4")
     assert body["world_size"] == 2 and [s["rank"] for s in body["shards"]] == [0, 1]
