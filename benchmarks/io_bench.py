@@ -2,10 +2,15 @@
 
 For each block size (default 1, 4 and 8 MiB) and each of sequential read, random read,
 sequential write and random write, fio (libaio, O_DIRECT, ``--iodepth`` = the queue depth) runs
-for ``--runtime`` seconds, then the engine (``default_engine()``, the same queue depth, the same
-file opened O_DIRECT) does the same: ``queue_depth`` operations kept in flight by
-``submit_read``/``submit_write`` and reaped oldest first. Each row gives both MB/s (1 MB = 1e6
-bytes, as fio reports) and ``ratio`` = engine / fio; the project's target is >= 0.9.
+for ``--runtime`` seconds, and so does the engine (``default_engine()``, the same queue depth,
+the same file opened O_DIRECT): ``queue_depth`` operations kept in flight by
+``submit_read``/``submit_write`` and reaped as they finish. Each row gives both MB/s (1 MB = 1e6
+bytes, as fio reports) and ``ratio`` = engine / the faster fio; the project's target is >= 0.9.
+``fio_huge_MBps`` is fio libaio with its buffers in hugetlb pages (``--mem=shmhuge``; the
+script reserves the pages, as root, and gives them back): the engine's large buffers are in
+transparent huge pages, and an O_DIRECT transfer pins each page of its buffer, which on a VM
+can cost more than the transfer (fio's default malloc buffers moved 8 MiB reads at half the
+speed here). ``--fio-buffers malloc`` skips that pass.
 ``fio_psync_MBps`` is fio with ``queue_depth`` threads of blocking I/O, the engine's own
 model: engine near it but both below libaio means the thread-per-operation model, not Python,
 is what costs. ``engine_cpu`` is the CPU seconds the process spent per second of the engine's
@@ -16,13 +21,15 @@ pass (0.1: a tenth of one core): where it is small, the engine is not what limit
 
 fio is installed with apt-get when missing (as root); where it cannot be, the script refuses
 (exit status 2) rather than print rows without their reference. On a shared machine the
-device's speed swings, so each engine pass runs right after the fio pass it is compared with;
-``--repeat`` alternates them more times and reports the median ratio.
+device's speed swings (and a cloud disk's burst credit favours whoever runs first), so the
+three passes run back to back in an order that turns by one at each of ``--repeat`` rounds
+(use 3 or more); each row reports medians, and ``ratio`` is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -33,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,6 +58,7 @@ from lcache.io import (
 from lcache.store import parse_size
 
 PATTERNS = ("read", "randread", "write", "randwrite")
+ORDER = ["psync", "libaio", "libaio-huge", "engine"]  # turned by one at each repeat
 
 
 def refuse(message: str) -> NoReturn:
@@ -71,15 +80,18 @@ def ensure_fio() -> None:
 
 
 def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
-             runtime_s: float, threads: bool = False) -> float:
+             runtime_s: float, threads: bool = False, huge: bool = False) -> float:
     """fio's MB/s: libaio with ``qd`` in flight from one thread, or (``threads``) ``qd``
-    threads of blocking psync I/O, the engine's own model."""
+    threads of blocking psync I/O, the engine's own model. ``huge``: its buffers in hugetlb
+    pages (``--mem=shmhuge``), as the engine's are in transparent huge pages."""
     if threads:  # each thread its own slice, so "read" stays one pass over the file
         part = max(block, file_bytes // qd // block * block)
         shape = [f"--numjobs={qd}", "--thread", "--group_reporting", "--ioengine=psync",
                  f"--size={part}", f"--offset_increment={part}"]
     else:
         shape = ["--ioengine=libaio", f"--iodepth={qd}", f"--size={file_bytes}"]
+    if huge:
+        shape.append("--mem=shmhuge")
     result = sb._run_fio(
         [f"--filename={path}", "--direct=1", *shape,
          f"--name={pattern}", f"--rw={pattern}", f"--bs={block}",
@@ -96,7 +108,10 @@ def engine_mbps(fd: int, pattern: str, block: int, qd: int, file_bytes: int,
     finishes (reaped in completion order, as fio reaps). Returns (MB/s moved, CPU seconds
     this process spent per second: what the engine costs beside the device)."""
     engine = default_engine()
-    bufs = [memoryview(aligned_buffer(block))[:block] for _ in range(qd)]
+    # one region cut in qd slots, as fio lays out its buffers: from 2 MiB up it is in huge
+    # pages even where one block is smaller
+    region = memoryview(aligned_buffer(qd * block))
+    bufs = [region[i * block : (i + 1) * block] for i in range(qd)]
     blocks = file_bytes // block
     rng = random.Random(seed)
     submit = engine.submit_write if "write" in pattern else engine.submit_read
@@ -140,8 +155,40 @@ def lay_out(path: Path, file_bytes: int) -> None:
         os.close(fd)
 
 
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+HUGE_PAGE = 2 << 20
+
+
+@contextlib.contextmanager
+def hugetlb_pages(nbytes: int) -> Iterator[None]:
+    """Reserve hugetlb pages for ``nbytes`` of fio buffers (``--mem=shmhuge`` takes them
+    from this pool), and give them back afterwards."""
+    want = -(-nbytes // HUGE_PAGE) + 2  # fio aligns its buffer inside the segment
+    try:
+        before = int(NR_HUGEPAGES.read_text())
+        NR_HUGEPAGES.write_text(str(before + want))
+        got = int(NR_HUGEPAGES.read_text()) - before
+    except OSError as exc:
+        refuse(f"cannot reserve hugetlb pages for fio's buffers ({exc}); run as root, or pass "
+               "--fio-buffers malloc to compare with fio's default buffers only")
+    try:
+        if got < want:
+            refuse(f"the kernel gave {got} of {want} hugetlb pages for fio's buffers "
+                   "(memory too fragmented?); pass --fio-buffers malloc to skip them")
+        yield
+    finally:
+        NR_HUGEPAGES.write_text(str(before))
+
+
 def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s: float,
-        repeat: int, seed: int) -> dict[str, Any]:
+        repeat: int, seed: int, huge: bool) -> dict[str, Any]:
+    reserved = hugetlb_pages(qd * max(blocks)) if huge else contextlib.nullcontext()
+    with reserved:
+        return _run(directory, file_bytes, blocks, qd, runtime_s, repeat, seed, huge)
+
+
+def _run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s: float,
+         repeat: int, seed: int, huge: bool) -> dict[str, Any]:
     path = directory / "io-bench.dat"
     lay_out(path, file_bytes)
     fd, direct = open_direct(str(path), os.O_RDWR)
@@ -151,13 +198,24 @@ def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s:
             refuse(f"the filesystem of {directory} refuses O_DIRECT; pick a --dir on the SSD")
         for block in blocks:
             for pattern in PATTERNS:
-                fio, psync, eng, cpu, ratios = [], [], [], [], []
+                fio, fio_huge, psync, eng, cpu, ratios = [], [], [], [], [], []
                 for r in range(repeat):
-                    psync.append(fio_mbps(path, pattern, block, qd, file_bytes, runtime_s,
-                                          threads=True))
-                    f = fio_mbps(path, pattern, block, qd, file_bytes, runtime_s)
-                    e, c = engine_mbps(fd, pattern, block, qd, file_bytes, runtime_s, seed + r)
-                    fio.append(f)
+                    got: dict[str, Any] = {}
+                    # the order turns each repeat: a cloud disk's burst credit or a busy
+                    # neighbour favours whoever runs first, so no system always runs last
+                    order = [w for w in ORDER if huge or w != "libaio-huge"]
+                    for who in order[r % len(order):] + order[:r % len(order)]:
+                        if who == "engine":
+                            got[who] = engine_mbps(fd, pattern, block, qd, file_bytes,
+                                                   runtime_s, seed + r)
+                        else:
+                            got[who] = fio_mbps(path, pattern, block, qd, file_bytes,
+                                                runtime_s, threads=who == "psync",
+                                                huge=who == "libaio-huge")
+                    (e, c), f = got["engine"], max(got["libaio"], got.get("libaio-huge", 0))
+                    psync.append(got["psync"])
+                    fio.append(got["libaio"])
+                    fio_huge.append(got.get("libaio-huge", 0.0))
                     eng.append(e)
                     cpu.append(c)
                     ratios.append(e / f if f > 0 else float("nan"))
@@ -166,6 +224,8 @@ def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s:
                              "file_bytes": file_bytes,
                              "fio_MBps": round(statistics.median(fio), 1),
                              "fio_psync_MBps": round(statistics.median(psync), 1),
+                             **({"fio_huge_MBps": round(statistics.median(fio_huge), 1)}
+                                if huge else {}),
                              "engine_MBps": round(statistics.median(eng), 1),
                              "engine_cpu": round(statistics.median(cpu), 3),
                              "ratio": round(statistics.median(ratios), 3)})
@@ -176,6 +236,7 @@ def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s:
     return {"rows": rows, "config": {"dir": str(directory), "file_bytes": file_bytes,
                                      "queue_depth": qd, "runtime_s": runtime_s,
                                      "repeat": repeat, "fio_ioengine": "libaio",
+                                     "fio_buffers": "malloc and hugetlb" if huge else "malloc",
                                      "direct": True}}
 
 
@@ -188,8 +249,11 @@ def main() -> None:
     parser.add_argument("--blocks", default="1MiB,4MiB,8MiB")
     parser.add_argument("--queue-depth", type=int, default=16)
     parser.add_argument("--runtime", type=float, default=5.0, help="seconds per pass")
-    parser.add_argument("--repeat", type=int, default=1, help="fio/engine pairs per row")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the three passes per row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fio-buffers", choices=("huge", "malloc"), default="huge",
+                        help="huge (default, root): fio also runs with hugetlb buffers, the "
+                             "like of the engine's, and ratio is against the faster fio")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
     try:
@@ -204,22 +268,22 @@ def main() -> None:
         if args.dir is None:
             with tempfile.TemporaryDirectory(prefix="io-bench-", dir=".") as tmp:
                 result = run(Path(tmp), file_bytes, blocks, args.queue_depth, args.runtime,
-                             args.repeat, args.seed)
+                             args.repeat, args.seed, args.fio_buffers == "huge")
         else:
             directory = Path(private_dir(str(args.dir), "benchmark directory"))
             result = run(directory, file_bytes, blocks, args.queue_depth, args.runtime,
-                         args.repeat, args.seed)
+                         args.repeat, args.seed, args.fio_buffers == "huge")
     except (LCacheError, OSError, RuntimeError) as exc:
         refuse(str(exc))
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print(f"{'pattern':<10} {'block':>6} {'QD':>3} {'fio MB/s':>10} {'psync MB/s':>10} "
-          f"{'engine MB/s':>12} "
-          f"{'ratio':>6} {'CPU':>5}")
+          f"{'huge MB/s':>10} {'engine MB/s':>12} {'ratio':>6} {'CPU':>5}")
     for row in result["rows"]:
+        huge = f"{row['fio_huge_MBps']:>10.1f}" if "fio_huge_MBps" in row else f"{'-':>10}"
         print(f"{row['pattern']:<10} {row['block']:>6} {row['queue_depth']:>3} "
-              f"{row['fio_MBps']:>10.1f} {row['fio_psync_MBps']:>10.1f} "
+              f"{row['fio_MBps']:>10.1f} {row['fio_psync_MBps']:>10.1f} {huge} "
               f"{row['engine_MBps']:>12.1f} {row['ratio']:>6.3f} "
               f"{row['engine_cpu']:>5.2f}")
 
