@@ -199,7 +199,7 @@ def read_data_file(path: str, nbytes: int, *, direct: bool = True, queue_depth: 
     engine = default_engine()
     fd, used_direct = open_data_file(path, nbytes, direct)
     try:
-        buf = aligned_buffer(max(padded, ALIGN))
+        buf = aligned_buffer(max(padded, ALIGN), huge=False)  # one-shot: see aligned_buffer
         array = np.frombuffer(buf, dtype=np.uint8, count=padded)
         view = memoryview(buf)[:padded]
         requests = [ReadRequest(fd, off, view[off : off + CHUNK])

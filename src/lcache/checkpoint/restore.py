@@ -253,7 +253,7 @@ def _stored(data_path: str, file_bytes: int, ref: ArrayRef, verify: bool) -> Sto
             digest = xxhash.xxh3_64()
             # an anonymous mapping, unmapped with its last view: heap buffers of this size
             # left the process's peak RSS megabytes higher from one run to the next
-            view = memoryview(aligned_buffer(min(size, max(ref.nbytes, 1))))
+            view = memoryview(aligned_buffer(min(size, max(ref.nbytes, 1)), huge=False))
             for off in range(0, ref.nbytes, size):
                 part = view[: min(size, ref.nbytes - off)]
                 if pread_full(fd, ref.offset + off, part, IO_CLASS) < len(part):

@@ -20,21 +20,25 @@ def align_down(n: int, alignment: int) -> int:
     return n // alignment * alignment
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
+def aligned_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
     """A zero-filled, page-aligned, writable buffer of at least ``nbytes`` (anonymous mmap).
 
-    From ``HUGE`` (2 MiB) up it is a whole number of 2 MiB and backed by transparent huge
-    pages where the kernel allows (``madvise``): an O_DIRECT transfer pins each page of its
-    buffer, and on this project's VM 8 MiB reads by 16 threads moved 1.9-2.3 GB/s into huge
-    pages against 0.7-0.9 GB/s into 4 KiB pages. The mapping is private: a shared anonymous
+    With ``huge``, from ``HUGE`` (2 MiB) up it is a whole number of 2 MiB and backed by
+    transparent huge pages where the kernel allows (``madvise``): an O_DIRECT transfer pins
+    each page of its buffer, and on this project's VM 8 MiB reads by 16 threads moved 1.9-2.3
+    GB/s into huge pages against 0.7-0.9 GB/s into 4 KiB pages. But the first touch of a huge
+    page may wait for the kernel to compact memory: faulting in 1 GiB took 0.18-3.3 s in huge
+    pages against 1.0 s in 4 KiB pages. So ask for ``huge`` for buffers kept and reused (a
+    ``BufferPool``, a ring), not for one-shot ones. The mapping is private: a shared anonymous
     one is shmem, which gets no huge pages (``shmem_enabled`` is usually "never").
 
     Fresh pages cost a fault each on first touch (about 3 us per 4 KiB page on this class of
     VM, more than copying them), so keep such buffers for reuse (``BufferPool``).
     """
-    size = max(PAGE, align_up(nbytes, HUGE if nbytes >= HUGE else PAGE))
+    huge = huge and nbytes >= HUGE
+    size = max(PAGE, align_up(nbytes, HUGE if huge else PAGE))
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP disabled or absent: 4 KiB pages still work
             buf.madvise(mmap.MADV_HUGEPAGE)
     return buf
