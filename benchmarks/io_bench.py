@@ -7,7 +7,7 @@ the same file opened O_DIRECT): ``queue_depth`` operations kept in flight by
 ``submit_read``/``submit_write`` and reaped as they finish. Each row gives both MB/s (1 MB = 1e6
 bytes, as fio reports) and ``ratio`` = engine / the faster fio; the project's target is >= 0.9.
 ``fio_huge_MBps`` is fio libaio with its buffers in hugetlb pages (``--mem=shmhuge``; the
-script reserves the pages, as root, and gives them back): the engine's large buffers are in
+pages are reserved for each pass, as root, and given back): the engine's large buffers are in
 transparent huge pages, and an O_DIRECT transfer pins each page of its buffer, which on a VM
 can cost more than the transfer (fio's default malloc buffers moved 8 MiB reads at half the
 speed here). ``--fio-buffers malloc`` skips that pass.
@@ -29,7 +29,6 @@ three passes run back to back in an order that turns by one at each of ``--repea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -40,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -90,15 +88,12 @@ def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
                  f"--size={part}", f"--offset_increment={part}"]
     else:
         shape = ["--ioengine=libaio", f"--iodepth={qd}", f"--size={file_bytes}"]
-    if huge:
-        shape.append("--mem=shmhuge")
-    result = sb._run_fio(
-        [f"--filename={path}", "--direct=1", *shape,
-         f"--name={pattern}", f"--rw={pattern}", f"--bs={block}",
-         "--time_based", f"--runtime={runtime_s}", "--norandommap", "--randrepeat=0",
-         "--invalidate=1"],
-        timeout_s=runtime_s + 120,
-    )  # fmt: skip
+    args = [f"--filename={path}", "--direct=1", *shape,
+            f"--name={pattern}", f"--rw={pattern}", f"--bs={block}",
+            "--time_based", f"--runtime={runtime_s}", "--norandommap", "--randrepeat=0",
+            "--invalidate=1"]  # fmt: skip
+    result = (sb.fio_huge(args, runtime_s + 120, block * qd) if huge
+              else sb._run_fio(args, runtime_s + 120))
     return sb._job_bw(result, "write" if "write" in pattern else "read")
 
 
@@ -155,40 +150,8 @@ def lay_out(path: Path, file_bytes: int) -> None:
         os.close(fd)
 
 
-NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
-HUGE_PAGE = 2 << 20
-
-
-@contextlib.contextmanager
-def hugetlb_pages(nbytes: int) -> Iterator[None]:
-    """Reserve hugetlb pages for ``nbytes`` of fio buffers (``--mem=shmhuge`` takes them
-    from this pool), and give them back afterwards."""
-    want = -(-nbytes // HUGE_PAGE) + 2  # fio aligns its buffer inside the segment
-    try:
-        before = int(NR_HUGEPAGES.read_text())
-        NR_HUGEPAGES.write_text(str(before + want))
-        got = int(NR_HUGEPAGES.read_text()) - before
-    except OSError as exc:
-        refuse(f"cannot reserve hugetlb pages for fio's buffers ({exc}); run as root, or pass "
-               "--fio-buffers malloc to compare with fio's default buffers only")
-    try:
-        if got < want:
-            refuse(f"the kernel gave {got} of {want} hugetlb pages for fio's buffers "
-                   "(memory too fragmented?); pass --fio-buffers malloc to skip them")
-        yield
-    finally:
-        NR_HUGEPAGES.write_text(str(before))
-
-
 def run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s: float,
         repeat: int, seed: int, huge: bool) -> dict[str, Any]:
-    reserved = hugetlb_pages(qd * max(blocks)) if huge else contextlib.nullcontext()
-    with reserved:
-        return _run(directory, file_bytes, blocks, qd, runtime_s, repeat, seed, huge)
-
-
-def _run(directory: Path, file_bytes: int, blocks: list[int], qd: int, runtime_s: float,
-         repeat: int, seed: int, huge: bool) -> dict[str, Any]:
     path = directory / "io-bench.dat"
     lay_out(path, file_bytes)
     fd, direct = open_direct(str(path), os.O_RDWR)
@@ -274,7 +237,8 @@ def main() -> None:
             result = run(directory, file_bytes, blocks, args.queue_depth, args.runtime,
                          args.repeat, args.seed, args.fio_buffers == "huge")
     except (LCacheError, OSError, RuntimeError) as exc:
-        refuse(str(exc))
+        refuse(str(exc) + (" (--fio-buffers malloc skips fio's huge-page pass)"
+                           if "hugetlb" in str(exc) else ""))
     if args.json:
         print(json.dumps(result, indent=2))
         return
