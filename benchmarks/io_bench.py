@@ -22,7 +22,7 @@ pass (0.1: a tenth of one core): where it is small, the engine is not what limit
 fio is installed with apt-get when missing (as root); where it cannot be, the script refuses
 (exit status 2) rather than print rows without their reference. On a shared machine the
 device's speed swings (and a cloud disk's burst credit favours whoever runs first), so the
-three passes run back to back in an order that turns by one at each of ``--repeat`` rounds
+passes run back to back in an order that turns by one at each of ``--repeat`` rounds
 (use 3 or more); each row reports medians, and ``ratio`` is the median of the rounds' ratios.
 """
 

@@ -58,7 +58,7 @@ def vote_group() -> Any:
 
 def _forget_group() -> None:
     """Let the groups go while the interpreter is whole: a gloo group still referenced when it
-    is torn down aborts the process (1 exit in 20 of the two-rank test) with "terminate called
+    is torn down aborts the process (4 of 60 runs of the two-rank test) with "terminate called
     without an active exception"."""
     global _group
     with _group_lock:
