@@ -16,6 +16,12 @@ the CPU the sampler itself used, as a fraction of the run's wall time.
 
     python benchmarks/trace_overhead.py --json
     python benchmarks/trace_overhead.py --reps 7 --blocks 30 --dir /var/tmp/trace-bench
+    python benchmarks/trace_overhead.py --instructions --json    # valgrind; ~10 min
+
+Wall-clock figures on a shared 2-core VM move by 5-10% between runs of the same code; with
+``--instructions`` the samples and store loops instead run under valgrind's callgrind, which
+counts the CPU instructions of the traced and untraced loops whatever the machine's load
+(in-library events only: sampling and strace act outside the process).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ from typing import Any
 
 KINDS = ("samples", "store", "plain")
 RECORD = 4096
+# --instructions: a smaller store (the samples loop warms every record, 50x slower under
+# callgrind) and loops of 2,000 and 20,000 reads
+INSTRUCTION_RECORDS = 2000
+INSTRUCTION_READS = 2000
 
 
 def _loop(kind: str, directory: str, reads: int, seed: int) -> Callable[[], None]:
@@ -75,8 +85,10 @@ def _loop(kind: str, directory: str, reads: int, seed: int) -> Callable[[], None
     return run_plain
 
 
-def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int) -> None:
-    """Runs in the child. Without ``blocks``: time the loop once and print {"seconds", "cpu"}.
+def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
+              traced: bool = False) -> None:
+    """Runs in the child. Without ``blocks``: time the loop once and print {"seconds", "cpu"}
+    (with ``traced``, in-library events on for the loop alone).
 
     With ``blocks``: alternate untraced and traced blocks of the loop in this one process
     (``lcache.trace.enable`` ... loop ... ``disable``, the final flush timed too), in a
@@ -84,12 +96,17 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int) -> 
     what makes a few percent measurable on a shared, noisy machine.
     """
     run = _loop(kind, directory, reads, seed)
+    import lcache.trace
+
     if not blocks:
         t0, c0 = time.perf_counter(), time.process_time()
+        if traced:
+            lcache.trace.enable(os.path.join(directory, f"traced-{kind}.trace"))
         run()
+        if traced:
+            lcache.trace.disable()
         print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
         return
-    import lcache.trace
 
     trace = os.path.join(directory, f"alternate-{kind}.trace")
     out: dict[str, list[float]] = {"base": [], "inlib": []}
@@ -169,6 +186,46 @@ def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
     return float(got["seconds"]), sampler_cpu
 
 
+def _callgrind(cmd: list[str], env: dict[str, str]) -> int:
+    """Instructions the process ran under callgrind (deterministic, whatever the load)."""
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                          *cmd], env=env, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"valgrind failed ({out.returncode}): {out.stderr[-2000:]}")
+    for line in out.stderr.splitlines():
+        if "Collected :" in line:
+            return int(line.split(":")[-1])
+    raise SystemExit(f"no instruction count in valgrind's output: {out.stderr[-2000:]}")
+
+
+def _instructions(directory: str, reads: int) -> dict[str, Any]:
+    """Instructions per read of the samples and store loops, untraced and with in-library
+    events. Each runs under callgrind at ``reads`` and 10 x ``reads``; the difference over
+    9 x ``reads`` cancels start-up, set-up and enable. Identical runs still differ by about
+    6M instructions (threads, start-up), ~350 a read at the default 2,000 + 18,000 reads."""
+    # one hash seed: dict layouts, hence instruction counts, differ between processes else;
+    # no background flush: its count would follow callgrind's slow clock, not the events (the
+    # final flush at disable() writes them all and is counted)
+    env = {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
+           "PYTHONHASHSEED": "0", "LCACHE_TRACE_FLUSH_S": "36000"}
+    result: dict[str, Any] = {}
+    for kind in ("samples", "store"):
+        # a first run outside callgrind fills the sample cache, which later runs only read
+        _check(subprocess.run(_child(kind, directory, reads, 0), env=env, capture_output=True,
+                              text=True, timeout=900), f"warm-up/{kind}")
+        per_read = {}
+        for mode in ("base", "inlib"):
+            flag = ["--traced"] if mode == "inlib" else []
+            lo, hi = (_callgrind([*_child(kind, directory, n, 0), *flag], env)
+                      for n in (reads, 10 * reads))
+            per_read[mode] = (hi - lo) / (9 * reads)
+        extra = per_read["inlib"] - per_read["base"]
+        result[kind] = {"instructions_per_read": round(per_read["base"]),
+                        "inlib_instructions_per_read": round(extra),
+                        "inlib_overhead": round(extra / per_read["base"], 4)}
+    return result
+
+
 def _med(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -190,12 +247,27 @@ def main() -> None:
                    help="in-process blocks per mode for the in-library figure")
     p.add_argument("--block-reads", type=int, default=5000, help="reads per block")
     p.add_argument("--interval", type=float, default=0.2, help="lcache trace --interval")
+    p.add_argument("--instructions", action="store_true",
+                   help="count CPU instructions under callgrind instead of timing (valgrind)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--workload", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.workload:
-        _workload(args.workload, args.dir, args.reads, args.seed, args.blocks)
+        _workload(args.workload, args.dir, args.reads, args.seed, args.blocks, args.traced)
+        return
+    if args.instructions:
+        if shutil.which("valgrind") is None:
+            raise SystemExit("--instructions needs valgrind: apt-get install valgrind")
+        if os.path.exists(args.dir):
+            shutil.rmtree(args.dir)
+        _prepare(args.dir, INSTRUCTION_RECORDS)
+        counts = _instructions(args.dir, INSTRUCTION_READS)
+        shutil.rmtree(args.dir, ignore_errors=True)
+        counts["config"] = {"records": INSTRUCTION_RECORDS, "reads": INSTRUCTION_READS,
+                            "record_bytes": RECORD, "tool": "valgrind --tool=callgrind"}
+        print(json.dumps(counts, indent=2) if args.json else counts)
         return
     if shutil.which("strace") is None:
         raise SystemExit("strace is needed for the syscall mode: apt-get install strace")
