@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -187,22 +188,24 @@ def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
 
 
 def _callgrind(cmd: list[str], env: dict[str, str]) -> int:
-    """Instructions the process ran under callgrind (deterministic, whatever the load)."""
-    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-                          *cmd], env=env, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise SystemExit(f"valgrind failed ({out.returncode}): {out.stderr[-2000:]}")
-    for line in out.stderr.splitlines():
-        if "Collected :" in line:
-            return int(line.split(":")[-1])
-    raise SystemExit(f"no instruction count in valgrind's output: {out.stderr[-2000:]}")
+    """Instructions the process's main thread ran under callgrind, the thread that reads and
+    records (the loops' other threads come and go with the clock, which callgrind slows)."""
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as tmp:
+        out = subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes",
+                              f"--callgrind-out-file={tmp}/cg.out", *cmd], env=env,
+                             capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise SystemExit(f"valgrind failed ({out.returncode}): {out.stderr[-2000:]}")
+        for line in Path(tmp, "cg.out-01").read_text().splitlines():
+            if line.startswith("totals:"):
+                return int(line.split()[1])
+    raise SystemExit("no instruction total in callgrind's output for the main thread")
 
 
 def _instructions(directory: str, reads: int) -> dict[str, Any]:
     """Instructions per read of the samples and store loops, untraced and with in-library
-    events. Each runs under callgrind at ``reads`` and 10 x ``reads``; the difference over
-    9 x ``reads`` cancels start-up, set-up and enable. Identical runs still differ by about
-    6M instructions (threads, start-up), ~350 a read at the default 2,000 + 18,000 reads."""
+    events, counted on the main thread. Each runs under callgrind at ``reads`` and 10 x
+    ``reads``; the difference over 9 x ``reads`` cancels start-up, set-up and enable."""
     # one hash seed: dict layouts, hence instruction counts, differ between processes else;
     # no background flush: its count would follow callgrind's slow clock, not the events (the
     # final flush at disable() writes them all and is counted)
