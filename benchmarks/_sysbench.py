@@ -169,8 +169,9 @@ def hugetlb_pages(nbytes: int) -> Iterator[None]:
             raise RuntimeError(f"the kernel gave {got} of {want} hugetlb pages for fio's "
                                "buffers (memory too fragmented?)")
         yield
-    finally:
-        NR_HUGEPAGES.write_text(str(before))
+    finally:  # give back what this block took, not the count it saw: another bench may
+        # have reserved pages meanwhile (restoring `before` left 66 pages reserved once)
+        NR_HUGEPAGES.write_text(str(max(0, int(NR_HUGEPAGES.read_text()) - got)))
 
 
 def fio_huge(args: Sequence[str], timeout_s: float, buffer_bytes: int) -> dict[str, Any]:
