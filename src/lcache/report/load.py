@@ -404,7 +404,8 @@ class _Builder:
                 self.ignored += 1
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             detail = " ".join(f"{type(exc).__name__}: {exc}"[:200].split())
-            raise TraceFormatError(f"{path}: line {lineno}: a '{str(ph)[:40]}' event with a "
+            kind = " ".join(str(ph)[:40].split())  # one line, whatever the trace holds
+            raise TraceFormatError(f"{path}: line {lineno}: a '{kind}' event with a "
                                    f"missing or malformed field ({detail})") from exc
 
 
