@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,3 +55,30 @@ def test_puts_gets_recovery_and_gc_are_traced(tmp_path: Path, events: list[IOEve
     store.close()
     assert bytes_by(events, "write")["cache-meta"] > 0  # the sealed segment's summary
     assert all(e.duration_ns >= 0 and e.start_ns > 0 for e in events)
+
+
+def test_reads_of_mapped_segments_reach_any_tracer(tmp_path: Path,
+                                                   events: list[IOEvent]) -> None:
+    # Reads from sealed (mapped) segments append packed records themselves; under a tracer
+    # other than lcache.trace's they must still arrive as events naming the fd they read.
+    from lcache.store import record as record_format
+
+    root = tmp_path / "s"
+    store = Store.open(root, capacity="4MiB", segment_size="256KiB")
+    values = {k: bytes([k]) * (1000 + k) for k in range(200)}
+    store.put_many(list(values), list(values.values()))
+    store.close()  # seals every segment
+    store = Store.open(root)
+    events.clear()
+    for k in range(0, 200, 3):
+        assert store.get(k) == values[k]
+    reads = [e for e in events if e.op == "read"]
+    assert len(reads) == len(range(0, 200, 3))
+    for k, e in zip(range(0, 200, 3), reads, strict=True):
+        assert (e.io_class, e.size, e.result) == ("cache-read", e.size, e.size)
+        assert os.readlink(f"/proc/self/fd/{e.fd}").startswith(str(root / "segments"))
+        got = record_format.verify(memoryview(os.pread(e.fd, e.size, e.offset)),
+                                   *record_format.key_parts(k))
+        assert got == values[k]
+        assert e.start_ns > 0 and e.duration_ns >= 0
+    store.close()

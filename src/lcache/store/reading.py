@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.io import ReadRequest, SyncPolicy, aligned_empty, get_tracer, pread_full
-from lcache.io.tracer import emit, emit_span
+from lcache.io import ReadRequest, SyncPolicy, aligned_empty, pread_full
+from lcache.io.tracer import code, emit, fid_for, pack_record, thread_records
 from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.parts import StoreParts
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 MAP_BUDGET = 4 << 30  # bytes of segments mapped per process (address space, page tables)
 UNSEALED_RECHECK = 0.05  # seconds before asking again whether an active segment is sealed
 _PAGE = mmap.PAGESIZE
+_MAPPED_READ = code("read", "cache-read")  # the trace record code of reads by page faults
 Keys = Sequence["Key"] | npt.NDArray[np.integer[Any]]
 
 
@@ -63,10 +64,11 @@ class _Mapping:
     """One sealed segment mapped read-only: ``size`` bytes may be touched. It is unmapped
     when the last reference goes: the store's, and those of the views it handed out."""
 
-    __slots__ = ("fd", "mm", "size", "view")
+    __slots__ = ("fd", "fid", "mm", "size", "view")
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.fid = fid_for(fd)  # its name in traces
         self.size = size
         self.mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         self.view = memoryview(self.mm)
@@ -272,7 +274,7 @@ class Reader(StoreParts):
             for _, m, off, length in placed:
                 start = off - off % _PAGE
                 m.mm.madvise(mmap.MADV_WILLNEED, start, off + length - start)
-        tracer = get_tracer()
+        records = thread_records()
         slow = 0
         for i, m, off, length in placed:
             t0 = time.perf_counter_ns()
@@ -281,8 +283,8 @@ class Reader(StoreParts):
             end = time.perf_counter_ns()
             if end - t0 > 30_000 + length:  # far slower than memory: the fault read the disk
                 slow += 1
-            if tracer is not None:  # the bytes page faults moved, traced as reads
-                emit_span("read", m.fd, off, length, length, t0, end, "cache-read")
+            if records is not None:  # the bytes page faults moved, traced as reads
+                records.append(pack_record(_MAPPED_READ, m.fid, off, length, length, t0, end))
             if view is None:
                 self._verify_failed(key64)
             else:
