@@ -533,3 +533,55 @@ def test_a_flush_of_more_parts_than_writev_takes_is_written_whole(tmp_path: Path
     writer.write_lines([], [memoryview(b"tail")])
     writer.close()
     assert (tmp_path / "t.trace").read_bytes() == b'{"a":1}\n' + b"".join(parts) + b"tail"
+
+
+def test_an_fd_number_lcache_closed_and_another_opener_reuses_is_named_anew(
+        tmp_path: Path) -> None:
+    # lcache.io names fds it opened by a file id given at open and forgotten at close, so every
+    # close of such an fd must go through close_file: a number closed otherwise kept its old
+    # name, and the next file opened under that number by anyone else was traced under it.
+    from lcache.store import Store
+    from lcache.store.counters import read_totals
+
+    root = tmp_path / "s"
+    store = Store.open(root, capacity="4MiB", segment_size="256KiB")
+    store.put(1, b"x" * 100)
+    store.close()  # writes the stats file read_totals opens
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"y" * 4096)
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        probe = os.open(other, os.O_RDONLY)
+        os.close(probe)
+        assert read_totals(str(root)).puts == 1  # opens and closes under the number `probe`
+        fd = os.open(other, os.O_RDONLY)  # the lowest free number again
+        assert fd == probe
+        pread_full(fd, 0, memoryview(bytearray(4096)), "data-source")
+        os.close(fd)
+    finally:
+        lcache.trace.disable()
+    events = _events(trace)
+    (read,) = [e for e in _io(events) if e["cat"] == "data-source"]
+    assert _files(events)[(read["pid"], read["args"]["fid"])] == str(other)
+
+
+def test_fds_lcache_io_opened_are_closed_through_it() -> None:
+    # The rule the test above relies on, over the whole package: no bare os.close outside
+    # lcache.io, and no os.fdopen (whose close is a bare close) of an fd open_file gave.
+    import ast
+
+    src = Path(lcache.trace.__file__).parents[1]
+    found = []
+    for path in src.rglob("*.py"):
+        if path.parent.name == "io":
+            continue
+        tree = ast.parse(path.read_text())
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+                continue
+            calls = {ast.unparse(n.func) for n in ast.walk(func) if isinstance(n, ast.Call)}
+            opens = bool(calls & {"open_file", "open_in_store"})
+            if "os.close" in calls or ("os.fdopen" in calls and opens):
+                found.append(f"{path.relative_to(src)}:{getattr(func, 'name', '')}")
+    assert not found, found

@@ -46,7 +46,15 @@ import numpy as np
 from lcache.bench.config import DTYPE_BYTES, Workload
 from lcache.bench.datagen import sweep_stale_temps
 from lcache.errors import ConfigError
-from lcache.io import drop_page_cache, fsync_dir, open_file, pread_full, pwrite_full, sync_fd
+from lcache.io import (
+    close_file,
+    drop_page_cache,
+    fsync_dir,
+    open_file,
+    pread_full,
+    pwrite_full,
+    sync_fd,
+)
 
 IO_CLASS = "checkpoint"
 _CHUNK = 64 << 20
@@ -276,10 +284,10 @@ class CheckpointIO:
                 if self.fsync:
                     sync_fd(fd, data_only=False, io_class=IO_CLASS)
             except BaseException:
-                os.close(fd)
+                close_file(fd)
                 os.unlink(tmp)
                 raise
-            os.close(fd)
+            close_file(fd)
             os.replace(tmp, path)
         if self.fsync:
             fsync_dir(target)
@@ -314,5 +322,5 @@ class CheckpointIO:
                     off += n
                 total += off
             finally:
-                os.close(fd)
+                close_file(fd)
         return total

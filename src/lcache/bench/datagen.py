@@ -38,7 +38,7 @@ from lcache.bench import storage
 from lcache.bench.config import Workload
 from lcache.bench.resources import need_memory
 from lcache.errors import ConfigError
-from lcache.io import fsync_dir, open_file, pwrite_full, sync_fd
+from lcache.io import close_file, fsync_dir, open_file, pwrite_full, sync_fd
 
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
@@ -140,10 +140,10 @@ def _publish(path: str, data: bytes | memoryview) -> None:
             pwrite_full(fd, off, [view[off:off + _CHUNK]], io_class=IO_CLASS)
         sync_fd(fd, io_class=IO_CLASS)
     except BaseException:
-        os.close(fd)
+        close_file(fd)
         os.unlink(tmp)
         raise
-    os.close(fd)
+    close_file(fd)
     os.replace(tmp, path)
 
 

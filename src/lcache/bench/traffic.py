@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lcache.io import drop_page_cache, open_file, pread_full, pwrite_full, sync_fd
+from lcache.io import close_file, drop_page_cache, open_file, pread_full, pwrite_full, sync_fd
 
 
 @dataclass
@@ -66,4 +66,4 @@ class StepTraffic:
 
     def close(self) -> None:
         for fd in self.fds:
-            os.close(fd)
+            close_file(fd)

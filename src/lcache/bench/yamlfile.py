@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from lcache.errors import ConfigError
+from lcache.io import close_file
 
 MAX_FILE_BYTES = 1 << 20  # configuration files are a few KiB
 MAX_DEPTH = 16  # a workload is sections of keys, parallelism/transformer one level more
@@ -114,7 +115,7 @@ def read_file(path: str, what: str = "workload", hint: str = "") -> bytes:
     except OSError as exc:
         raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}") from None
     finally:
-        os.close(fd)
+        close_file(fd)
     if total > MAX_FILE_BYTES:
         raise ConfigError(f"{path} is over {MAX_FILE_BYTES >> 20} MiB; a {what} file is a few "
                           "KiB of YAML")

@@ -31,7 +31,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
-from lcache.io import aligned_buffer, open_file, pwrite_full, sync_fd
+from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
 
 log = logging.getLogger("lcache.checkpoint")
 
@@ -115,7 +115,7 @@ class CheckpointHandle:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            close_file(self._lock_fd)
             self._lock_fd = None
 
     def _discard_stage(self) -> None:
@@ -247,7 +247,7 @@ def _append_streamed(path: str, snap: Snapshot) -> None:
             ref.xxh3 = digest.hexdigest()
         sync_fd(fd, data_only=False, io_class=IO_CLASS)
     finally:
-        os.close(fd)  # the chunk buffer goes with its last view
+        close_file(fd)  # the chunk buffer goes with its last view
 
 
 class Checkpointer:

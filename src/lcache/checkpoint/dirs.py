@@ -24,7 +24,7 @@ from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.errors import LCacheError
-from lcache.io import atomic_write, fsync_dir, private_dir
+from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
 PARTIAL = ".lcache-partial-"
 TRASH = ".lcache-trash-"
@@ -92,7 +92,7 @@ def open_staging(root: str, name: str) -> tuple[str, int]:
                 return stage, fd
         except FileNotFoundError:
             pass
-        os.close(fd)  # a clean-up removed it between mkdir and flock: make it again
+        close_file(fd)  # a clean-up removed it between mkdir and flock: make it again
     raise ConfigError(f"cannot hold staging directory {stage}: something keeps removing it")
 
 
@@ -108,7 +108,7 @@ def _unlocked(path: str) -> bool:
     except BlockingIOError:
         return False
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def leftovers(root: str) -> list[str]:

@@ -44,7 +44,7 @@ from lcache.checkpoint.persist import (
     read_small_file,
 )
 from lcache.errors import LCacheError
-from lcache.io import aligned_buffer, pread_full
+from lcache.io import aligned_buffer, close_file, pread_full
 
 _MAX_LISTED = 20
 
@@ -265,7 +265,7 @@ def _stored(data_path: str, file_bytes: int, ref: ArrayRef, verify: bool) -> Sto
                                           "damaged; load an earlier one")
                 yield part
         finally:
-            os.close(fd)
+            close_file(fd)
 
     return StoredArray(ref.dtype, list(ref.shape), ref.nbytes, chunks)
 

@@ -12,7 +12,7 @@ from typing import Any
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.persist import CHUNK, open_member
 from lcache.checkpoint.restore import read_manifest
-from lcache.io import pread_full
+from lcache.io import close_file, pread_full
 
 IO_CLASS = "checkpoint-upload"
 
@@ -42,6 +42,6 @@ def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | Non
                     out.write(view[:n])
                     offset += n
         finally:
-            os.close(fd)
+            close_file(fd)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{dest}" if protocol != "file" else dest

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from lcache.errors import ConfigError
+from lcache.io import close_file
 from lcache.trace.recorder import ENV
 
 
@@ -49,7 +50,7 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
             return {"exit_code": 2, "error": "--syscalls needs strace; install it "
                     "(Debian: apt-get install strace) or drop --syscalls"}
         fd, log_path = tempfile.mkstemp(prefix="lcache-strace-", suffix=".log")
-        os.close(fd)
+        close_file(fd)
         argv = strace_mod.strace_command(log_path, argv, strace)
     try:
         if os.path.lexists(output):

@@ -38,7 +38,7 @@ from lcache.data.sources import (
     fetch_many,
 )
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
-from lcache.io import atomic_write, open_file, private_dir
+from lcache.io import atomic_write, close_file, open_file, private_dir
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
 from lcache.store.record import HEADER_SIZE
@@ -76,7 +76,7 @@ def _remove_orphaned_staging() -> None:
             try:
                 origin, _, cache_id = os.read(fd, 1 << 16).decode().partition("\n")
             finally:
-                os.close(fd)
+                close_file(fd)
             if _cache_id(origin) == cache_id:
                 continue  # its cache still exists
             fd = open_file(os.path.join(path, "users"), os.O_RDWR)
@@ -88,7 +88,7 @@ def _remove_orphaned_staging() -> None:
         except OSError:
             pass
         finally:
-            os.close(fd)
+            close_file(fd)
 
 
 @atexit.register
@@ -113,7 +113,7 @@ def _cache_id(cache_dir: str) -> str | None:
         try:
             return str(json.loads(os.read(fd, 1 << 20)).get("id"))
         finally:
-            os.close(fd)
+            close_file(fd)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -332,7 +332,7 @@ class SampleCache:
         except BlockingIOError:
             pass  # another process still stages samples there
         finally:
-            os.close(self._users)
+            close_file(self._users)
 
     def plan_capacity(self, writers: int, early: int = 0) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,

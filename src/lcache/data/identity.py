@@ -25,7 +25,7 @@ import numpy.typing as npt
 import xxhash
 
 from lcache.errors import ConfigError
-from lcache.io import atomic_write, open_file
+from lcache.io import atomic_write, close_file, open_file
 
 log = logging.getLogger("lcache")
 
@@ -144,7 +144,7 @@ class DirectoryIdentity:
                     not os.path.exists(self.listing_path)):
                 self._publish(ident, opened.cache_id)
         finally:
-            os.close(fd)
+            close_file(fd)
 
     def _load(self) -> dict[str, Any] | None:
         """The stored identity, or None if there is none this version can trust."""
@@ -155,7 +155,7 @@ class DirectoryIdentity:
         try:
             raw = os.read(fd, 1 << 20)
         finally:
-            os.close(fd)
+            close_file(fd)
         try:
             doc = json.loads(raw)
         except ValueError:
@@ -188,7 +188,7 @@ class DirectoryIdentity:
                 size = os.fstat(fd).st_size
                 old = np.frombuffer(os.pread(fd, size, 0), "<u8") if size % 8 == 0 else None
             finally:
-                os.close(fd)
+                close_file(fd)
         except FileNotFoundError:
             old = None
         if old is None:  # unknown: every cached sample is suspect

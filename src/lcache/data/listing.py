@@ -34,7 +34,7 @@ import xxhash
 
 from lcache.data.remote import Remote, SourceError, object_version
 from lcache.errors import ConfigError
-from lcache.io import atomic_write, open_file, private_dir
+from lcache.io import atomic_write, close_file, open_file, private_dir, read_and_close
 
 log = logging.getLogger("lcache")
 
@@ -256,7 +256,7 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
 
         yield found, keep
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def _listing(doc: dict[str, Any]) -> Listing | None:
@@ -274,8 +274,7 @@ def _load(path: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        with os.fdopen(fd, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(read_and_close(fd))
     except ValueError:
         return None
     ok = (isinstance(doc, dict) and doc.get("format") == LISTING_FORMAT

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lcache.io import open_file
+from lcache.io import close_file, open_file
 
 # Appended only: a counter's index is its place in every slot of existing files.
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
@@ -142,7 +142,7 @@ class SharedCounters:
         key = (self.path, os.fstat(fd).st_ino)  # a recreated file is another table
         table = _TABLES.get(key)
         if table is not None:
-            os.close(fd)
+            close_file(fd)
         else:
             try:
                 # Why allocate: touching a page of a sparse mapping on a full filesystem
@@ -154,7 +154,7 @@ class SharedCounters:
                             self.path, exc)
                 mm = bytearray(SLOTS * SLOT_BYTES)
             finally:
-                os.close(fd)
+                close_file(fd)
             table = _TABLES[key] = np.frombuffer(mm, np.uint64).reshape(SLOTS, WIDTH)
         return table
 
@@ -179,7 +179,7 @@ class SharedCounters:
                     slot[OWNER] = os.getpid()
                     return slot
         finally:
-            os.close(fd)  # also releases the flock
+            close_file(fd)  # also releases the flock
         raise RuntimeError(f"more than {SLOTS} live processes use {self.path}")
 
     def add(self, **counts: int) -> None:

@@ -22,6 +22,7 @@ from lcache.io.files import (
     fsync_dir,
     logical_block_size,
     open_file,
+    read_and_close,
 )
 from lcache.io.publish import atomic_write
 from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
@@ -54,6 +55,7 @@ __all__ = [
     "pread_full",
     "private_dir",
     "pwrite_full",
+    "read_and_close",
     "set_tracer",
     "settle",
     "sync_fd",

@@ -46,6 +46,16 @@ def close_file(fd: int) -> None:
     os.close(fd)
 
 
+def read_and_close(fd: int, limit: int = -1) -> bytes:
+    """Read an fd from :func:`open_file` to its end (or ``limit`` bytes), then close it
+    (:func:`close_file`; ``os.fdopen`` would close it with its file id kept)."""
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        close_file(fd)
+
+
 def logical_block_size(path: str) -> int:
     """The alignment O_DIRECT needs for ``path``'s filesystem (``f_bsize``, at least 512)."""
     try:

@@ -49,7 +49,7 @@ from lcache.errors import (
     LCacheError,
     StorePermissionError,
 )
-from lcache.io import Pending, default_engine, open_file, private_dir
+from lcache.io import Pending, close_file, default_engine, open_file, private_dir
 from lcache.store.layout import parse_size
 
 __all__ = ["ActivationOffload", "ActivationOffloadError", "ActivationStats", "activations"]
@@ -366,7 +366,7 @@ class _Session:
                 self._drop(spill)
             self.order.clear()
             self.by_storage.clear()
-            os.close(self.fd)
+            close_file(self.fd)
             return error
 
     def _write(self, t: torch.Tensor, storage: torch.UntypedStorage, key: StorageWeakRef,

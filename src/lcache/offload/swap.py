@@ -23,6 +23,7 @@ from lcache.errors import ConfigError, DiskFullError
 from lcache.io import (
     Pending,
     atomic_write,
+    close_file,
     default_engine,
     logical_block_size,
     open_file,
@@ -102,7 +103,7 @@ class SwapFile:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                close_file(fd)
                 raise ConfigError(f"{self.path} is in use by a running process; give each "
                                   "run (and each rank's process) its own offload directory, "
                                   "or stop the other run") from None
@@ -112,7 +113,7 @@ class SwapFile:
                     return fd
             except FileNotFoundError:
                 pass
-            os.close(fd)  # its owner closed and removed it between our open and lock: again
+            close_file(fd)  # its owner closed and removed it between our open and lock: again
         raise ConfigError(f"cannot hold {self.path}: something keeps removing it")
 
     def _remove_temps(self) -> None:
@@ -159,8 +160,8 @@ class SwapFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         if self.plain_fd not in (self.fd, -1):
-            os.close(self.plain_fd)
-        os.close(self.fd)
+            close_file(self.plain_fd)
+        close_file(self.fd)
         self.fd = self.plain_fd = -1
 
 

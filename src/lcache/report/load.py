@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from lcache.io import close_file
 from lcache.trace import blocks
 from lcache.trace.mounts import MEMORY_FS
 from lcache.trace.sampler import DISK_FIELDS as DISK_FIELDS  # the loader's public names
@@ -94,7 +95,7 @@ def _open(path: str) -> BinaryIO:
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
-        os.close(fd)
+        close_file(fd)
         raise
 
 

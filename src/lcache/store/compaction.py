@@ -8,7 +8,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
-from lcache.io import pread_full
+from lcache.io import close_file, pread_full
 from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.hashindex import HashIndex
@@ -88,7 +88,7 @@ def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest:
         data = bytearray(summary.data_len)
         got = pread_full(fd, 0, memoryview(data), "cache-gc")
     finally:
-        os.close(fd)
+        close_file(fd)
     view = memoryview(data)[:got]
     parts: list[memoryview] = []
     entries: list[tuple[int, int, int]] = []

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
+from lcache.io import read_and_close
 from lcache.io.publish import atomic_write
 from lcache.store.files import open_in_store
 
@@ -43,8 +44,8 @@ class Counters:
 def read_totals(root: str) -> Counters:
     """Counters summed over every process that flushed or closed this store."""
     try:
-        with os.fdopen(open_in_store(os.path.join(root, STATS_NAME), os.O_RDONLY), "rb") as f:
-            raw = json.loads(f.read(1 << 20))
+        raw = json.loads(read_and_close(open_in_store(os.path.join(root, STATS_NAME),
+                                                      os.O_RDONLY), 1 << 20))
         return Counters(**{f.name: int(raw.get(f.name, 0)) for f in fields(Counters)})
     except (OSError, ValueError, TypeError, AttributeError):  # advisory: a bad one reads as 0
         return Counters()

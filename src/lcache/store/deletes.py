@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.errors import CorruptionError
-from lcache.io import atomic_write, pread_full, sync_fd
+from lcache.io import atomic_write, close_file, pread_full, sync_fd
 from lcache.store.files import (
     Generations,
     bump_generation,
@@ -113,7 +113,7 @@ def journal_body(path: str) -> bytes:
     try:
         return _body(fd)
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 class DeleteJournal:
@@ -149,7 +149,7 @@ class DeleteJournal:
         fd = open_in_store(self.path, os.O_RDWR | os.O_APPEND)
         head = os.pread(fd, _HEAD.size, 0)
         if len(head) < _HEAD.size or _HEAD.unpack(head)[:2] != (MAGIC, 1):
-            os.close(fd)
+            close_file(fd)
             raise CorruptionError(
                 f"{self.path} is damaged (bad header: not an lcache delete journal); run "
                 f"`lcache fsck --repair {self.root}` to rewrite it")
@@ -164,7 +164,7 @@ class DeleteJournal:
         if gen != self._gen:
             old, self._gen = self._fd, gen
             self._fd = self._open()
-            os.close(old)
+            close_file(old)
         return self._fd
 
     def append(self, keys: list[tuple[int, int]], floor: int) -> None:
@@ -216,4 +216,4 @@ class DeleteJournal:
             self._follow()
 
     def close(self) -> None:
-        os.close(self._fd)
+        close_file(self._fd)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lcache.errors import CorruptionError, StoreNotFoundError
-from lcache.io import fsync_dir, pread_full, pwrite_full, sync_fd
+from lcache.io import close_file, fsync_dir, pread_full, pwrite_full, sync_fd
 from lcache.store import record
 from lcache.store.deletes import DeleteJournal, decode, encode, journal_body, write_journal
 from lcache.store.files import (
@@ -249,7 +249,7 @@ class _Checker:
             self.sizes[seg] = summary.data_len
             self._check_records(fd, summary)
         finally:
-            os.close(fd)
+            close_file(fd)
 
     def _truncate(self, fd: int, size: int, data_len: int) -> None:
         if size > data_len:
@@ -275,7 +275,7 @@ class _Checker:
                 done += n
             sync_fd(out, False, "cache-fsck")
         finally:
-            os.close(out)
+            close_file(out)
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
 

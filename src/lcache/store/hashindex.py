@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.errors import IndexFullError
+from lcache.io import close_file
 from lcache.store.files import Generations, allocate, current_generation, generation_path
 from lcache.store.index import (
     INDEX_HEADER,
@@ -233,7 +234,7 @@ class HashIndex:
             # would have some); asked for now, a full disk is DiskFullError, not SIGBUS later.
             allocate(fd, path, 0, size)
         except BaseException:
-            os.close(fd)
+            close_file(fd)
             raise
         return _Table(gen, path, fd, slots)
 
@@ -250,7 +251,7 @@ class HashIndex:
             table.place(hashes, locs, lens, refs)
             table.mm.flush()
         except BaseException:
-            os.close(fd)
+            close_file(fd)
             os.unlink(tmp)
             raise
         finish_index_file(root, meta, cls.STEM, tmp, fd, gen)
@@ -270,7 +271,7 @@ class HashIndex:
         gen = self._meta.generation(self.STEM)
         if gen != t.gen:
             new = self._open(gen)
-            os.close(t.fd)
+            close_file(t.fd)
             self._t = t = new
         return t
 
@@ -405,7 +406,7 @@ class HashIndex:
             self._t.mm.flush()
 
     def close(self) -> None:
-        os.close(self._t.fd)
+        close_file(self._t.fd)
 
 
 def _no_entries() -> tuple[U64Array, U64Array, npt.NDArray[np.uint32], npt.NDArray[np.uint8]]:

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.errors import ConfigError, CorruptionError
-from lcache.io import sync_fd
+from lcache.io import close_file, sync_fd
 from lcache.store.files import (
     Generations,
     allocate,
@@ -97,7 +97,7 @@ def new_index_file(path: str, magic: bytes, count: int, data_bytes: int,
         os.pwrite(fd, HDR.pack(magic, VERSION, count, 0), 0)
         os.ftruncate(fd, INDEX_HEADER + data_bytes)
     except BaseException:
-        os.close(fd)
+        close_file(fd)
         os.unlink(tmp)
         raise
     return tmp, fd
@@ -109,7 +109,7 @@ def finish_index_file(root: str, meta: Generations, stem: str, tmp: str, fd: int
     try:
         sync_fd(fd, False, "cache-meta")
     finally:
-        os.close(fd)
+        close_file(fd)
     return publish_generation(root, meta, stem, tmp, gen)
 
 
@@ -126,7 +126,7 @@ def open_index_file(root: str, path: str, magic: bytes) -> tuple[int, int, int]:
         if got_magic != magic or version != VERSION:
             raise damaged(root, path, "bad header: not an lcache index of this version")
     except BaseException:
-        os.close(fd)
+        close_file(fd)
         raise
     return fd, count, size
 
@@ -259,7 +259,7 @@ class IntIndex:
         # Longer than the header says is a growth cut short by a crash (the file is extended
         # first): usable. Shorter, or not whole entries, is damage.
         if data % item or data < count * item:
-            os.close(fd)
+            close_file(fd)
             raise damaged(self.root, path, f"{size} bytes, but the header says "
                           f"{INDEX_HEADER} + {count} x {item}")
         return _IntMap(gen, path, fd, np.zeros(0, np.uint8))
@@ -272,7 +272,7 @@ class IntIndex:
                 t = self._t
                 if self._meta.generation(self.STEM) != t.gen:
                     new = self._open(self._meta.generation(self.STEM))
-                    os.close(t.fd)
+                    close_file(t.fd)
                     self._t = t = new
         return t
 
@@ -438,7 +438,7 @@ class IntIndex:
                 t.length[keys] = lens
             t.mm.flush()
         except BaseException:
-            os.close(fd)
+            close_file(fd)
             os.unlink(tmp)
             raise
         finish_index_file(root, meta, stem, tmp, fd, gen)
@@ -454,7 +454,7 @@ class IntIndex:
             self._t.mm.flush()
 
     def close(self) -> None:
-        os.close(self._t.fd)
+        close_file(self._t.fd)
 
     @property
     def fd(self) -> int:

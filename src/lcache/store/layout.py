@@ -32,6 +32,7 @@ from lcache.errors import (
     StoreNotFoundError,
     StorePermissionError,
 )
+from lcache.io import close_file, read_and_close
 from lcache.io.dirs import check_private_dir, private_dir
 from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
@@ -175,7 +176,7 @@ def prepare_dir(path: str, create: bool) -> None:
     private_dir(path, "cache directory", create=create)
     try:
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
-        os.close(fd)
+        close_file(fd)
         os.unlink(probe)
     except OSError as exc:
         raise StorePermissionError(
@@ -210,8 +211,7 @@ def load_config(path: str) -> StoreConfig | None:
     except FileNotFoundError:
         return None
     try:
-        with os.fdopen(fd, "rb") as f:
-            raw = json.loads(f.read(1 << 20))
+        raw = json.loads(read_and_close(fd, 1 << 20))
     except (OSError, ValueError) as exc:
         raise _config_error(cfg_path, f"is unreadable ({exc})") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -263,8 +263,7 @@ def salvage_config(root: str, largest_segment: int) -> StoreConfig:
     """
     try:
         fd = open_in_store(os.path.join(root, CONFIG_NAME), os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            text = f.read(1 << 20).decode("utf-8", "replace")
+        text = read_and_close(fd, 1 << 20).decode("utf-8", "replace")
     except (OSError, CorruptionError):
         text = ""
     try:
@@ -327,7 +326,7 @@ class MetaPage:
                 os.ftruncate(self.fd, mmap.PAGESIZE)
             self._mm = mmap.mmap(self.fd, mmap.PAGESIZE)
         except BaseException:
-            os.close(self.fd)
+            close_file(self.fd)
             raise
 
     def _get(self, word: str) -> int:
@@ -376,4 +375,4 @@ class MetaPage:
 
     def close(self) -> None:
         self._mm.close()
-        os.close(self.fd)
+        close_file(self.fd)

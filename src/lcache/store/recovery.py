@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import suppress
 
-from lcache.io import pread_full, sync_fd
+from lcache.io import close_file, pread_full, sync_fd
 from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.hashindex import HashIndex
@@ -55,7 +55,7 @@ def seal_if_orphan(root: str, seg: int, ints: IntIndex, hashes: HashIndex,
             return False
         return recover_segment(root, seg, fd, ints, hashes, durable, dropped)
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def recover_segment(root: str, seg: int, fd: int, ints: IntIndex, hashes: HashIndex,

@@ -38,6 +38,7 @@ from lcache.io import (
     fsync_dir,
     logical_block_size,
     pread_full,
+    read_and_close,
     settle,
     sync_fd,
 )
@@ -147,8 +148,7 @@ class Summary:
 
 def read_summary(root: str, seg: int) -> Summary:
     path = sum_path(root, seg)
-    with os.fdopen(open_in_store(path, os.O_RDONLY), "rb") as f:
-        summary = Summary.decode(f.read(), path)
+    summary = Summary.decode(read_and_close(open_in_store(path, os.O_RDONLY)), path)
     if summary.segment != seg:
         raise CorruptionError(f"{path}: summary names segment {summary.segment}")
     return summary

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lcache.errors import CorruptionError, StoreFullError
-from lcache.io import BufferPool, SyncPolicy
+from lcache.io import BufferPool, SyncPolicy, close_file
 from lcache.store.compaction import (
     copy_forward,
     evict_records,
@@ -238,7 +238,7 @@ class Space(StoreParts):
                 try:
                     summary = scan_log(fd, seg, os.fstat(fd).st_size)
                 finally:
-                    os.close(fd)
+                    close_file(fd)
             self._summaries[seg] = summary
         return summary
 
@@ -296,7 +296,7 @@ class Space(StoreParts):
         self._sealed_bytes.pop(seg, None)
         fd = self._fds.pop(seg, None)
         if fd is not None:
-            os.close(fd)
+            close_file(fd)
 
     def gc(self, min_dead_fraction: float = 0.5) -> int:
         """Compact sealed segments whose dead share is at least ``min_dead_fraction``.

@@ -31,6 +31,7 @@ from lcache.errors import CorruptionError, DiskFullError, IndexFullError, StoreF
 from lcache.io import (
     BufferPool,
     SyncPolicy,
+    close_file,
     default_engine,
     drop_page_cache,
     logical_block_size,
@@ -216,7 +217,7 @@ class Store(Space, Reader):
             for fd in inherited:
                 if fd >= 0:
                     with suppress(OSError):
-                        os.close(fd)
+                        close_file(fd)
             self._tlock = threading.RLock()
             self.counters = Counters()
             self._start_process()
@@ -244,7 +245,7 @@ class Store(Space, Reader):
 
     def _release(self) -> None:
         for fd in self._fds.values():
-            os.close(fd)
+            close_file(fd)
         self._fds.clear()
         for held in (self._int_index, self._hash_index, self._deletes):
             if held is not None:
@@ -558,7 +559,7 @@ class Store(Space, Reader):
             try:
                 drop_page_cache(fd)
             finally:
-                os.close(fd)
+                close_file(fd)
 
     def stats(self) -> dict[str, Any]:
         """Structure (segments, bytes on disk, keys) and this process's counters."""

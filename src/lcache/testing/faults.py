@@ -9,6 +9,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from lcache.io import close_file
 from lcache.store import record
 from lcache.store.files import STEMS, existing_generations, generation_path
 from lcache.store.index import unpack_loc
@@ -52,7 +53,7 @@ def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
         os.pwrite(fd, bytes([old[0] ^ (1 << bit)]), offset)
         os.fsync(fd)
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def truncate(path: str | os.PathLike[str], size: int) -> None:
@@ -62,7 +63,7 @@ def truncate(path: str | os.PathLike[str], size: int) -> None:
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
-        os.close(fd)
+        close_file(fd)
 
 
 def segment_ids(root: str | os.PathLike[str]) -> tuple[list[int], set[int]]:

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+from lcache.io import close_file
 from lcache.trace import blocks
 from lcache.trace.schema import DISKS
 from lcache.trace.writer import TraceWriter, dumps, process_metadata, read_cmdline
@@ -141,7 +142,7 @@ class ProcSampler:
         try:
             return os.pread(fd, 4096, 0)
         except OSError:  # reaped: its file is dead, even if the pid comes back
-            os.close(self._io_fds.pop(pid))
+            close_file(self._io_fds.pop(pid))
             return b""
 
     def sample(self) -> None:
@@ -182,6 +183,6 @@ class ProcSampler:
         self.sample()
         for fd in (*self._io_fds.values(), self._disk_fd):
             if fd >= 0:
-                os.close(fd)
+                close_file(fd)
         self._io_fds.clear()
         self._disk_fd = -1

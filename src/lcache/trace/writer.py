@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lcache.io import close_file
 from lcache.io.engine import IOV_MAX
 
 _WALL_MINUS_MONO_US: float | None = None
@@ -72,7 +73,7 @@ class TraceWriter:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            close_file(self.fd)
             self.fd = -1
 
 

@@ -13,7 +13,7 @@ import os
 from types import TracebackType
 from typing import Any
 
-from lcache.io import atomic_write, open_file, private_dir
+from lcache.io import atomic_write, close_file, open_file, private_dir, read_and_close
 
 FORMAT = 1
 
@@ -38,7 +38,7 @@ class KeptIndex:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            close_file(self._fd)
             self._fd = -1
 
     @property
@@ -54,8 +54,7 @@ class KeptIndex:
             fd = open_file(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return {}
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read()
+        raw = read_and_close(fd)
         try:
             doc = json.loads(raw)
         except ValueError:
