@@ -170,7 +170,10 @@ def _check(out: subprocess.CompletedProcess[str], what: str) -> Any:
 def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
          interval: float) -> tuple[float, float]:
     """One process-level run: (seconds of the loop, CPU seconds of the sampler or 0)."""
-    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    # one hash seed for every run: dict layouts, hence the loop's speed, differ between
+    # processes else, and the runs compared are different processes
+    env = {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
+           "PYTHONHASHSEED": "0"}
     trace = os.path.join(directory, f"{mode}-{kind}.trace")
     if os.path.exists(trace):
         os.unlink(trace)
@@ -289,6 +292,8 @@ def main() -> None:
                       "raw_s": {m: [round(x, 5) for x in blocks[m]] for m in ("base", "inlib")},
                       "events_per_read": blocks["events_per_read"],
                       "overhead": round(inlib / base - 1, 4),
+                      # best blocks, as timeit does: other jobs only ever make a block slower
+                      "overhead_min": round(min(blocks["inlib"]) / min(blocks["base"]) - 1, 4),
                       "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3)}}
     proc_modes = ("base", "sampling", "syscalls")
     times = {k: {m: [] for m in proc_modes} for k in KINDS}  # us per read
@@ -321,6 +326,8 @@ def main() -> None:
     result.update({
         "inlib_overhead": w["samples"]["inlib"]["overhead"],
         "inlib_overhead_store": w["store"]["inlib"]["overhead"],
+        "inlib_overhead_min": w["samples"]["inlib"]["overhead_min"],
+        "inlib_overhead_store_min": w["store"]["inlib"]["overhead_min"],
         "sampling_overhead": max(w[k]["process"]["overhead"]["sampling"] for k in KINDS),
         "sampling_overhead_min": max(w[k]["process"]["overhead_min"]["sampling"] for k in KINDS),
         "sampling_cpu_fraction": round(_med(sampler_cpu), 5),
