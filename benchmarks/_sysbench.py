@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +138,21 @@ def settle_directory_ops(folder: Path, quiet_us: float, wait_s: float) -> tuple[
 
 def fio_available() -> bool:
     return shutil.which("fio") is not None
+
+
+def ensure_fio(bench: str) -> None:
+    """fio on the PATH, installed with apt-get if need be (root): every benchmark that
+    compares with fio refuses, exit 2 and one line, rather than report a figure without it."""
+    if fio_available():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        done = subprocess.run(["apt-get", "install", "-y", "-q", "fio"], capture_output=True,
+                              text=True, check=False)
+        if done.returncode == 0 and fio_available():
+            return
+    print(f"{bench}: fio is needed as the reference and could not be installed; run "
+          "'apt-get install -y fio' as root, then run this again", file=sys.stderr)
+    sys.exit(2)
 
 
 def _run_fio(args: Sequence[str], timeout_s: float) -> dict[str, Any]:

@@ -375,8 +375,7 @@ def opt_rows(opt: Options) -> list[dict[str, Any]]:
 def ssd_read_bandwidth(opt: Options) -> float:
     """Bytes/s of random O_DIRECT reads of one sample size in the cache directory (fio, 16
     in flight): what serving the hits can take at least. Refuses without fio."""
-    if not sb.fio_available():
-        raise SystemExit("fio is needed for the floor's SSD term: apt-get install -y fio")
+    sb.ensure_fio("cache_bench")
     opt.cache_dir.mkdir(parents=True, exist_ok=True)
     block = max(4096, opt.sample_size // 4096 * 4096)
     _, read_mbps = sb.fio_pair(str(opt.cache_dir), 256 << 20, block, 16, 5)

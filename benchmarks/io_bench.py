@@ -33,9 +33,7 @@ import json
 import os
 import queue
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,19 +60,6 @@ ORDER = ["psync", "libaio", "libaio-huge", "engine"]  # turned by one at each re
 def refuse(message: str) -> NoReturn:
     print(f"io_bench: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def ensure_fio() -> None:
-    """fio on the PATH, installed with apt-get if need be; otherwise exit 2 with one line."""
-    if sb.fio_available():
-        return
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        done = subprocess.run(["apt-get", "install", "-y", "-q", "fio"], capture_output=True,
-                              text=True, check=False)
-        if done.returncode == 0 and sb.fio_available():
-            return
-    refuse("fio is needed as the reference and could not be installed; "
-           "run 'apt-get install -y fio' as root, then run this again")
 
 
 def fio_mbps(path: Path, pattern: str, block: int, qd: int, file_bytes: int,
@@ -226,7 +211,7 @@ def main() -> None:
             refuse("--queue-depth and --repeat must be >= 1 and --runtime > 0")
         if any(b % 4096 or b > file_bytes for b in blocks):
             refuse("each block must be a multiple of 4096 and fit in --file-size")
-        ensure_fio()
+        sb.ensure_fio("io_bench")
         os.environ["LCACHE_IO_QUEUE_DEPTH"] = str(args.queue_depth)  # read by default_engine
         if args.dir is None:
             with tempfile.TemporaryDirectory(prefix="io-bench-", dir=".") as tmp:

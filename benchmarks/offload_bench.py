@@ -217,8 +217,7 @@ def fio_floor(directory: str, nbytes: int) -> tuple[float, float]:
     faster of its default buffers and buffers in huge pages (root)."""
     import _sysbench as sb
 
-    if not sb.fio_available():
-        sys.exit("offload_bench: fio is not installed (apt-get install fio)")
+    sb.ensure_fio("offload_bench")
     path = os.path.join(directory, "fio-floor.dat")
     common = [f"--filename={path}", f"--size={nbytes}", "--ioengine=libaio", "--direct=1",
               "--bs=4M", "--iodepth=16"]

@@ -329,19 +329,13 @@ def bench_churn(path: Path, data: Dataset, device: str | None) -> dict[str, Any]
 
 
 def bench_fio(directory: Path, data: Dataset, opts: Options) -> dict[str, Any]:
-    out: dict[str, Any] = {"fio_seqwrite_MBps": None, "fio_randread_MBps": None}
-    if not sb.fio_available():
-        out["fio_note"] = "fio not installed"
-        return out
     try:
         write, read = sb.fio_pair(
             str(directory), data.nbytes, data.sample_bytes, opts.concurrency, opts.fio_runtime_s
         )
     except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
-        out["fio_note"] = f"fio failed: {exc}"
-        return out
-    out.update(fio_seqwrite_MBps=write, fio_randread_MBps=read)
-    return out
+        raise SystemExit(f"store_bench: fio failed: {exc}") from exc
+    return {"fio_seqwrite_MBps": write, "fio_randread_MBps": read}
 
 
 def bench_files(path: Path, data: Dataset, opts: Options) -> dict[str, Any]:
@@ -457,6 +451,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts = parse_args(argv)
+    sb.ensure_fio("store_bench")
     opts.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     device = sb.block_device_of(str(opts.directory))
     if os.geteuid() != 0:
