@@ -7,16 +7,22 @@ Three read loops (workloads):
   plain    4 KiB os.pread at random offsets of one file (no lcache; ~1 us per read, the worst
            case for strace)
 In-library events (LCACHE_TRACE / lcache.trace.enable) are measured inside one process that
-alternates untraced and traced blocks of the same loop in a shuffled order (enable ... loop ...
-disable, the final flush timed too): on a shared, noisy machine only that resolves a few
-percent. Sampling (lcache trace --no-lib-events) and strace (lcache trace --syscalls) wrap
-whole processes, so they are measured as process-level runs, interleaved with untraced runs
-and repeated. Overheads are median(traced) / median(untraced) - 1; sampling_cpu_fraction is
-the CPU the sampler itself used, as a fraction of the run's wall time.
+alternates untraced and traced blocks of the same loop in a shuffled order (loop and flush
+timed): on a shared, noisy machine only that resolves a few percent. That is tracing left on,
+as the recorder is meant to be: one recorder for the run, its hook installed for the traced
+blocks. The fixed cost of enable plus disable (a file created, the files named, the final
+write) is given apart (enable_disable_ms): an enable and disable around each 70 ms block read
+as 2-4% on this VM. Sampling (lcache trace --no-lib-events) and strace (lcache trace
+--syscalls) wrap whole processes, so they are measured as process-level runs, interleaved with
+untraced runs and repeated. Overheads are median(traced) / median(untraced) - 1;
+sampling_cpu_fraction is the CPU the sampler itself used, as a fraction of the run's wall time.
+Both parts also run the untraced loop a second time as a control, interleaved like the rest:
+its "overhead" (inlib_control, sampling_control) is what the harness reads where nothing
+differs, the noise floor below which a traced figure means nothing.
 
     python benchmarks/trace_overhead.py --json
     python benchmarks/trace_overhead.py --reps 7 --blocks 30 --dir /var/tmp/trace-bench
-    python benchmarks/trace_overhead.py --instructions --json    # valgrind; ~10 min
+    python benchmarks/trace_overhead.py --instructions --json    # valgrind; ~5 min
 
 Wall-clock figures on a shared 2-core VM move by 5-10% between runs of the same code; with
 ``--instructions`` the samples and store loops instead run under valgrind's callgrind, which
@@ -27,6 +33,7 @@ counts the CPU instructions of the traced and untraced loops whatever the machin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("samples", "store", "plain")
+BLOCK_MODES = ("base", "inlib", "control")
 RECORD = 4096
 # --instructions: a smaller store (the samples loop warms every record, 50x slower under
 # callgrind) and loops of 2,000 and 20,000 reads
@@ -92,9 +100,10 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
     (with ``traced``, in-library events on for the loop alone).
 
     With ``blocks``: alternate untraced and traced blocks of the loop in this one process
-    (``lcache.trace.enable`` ... loop ... ``disable``, the final flush timed too), in a
-    shuffled order, and print the block times per mode. Alternating within one process is
-    what makes a few percent measurable on a shared, noisy machine.
+    (one recorder enabled for the run, its hook installed for the traced blocks, whose loop
+    and ``flush`` are timed), in a shuffled order, and print the block times per mode.
+    Alternating within one process is what makes a few percent measurable on a shared, noisy
+    machine.
     """
     run = _loop(kind, directory, reads, seed)
     import lcache.trace
@@ -110,28 +119,48 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
         return
 
     trace = os.path.join(directory, f"alternate-{kind}.trace")
-    out: dict[str, list[float]] = {"base": [], "inlib": []}
+    out: dict[str, list[float]] = {m: [] for m in BLOCK_MODES}
     order = random.Random(seed)
+    # Tracing left on: one recorder for the whole run, its hook installed for the traced
+    # blocks only. Each block's records are flushed inside its time, so untraced blocks never
+    # pay for them; the files are named once, at the first flush, as in a long job.
+    from lcache.io import get_tracer, set_tracer
+
+    lcache.trace.enable(trace)
+    recorder = get_tracer()
+    set_tracer(None)
     for _ in range(blocks):
-        modes = ["base", "inlib"]
+        modes = list(out)
         order.shuffle(modes)
         for mode in modes:
-            if os.path.exists(trace):
-                os.unlink(trace)
-            t0 = time.perf_counter()
             if mode == "inlib":
-                lcache.trace.enable(trace)
+                set_tracer(recorder, binary=True)
+            t0 = time.perf_counter()
             run()
             if mode == "inlib":
-                lcache.trace.disable()
+                lcache.trace.flush()  # writing the records is part of what they cost
             out[mode].append(time.perf_counter() - t0)
+            if mode == "inlib":
+                set_tracer(None)
+    set_tracer(recorder, binary=True)
+    lcache.trace.disable()
     from lcache.report.load import load
 
-    # A tracer that drops events would look cheap: the last traced block must hold them all.
+    # A tracer that drops events would look cheap: every traced block's events must be there.
     events = len(load(trace))
-    if events < reads:
-        raise SystemExit(f"the traced block recorded {events} events for {reads} reads")
-    print(json.dumps({**out, "events_per_read": events / reads}))
+    if events < reads * blocks:
+        raise SystemExit(f"the traced blocks recorded {events} events for {reads * blocks} "
+                         "reads")
+    starts = []  # what a job that leaves tracing on pays once: enable and disable
+    for _ in range(20):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(trace)
+        t0 = time.perf_counter()
+        lcache.trace.enable(trace)
+        lcache.trace.disable()
+        starts.append(time.perf_counter() - t0)
+    print(json.dumps({**out, "events_per_read": events / reads / blocks,
+                      "enable_disable_s": statistics.median(starts)}))
 
 
 def _prepare(directory: str, records: int) -> None:
@@ -178,14 +207,15 @@ def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
     if os.path.exists(trace):
         os.unlink(trace)
     cmd = _child(kind, directory, reads, seed)
-    if mode != "base":
+    traced = mode not in ("base", "control")
+    if traced:
         extra = ["--syscalls"] if mode == "syscalls" else []
         cmd = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--interval", str(interval),
                "--no-lib-events", "--json", *extra, "--", *cmd]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     got = _check(out, f"{mode}/{kind}")
     sampler_cpu = 0.0
-    if mode != "base":  # lcache trace --json reports on stderr
+    if traced:  # lcache trace --json reports on stderr
         sampler_cpu = float(json.loads(out.stderr.strip().splitlines()[-1])["sampler_cpu_s"])
     return float(got["seconds"]), sampler_cpu
 
@@ -249,9 +279,9 @@ def main() -> None:
     p.add_argument("--records", type=int, default=20000, help="4 KiB records in the store")
     p.add_argument("--reads", type=int, default=50000, help="reads per process-level run")
     p.add_argument("--reps", type=int, default=5, help="process-level runs per mode")
-    p.add_argument("--blocks", type=int, default=20,
+    p.add_argument("--blocks", type=int, default=60,
                    help="in-process blocks per mode for the in-library figure")
-    p.add_argument("--block-reads", type=int, default=5000, help="reads per block")
+    p.add_argument("--block-reads", type=int, default=4000, help="reads per block")
     p.add_argument("--interval", type=float, default=0.2, help="lcache trace --interval")
     p.add_argument("--instructions", action="store_true",
                    help="count CPU instructions under callgrind instead of timing (valgrind)")
@@ -288,14 +318,17 @@ def main() -> None:
             capture_output=True, text=True, timeout=900), f"inlib/{kind}")
         base, inlib = _med(blocks["base"]), _med(blocks["inlib"])
         result["workloads"][kind] = {
-            "inlib": {"block_median_s": {"base": round(base, 5), "inlib": round(inlib, 5)},
-                      "raw_s": {m: [round(x, 5) for x in blocks[m]] for m in ("base", "inlib")},
+            "inlib": {"block_median_s": {m: round(_med(blocks[m]), 5) for m in BLOCK_MODES},
+                      "raw_s": {m: [round(x, 5) for x in blocks[m]] for m in BLOCK_MODES},
                       "events_per_read": blocks["events_per_read"],
                       "overhead": round(inlib / base - 1, 4),
                       # best blocks, as timeit does: other jobs only ever make a block slower
                       "overhead_min": round(min(blocks["inlib"]) / min(blocks["base"]) - 1, 4),
-                      "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3)}}
-    proc_modes = ("base", "sampling", "syscalls")
+                      # untraced blocks again: what the harness reads where nothing differs
+                      "control": round(_med(blocks["control"]) / base - 1, 4),
+                      "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3),
+                      "enable_disable_ms": round(blocks["enable_disable_s"] * 1e3, 3)}}
+    proc_modes = ("base", "control", "sampling", "syscalls")  # control: untraced again
     times = {k: {m: [] for m in proc_modes} for k in KINDS}  # us per read
     sampler_cpu: list[float] = []
     for rep in range(args.reps):
@@ -328,6 +361,8 @@ def main() -> None:
         "inlib_overhead_store": w["store"]["inlib"]["overhead"],
         "inlib_overhead_min": w["samples"]["inlib"]["overhead_min"],
         "inlib_overhead_store_min": w["store"]["inlib"]["overhead_min"],
+        "inlib_control": {k: w[k]["inlib"]["control"] for k in ("samples", "store")},
+        "sampling_control": {k: w[k]["process"]["overhead"]["control"] for k in KINDS},
         "sampling_overhead": max(w[k]["process"]["overhead"]["sampling"] for k in KINDS),
         "sampling_overhead_min": max(w[k]["process"]["overhead_min"]["sampling"] for k in KINDS),
         "sampling_cpu_fraction": round(_med(sampler_cpu), 5),
