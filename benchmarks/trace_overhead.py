@@ -383,7 +383,8 @@ def main() -> None:
         line = f"{kind:8s} base {proc['us_per_read_base']} us/read; " + ", ".join(
             f"{m} {o:+.1%}" for m, o in proc["overhead"].items())
         if "inlib" in r:
-            line += f", inlib {r['inlib']['overhead']:+.1%} ({r['inlib']['us_per_event']} us/event)"
+            line += (f", inlib {r['inlib']['overhead']:+.1%} ({r['inlib']['us_per_event']} "
+                     f"us/event; control {r['inlib']['control']:+.1%})")
         print(line)
     print(f"inlib_overhead {result['inlib_overhead']:+.1%}, sampling_overhead "
           f"{result['sampling_overhead']:+.1%} (sampler CPU {result['sampling_cpu_fraction']:.3%}"
