@@ -12,16 +12,19 @@ timed): on a shared, noisy machine only that resolves a few percent. That is tra
 as the recorder is meant to be: one recorder for the run, its hook installed for the traced
 blocks. The fixed cost of enable plus disable (a file created, the files named, the final
 write) is given apart (enable_disable_ms): an enable and disable around each 70 ms block read
-as 2-4% on this VM. Sampling (lcache trace --no-lib-events) and strace (lcache trace
---syscalls) wrap whole processes, so they are measured as process-level runs, interleaved with
-untraced runs and repeated. Overheads are median(traced) / median(untraced) - 1;
-sampling_cpu_fraction is the CPU the sampler itself used, as a fraction of the run's wall time.
-Both parts also run the untraced loop a second time as a control, interleaved like the rest:
-its "overhead" (inlib_control, sampling_control) is what the harness reads where nothing
-differs, the noise floor below which a traced figure means nothing.
+as 2-4% on this VM. /proc sampling is measured the same way: one process runs blocks of the
+loop (--reads reads, about a second each), and the benchmark runs the sampler that lcache trace
+runs (ProcSampler, same --interval) on it during the sampled blocks; whole processes run again
+differed by up to 19% here, untraced. strace (lcache trace --syscalls) wraps whole processes,
+so it is measured as process-level runs, interleaved with untraced runs and repeated. Overheads
+are median(traced) / median(untraced) - 1; sampling_cpu_fraction is the CPU the sampler itself
+used, as a fraction of the sampled blocks' time. The in-library and sampling blocks include a
+control mode, the untraced loop again, interleaved like the rest: its "overhead"
+(inlib_control, sampling_control) is what the harness reads where nothing differs, the noise
+floor below which a traced figure means nothing.
 
     python benchmarks/trace_overhead.py --json
-    python benchmarks/trace_overhead.py --reps 7 --blocks 30 --dir /var/tmp/trace-bench
+    python benchmarks/trace_overhead.py --reps 7 --blocks 90 --sampled-blocks 20 --dir /var/tmp/tb
     python benchmarks/trace_overhead.py --instructions --json    # valgrind; ~5 min
 
 Wall-clock figures on a shared 2-core VM move by 5-10% between runs of the same code; with
@@ -49,6 +52,7 @@ from typing import Any
 
 KINDS = ("samples", "store", "plain")
 BLOCK_MODES = ("base", "inlib", "control")
+SAMPLED_MODES = ("base", "sampling", "control")
 RECORD = 4096
 # --instructions: a smaller store (the samples loop warms every record, 50x slower under
 # callgrind) and loops of 2,000 and 20,000 reads
@@ -163,6 +167,64 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
                       "enable_disable_s": statistics.median(starts)}))
 
 
+def _paced(kind: str, directory: str, reads: int, seed: int, blocks: int) -> None:
+    """Runs in the child for the sampling figure: blocks of the loop in a shuffled order of
+    SAMPLED_MODES; before each it prints the mode and waits for the parent's go (the parent
+    starts the /proc sampler on this process for a "sampling" block), after it the seconds."""
+    run = _loop(kind, directory, reads, seed)
+    order = random.Random(seed)
+    for _ in range(blocks):
+        modes = list(SAMPLED_MODES)
+        order.shuffle(modes)
+        for mode in modes:
+            print(mode, flush=True)
+            sys.stdin.readline()
+            t0 = time.perf_counter()
+            run()
+            print(time.perf_counter() - t0, flush=True)
+
+
+def _sampled(kind: str, directory: str, reads: int, blocks: int, interval: float,
+             env: dict[str, str]) -> dict[str, Any]:
+    """The /proc sampler (the one ``lcache trace`` runs) on one process whose blocks of the
+    loop alternate with untraced ones: as steady as the in-library blocks, where whole
+    processes run again differ by up to 19% on this VM."""
+    from lcache.trace.sampler import ProcSampler
+    from lcache.trace.writer import TraceWriter
+
+    out: dict[str, list[float]] = {m: [] for m in SAMPLED_MODES}
+    cpu = []
+    writer = TraceWriter(os.path.join(directory, f"sampled-{kind}.trace"))
+    child = subprocess.Popen([*_child(kind, directory, reads, 0, blocks), "--paced"], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        for _ in range(blocks * len(SAMPLED_MODES)):
+            mode = child.stdout.readline().strip()
+            sampler = ProcSampler(child.pid, writer, interval) if mode == "sampling" else None
+            if sampler is not None:
+                sampler.start()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            seconds = float(child.stdout.readline())
+            if sampler is not None:
+                sampler.stop()
+                cpu.append(sampler.cpu_s / seconds)
+            out[mode].append(seconds / reads * 1e6)
+    finally:
+        child.kill()
+        child.wait()
+        writer.close()
+    med = {m: _med(v) for m, v in out.items()}
+    return {"reads_per_block": reads,
+            "median_us_per_read": {m: round(v, 3) for m, v in med.items()},
+            "raw_us_per_read": {m: [round(x, 3) for x in v] for m, v in out.items()},
+            "overhead": round(med["sampling"] / med["base"] - 1, 4),
+            "overhead_min": round(min(out["sampling"]) / min(out["base"]) - 1, 4),
+            "control": round(med["control"] / med["base"] - 1, 4),
+            "sampler_cpu_fraction": round(_med(cpu), 5)}
+
+
 def _prepare(directory: str, records: int) -> None:
     from lcache.store import Store
 
@@ -196,28 +258,25 @@ def _check(out: subprocess.CompletedProcess[str], what: str) -> Any:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _run(mode: str, kind: str, directory: str, reads: int, seed: int,
-         interval: float) -> tuple[float, float]:
-    """One process-level run: (seconds of the loop, CPU seconds of the sampler or 0)."""
-    # one hash seed for every run: dict layouts, hence the loop's speed, differ between
-    # processes else, and the runs compared are different processes
-    env = {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
-           "PYTHONHASHSEED": "0"}
+def _run(mode: str, kind: str, directory: str, reads: int, seed: int) -> float:
+    """One process-level run, untraced ("base") or under ``lcache trace --syscalls``: the
+    seconds of the loop."""
     trace = os.path.join(directory, f"{mode}-{kind}.trace")
     if os.path.exists(trace):
         os.unlink(trace)
     cmd = _child(kind, directory, reads, seed)
-    traced = mode not in ("base", "control")
-    if traced:
-        extra = ["--syscalls"] if mode == "syscalls" else []
-        cmd = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--interval", str(interval),
-               "--no-lib-events", "--json", *extra, "--", *cmd]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    got = _check(out, f"{mode}/{kind}")
-    sampler_cpu = 0.0
-    if traced:  # lcache trace --json reports on stderr
-        sampler_cpu = float(json.loads(out.stderr.strip().splitlines()[-1])["sampler_cpu_s"])
-    return float(got["seconds"]), sampler_cpu
+    if mode == "syscalls":
+        cmd = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--no-lib-events",
+               "--syscalls", "--", *cmd]
+    out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=900)
+    return float(_check(out, f"{mode}/{kind}")["seconds"])
+
+
+def _child_env() -> dict[str, str]:
+    # one hash seed for every process: dict layouts, hence the loop's speed, differ between
+    # processes else, and the runs compared are different processes
+    return {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
+            "PYTHONHASHSEED": "0"}
 
 
 def _callgrind(cmd: list[str], env: dict[str, str]) -> int:
@@ -283,13 +342,19 @@ def main() -> None:
                    help="in-process blocks per mode for the in-library figure")
     p.add_argument("--block-reads", type=int, default=4000, help="reads per block")
     p.add_argument("--interval", type=float, default=0.2, help="lcache trace --interval")
+    p.add_argument("--sampled-blocks", type=int, default=10,
+                   help="blocks per mode for the sampling figure (each of --reads reads)")
     p.add_argument("--instructions", action="store_true",
                    help="count CPU instructions under callgrind instead of timing (valgrind)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--workload", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--paced", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.workload and args.paced:
+        _paced(args.workload, args.dir, args.reads, args.seed, args.blocks)
+        return
     if args.workload:
         _workload(args.workload, args.dir, args.reads, args.seed, args.blocks, args.traced)
         return
@@ -310,7 +375,7 @@ def main() -> None:
     if os.path.exists(args.dir):
         shutil.rmtree(args.dir)
     _prepare(args.dir, args.records)
-    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    env = _child_env()
     result: dict[str, Any] = {"workloads": {}}
     for kind in ("samples", "store"):  # in-library events: alternating blocks, one process
         blocks = _check(subprocess.run(
@@ -328,19 +393,19 @@ def main() -> None:
                       "control": round(_med(blocks["control"]) / base - 1, 4),
                       "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3),
                       "enable_disable_ms": round(blocks["enable_disable_s"] * 1e3, 3)}}
-    proc_modes = ("base", "control", "sampling", "syscalls")  # control: untraced again
-    times = {k: {m: [] for m in proc_modes} for k in KINDS}  # us per read
-    sampler_cpu: list[float] = []
+    for kind in KINDS:
+        result["workloads"].setdefault(kind, {})["sampling"] = _sampled(
+            kind, args.dir, _process_reads(kind, "sampling", args.reads), args.sampled_blocks,
+            args.interval, env)
+    proc_modes = ("base", "syscalls")
+    times: dict[str, dict[str, list[float]]] = {k: {m: [] for m in proc_modes} for k in KINDS}
     for rep in range(args.reps):
         for kind in KINDS:
             modes = list(proc_modes)
             random.Random(rep).shuffle(modes)  # interleaved, in a different order each time
             for mode in modes:
                 reads = _process_reads(kind, mode, args.reads)
-                wall, cpu = _run(mode, kind, args.dir, reads, rep, args.interval)
-                times[kind][mode].append(wall / reads * 1e6)
-                if mode == "sampling":
-                    sampler_cpu.append(cpu / wall)
+                times[kind][mode].append(_run(mode, kind, args.dir, reads, rep) / reads * 1e6)
     for kind, by_mode in times.items():
         med = {m: _med(v) for m, v in by_mode.items()}
         result["workloads"].setdefault(kind, {})["process"] = {
@@ -362,15 +427,16 @@ def main() -> None:
         "inlib_overhead_min": w["samples"]["inlib"]["overhead_min"],
         "inlib_overhead_store_min": w["store"]["inlib"]["overhead_min"],
         "inlib_control": {k: w[k]["inlib"]["control"] for k in ("samples", "store")},
-        "sampling_control": {k: w[k]["process"]["overhead"]["control"] for k in KINDS},
-        "sampling_overhead": max(w[k]["process"]["overhead"]["sampling"] for k in KINDS),
-        "sampling_overhead_min": max(w[k]["process"]["overhead_min"]["sampling"] for k in KINDS),
-        "sampling_cpu_fraction": round(_med(sampler_cpu), 5),
+        "sampling_control": {k: w[k]["sampling"]["control"] for k in KINDS},
+        "sampling_overhead": max(w[k]["sampling"]["overhead"] for k in KINDS),
+        "sampling_overhead_min": max(w[k]["sampling"]["overhead_min"] for k in KINDS),
+        "sampling_cpu_fraction": max(w[k]["sampling"]["sampler_cpu_fraction"] for k in KINDS),
         "syscall_overhead": max(w[k]["process"]["overhead"]["syscalls"] for k in KINDS),
         "syscall_overhead_by_workload": {k: w[k]["process"]["overhead"]["syscalls"]
                                          for k in KINDS},
         "config": {"records": args.records, "reads": args.reads, "reps": args.reps,
                    "blocks": args.blocks, "block_reads": args.block_reads,
+                   "sampled_blocks": args.sampled_blocks,
                    "record_bytes": RECORD, "interval_s": args.interval, "cpus": os.cpu_count(),
                    "note": "medians; modes interleaved; machine shared with other jobs"},
     })
@@ -382,6 +448,8 @@ def main() -> None:
         proc = r["process"]
         line = f"{kind:8s} base {proc['us_per_read_base']} us/read; " + ", ".join(
             f"{m} {o:+.1%}" for m, o in proc["overhead"].items())
+        line += (f", sampling {r['sampling']['overhead']:+.1%} (control "
+                 f"{r['sampling']['control']:+.1%})")
         if "inlib" in r:
             line += (f", inlib {r['inlib']['overhead']:+.1%} ({r['inlib']['us_per_event']} "
                      f"us/event; control {r['inlib']['control']:+.1%})")
