@@ -169,6 +169,10 @@ NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 HUGE_PAGE = 2 << 20
 
 
+class HugePagesUnavailable(RuntimeError):
+    """The hugetlb pages fio's buffers need could not be reserved."""
+
+
 @contextlib.contextmanager
 def hugetlb_pages(nbytes: int) -> Iterator[None]:
     """Reserve hugetlb pages for ``nbytes`` of buffers for as long as the block runs (root)."""
@@ -178,12 +182,12 @@ def hugetlb_pages(nbytes: int) -> Iterator[None]:
         NR_HUGEPAGES.write_text(str(before + want))
         got = int(NR_HUGEPAGES.read_text()) - before
     except OSError as exc:
-        raise RuntimeError(f"cannot reserve hugetlb pages for fio's buffers ({exc}); "
-                           "run as root") from exc
+        raise HugePagesUnavailable(f"cannot reserve hugetlb pages for fio's buffers ({exc}); "
+                                   "run as root") from exc
     try:
         if got < want:
-            raise RuntimeError(f"the kernel gave {got} of {want} hugetlb pages for fio's "
-                               "buffers (memory too fragmented?)")
+            raise HugePagesUnavailable(f"the kernel gave {got} of {want} hugetlb pages for "
+                                       "fio's buffers (memory too fragmented?)")
         yield
     finally:  # give back what this block took, not the count it saw: another bench may
         # have reserved pages meanwhile (restoring `before` left 66 pages reserved once)

@@ -284,8 +284,11 @@ def main() -> None:
     how = sb.drop_page_cache()
     if how != "drop_caches":
         log.print("[yellow]not root: loads may be served from the page cache[/]")
-    results = [run_size(parse_size(s), base, args.repeats, args.tensors)
-               for s in args.sizes.split(",")]
+    try:
+        results = [run_size(parse_size(s), base, args.repeats, args.tensors)
+                   for s in args.sizes.split(",")]
+    except RuntimeError as exc:  # fio failed, or no hugetlb pages for its buffers (not root)
+        sys.exit(f"ckpt_bench: {exc}")
     doc = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                        "page_cache_drop": how, "dir": str(base), "repeats": args.repeats},
            "rows": [r for res in results for r in res["rows"]],

@@ -221,9 +221,10 @@ def main() -> None:
             directory = Path(private_dir(str(args.dir), "benchmark directory"))
             result = run(directory, file_bytes, blocks, args.queue_depth, args.runtime,
                          args.repeat, args.seed, args.fio_buffers == "huge")
+    except sb.HugePagesUnavailable as exc:
+        refuse(f"{exc} (--fio-buffers malloc skips fio's huge-page pass)")
     except (LCacheError, OSError, RuntimeError) as exc:
-        refuse(str(exc) + (" (--fio-buffers malloc skips fio's huge-page pass)"
-                           if "hugetlb" in str(exc) else ""))
+        refuse(str(exc))
     if args.json:
         print(json.dumps(result, indent=2))
         return
