@@ -201,6 +201,9 @@ def _sampled(kind: str, directory: str, reads: int, blocks: int, interval: float
     try:
         for _ in range(blocks * len(SAMPLED_MODES)):
             mode = child.stdout.readline().strip()
+            if mode not in out:
+                raise SystemExit(f"sampled/{kind}: the loop's process ended early "
+                                 f"(exit {child.wait()})")
             sampler = ProcSampler(child.pid, writer, interval) if mode == "sampling" else None
             if sampler is not None:
                 sampler.start()
@@ -261,11 +264,11 @@ def _check(out: subprocess.CompletedProcess[str], what: str) -> Any:
 def _run(mode: str, kind: str, directory: str, reads: int, seed: int) -> float:
     """One process-level run, untraced ("base") or under ``lcache trace --syscalls``: the
     seconds of the loop."""
-    trace = os.path.join(directory, f"{mode}-{kind}.trace")
-    if os.path.exists(trace):
-        os.unlink(trace)
     cmd = _child(kind, directory, reads, seed)
     if mode == "syscalls":
+        trace = os.path.join(directory, f"syscalls-{kind}.trace")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(trace)
         cmd = [sys.executable, "-m", "lcache", "trace", "-o", trace, "--no-lib-events",
                "--syscalls", "--", *cmd]
     out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=900)
@@ -273,8 +276,8 @@ def _run(mode: str, kind: str, directory: str, reads: int, seed: int) -> float:
 
 
 def _child_env() -> dict[str, str]:
-    # one hash seed for every process: dict layouts, hence the loop's speed, differ between
-    # processes else, and the runs compared are different processes
+    # one hash seed for every process: dict layouts, hence the loop's speed and instruction
+    # counts, differ between processes else, and the runs compared are different processes
     return {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
             "PYTHONHASHSEED": "0"}
 
@@ -298,11 +301,9 @@ def _instructions(directory: str, reads: int) -> dict[str, Any]:
     """Instructions per read of the samples and store loops, untraced and with in-library
     events, counted on the main thread. Each runs under callgrind at ``reads`` and 10 x
     ``reads``; the difference over 9 x ``reads`` cancels start-up, set-up and enable."""
-    # one hash seed: dict layouts, hence instruction counts, differ between processes else;
     # no background flush: its count would follow callgrind's slow clock, not the events (the
     # final flush at disable() writes them all and is counted)
-    env = {**{k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"},
-           "PYTHONHASHSEED": "0", "LCACHE_TRACE_FLUSH_S": "36000"}
+    env = {**_child_env(), "LCACHE_TRACE_FLUSH_S": "36000"}
     result: dict[str, Any] = {}
     for kind in ("samples", "store"):
         # a first run outside callgrind fills the sample cache, which later runs only read
@@ -336,7 +337,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="/var/tmp/lcache-trace-bench")
     p.add_argument("--records", type=int, default=20000, help="4 KiB records in the store")
-    p.add_argument("--reads", type=int, default=50000, help="reads per process-level run")
+    p.add_argument("--reads", type=int, default=50000,
+                   help="reads per process-level run and per sampled block")
     p.add_argument("--reps", type=int, default=5, help="process-level runs per mode")
     p.add_argument("--blocks", type=int, default=60,
                    help="in-process blocks per mode for the in-library figure")
