@@ -75,7 +75,7 @@ def test_reads_of_mapped_segments_reach_any_tracer(tmp_path: Path,
     reads = [e for e in events if e.op == "read"]
     assert len(reads) == len(range(0, 200, 3))
     for k, e in zip(range(0, 200, 3), reads, strict=True):
-        assert (e.io_class, e.size, e.result) == ("cache-read", e.size, e.size)
+        assert e.io_class == "cache-read" and e.result == e.size > len(values[k])
         assert os.readlink(f"/proc/self/fd/{e.fd}").startswith(str(root / "segments"))
         got = record_format.verify(memoryview(os.pread(e.fd, e.size, e.offset)),
                                    *record_format.key_parts(k))
