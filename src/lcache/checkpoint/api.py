@@ -14,6 +14,7 @@ rank 0 then publishes and tells the others. ``done()`` is True once the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -174,6 +175,12 @@ class CheckpointHandle:
         body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
                 "meta": self._meta, "shards": shards}
         stage = dirs.staging_dir(self.root, self.name)
+        keep = self._options.get("keep_last")
+        if keep is not None:  # a saver killed between publishing and its retention left one
+            # too many: prune before adding one, so at most keep_last + 1 ever exist (errors
+            # are reported by the retention after publishing)
+            with contextlib.suppress(OSError):
+                dirs.apply_retention(self.root, keep)
         self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                  {s["file"] for s in shards})
         self._stage = None
