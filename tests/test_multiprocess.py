@@ -255,3 +255,59 @@ def test_forked_child_does_not_keep_a_dead_parents_segment_alive(tmp_path: Path)
     finally:
         os.kill(child_pid, signal.SIGKILL)
     assert fsck(root).clean
+
+
+def test_threads_of_a_forked_child_reopen_the_store_once(tmp_path: Path) -> None:
+    """A forked child whose first use of an inherited store comes from several threads at
+    once (a DataLoader worker whose transform uses threads) reopens it once. Each thread
+    that saw the child's pid closed the inherited descriptors again, and one could close the
+    descriptor another had just opened under that number, or use the parent's closed ones
+    before the new ones were set. Opening is made slow here so that the threads overlap."""
+    import threading
+    import time
+
+    from lcache.store import store as store_module
+
+    root = tmp_path / "store"
+    parent = Store.open(root, **CONFIG)
+    values = {k: make_value(k, version_of(0, k)) for k in range(64)}
+    parent.put_many(list(values), list(values.values()))
+    parent.flush()
+    pid = os.fork()
+    if pid == 0:
+        failed = True
+        try:
+            meta_page = store_module.MetaPage
+
+            def slowly(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(0.05)
+                return meta_page(*args, **kwargs)
+
+            store_module.MetaPage = slowly  # type: ignore[misc,assignment]
+            errors: list[str] = []
+
+            def first_use(worker: int) -> None:
+                try:
+                    keys = list(range(worker, 64, 8))
+                    if parent.get_many(keys) != [values[k] for k in keys]:
+                        errors.append(f"thread {worker}: wrong values")
+                    parent.put(1000 + worker, b"from thread %d" % worker)
+                except BaseException:
+                    errors.append(traceback.format_exc())
+
+            threads = [threading.Thread(target=first_use, args=(w,)) for w in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            parent.close()
+            sys.stderr.write("".join(errors))
+            failed = bool(errors)
+        finally:
+            os._exit(1 if failed else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [parent.get(1000 + w) for w in range(8)] == [b"from thread %d" % w for w in range(8)]
+    assert parent.get_many(list(values)) == list(values.values())
+    parent.close()
+    assert fsck(root).clean

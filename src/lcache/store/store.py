@@ -73,6 +73,18 @@ from lcache.store.space import Listing, Space
 
 log = logging.getLogger("lcache")
 Key = int | bytes
+# Held while a forked child reopens an inherited store: its threads may all use the store
+# first at once (re-created in the child, as a parent's thread may have held it at fork).
+_REOPENING = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _REOPENING
+    _REOPENING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 BATCH_WRITE = 16 << 20  # bytes staged per append batch (two staging buffers of this size)
 
 
@@ -180,8 +192,8 @@ class Store(Space, Reader):
                    direct_writes=direct_writes, queue_depth=queue_depth)
 
     def _start_process(self) -> None:
-        """Per-process state: opened at start and again in a forked child."""
-        self._pid = os.getpid()
+        """Per-process state: opened at start and again in a forked child (the pid is set
+        last: another thread that sees it finds this process's state)."""
         self._meta = MetaPage(os.path.join(self.root, "lock"))
         self._lock_depth = 0
         self._token = int.from_bytes(os.urandom(8), "little") | 1  # this handle, this process
@@ -198,29 +210,35 @@ class Store(Space, Reader):
         self._summaries: dict[int, Summary] = {}
         self._persisted = Counters()
         self._buffers = BufferPool(2)  # the writers' staging buffers, kept across segments
+        self._pid = os.getpid()
 
     def _check_process(self) -> None:
         if self._closed:
             raise ValueError(f"the store at {self.root} is closed")
         if self._pid != os.getpid():
-            # Forked child (e.g. a DataLoader worker): the parent's descriptors and its
-            # active segment are the parent's; open our own.
-            # Why close them: inherited descriptors share the parent's flocks (on its active
-            # segment, the meta lock, the hash index); kept open here they would keep a dead
-            # parent's segment looking alive, or a lock it held taken.
-            inherited = [self._meta.fd, *self._fds.values()]
-            if self._writer is not None:
-                inherited += [self._writer.fd, self._writer._direct_fd]
-            for held in (self._int_index, self._hash_index, self._deletes):
-                if held is not None:
-                    inherited.append(held.fd)
-            for fd in inherited:
-                if fd >= 0:
-                    with suppress(OSError):
-                        close_file(fd)
-            self._tlock = threading.RLock()
-            self.counters = Counters()
-            self._start_process()
+            with _REOPENING:
+                if self._pid != os.getpid():
+                    self._reopen_in_child()
+
+    def _reopen_in_child(self) -> None:
+        """Forked child (e.g. a DataLoader worker): the parent's descriptors and its active
+        segment are the parent's; open our own, once, whichever thread comes first."""
+        # Why close them: inherited descriptors share the parent's flocks (on its active
+        # segment, the meta lock, the hash index); kept open here they would keep a dead
+        # parent's segment looking alive, or a lock it held taken.
+        inherited = [self._meta.fd, *self._fds.values()]
+        if self._writer is not None:
+            inherited += [self._writer.fd, self._writer._direct_fd]
+        for held in (self._int_index, self._hash_index, self._deletes):
+            if held is not None:
+                inherited.append(held.fd)
+        for fd in inherited:
+            if fd >= 0:
+                with suppress(OSError):
+                    close_file(fd)
+        self._tlock = threading.RLock()
+        self.counters = Counters()
+        self._start_process()
 
     def __enter__(self) -> Store:
         return self
