@@ -64,3 +64,48 @@ def _aiohttp_timeout(seconds: float) -> object:
     import aiohttp
 
     return aiohttp.ClientTimeout(total=seconds)
+
+
+def test_threads_of_a_forked_child_never_use_the_parents_filesystem(tmp_path: Path) -> None:
+    """Threads that fetch for the first time in a forked child (a prefetcher's pool, a
+    transform's threads) all get the child's filesystem: a thread that saw the child's pid
+    before the filesystem was replaced used the parent's, which fsspec refuses ("This class
+    is not fork-safe"). The filesystem is made slowly here so that the threads overlap."""
+    import threading
+    import time
+
+    import fsspec.core
+
+    from lcache.data.remote import Remote
+
+    remote = Remote("http://127.0.0.1:9/d/", None)
+    remote.fs()  # the parent's
+    pid = os.fork()
+    if pid == 0:
+        failed = True
+        try:
+            made = fsspec.core.url_to_fs
+
+            def slowly(*args: object, **kwargs: object) -> object:
+                time.sleep(0.05)
+                return made(*args, **kwargs)
+
+            fsspec.core.url_to_fs = slowly  # type: ignore[assignment]
+            errors: list[BaseException] = []
+
+            def first_use() -> None:
+                try:
+                    _ = remote.fs()[0].loop  # raises for a filesystem of another process
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=first_use) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            failed = bool(errors)
+        finally:
+            os._exit(1 if failed else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -181,19 +181,21 @@ class Remote:
         if self._fs is None or self._pid != os.getpid():
             if self._fs is not None:
                 _INHERITED.append(self._fs)  # see _INHERITED
-            self._pid = os.getpid()
             self._pool = None
             import fsspec.core
 
             try:
-                self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+                fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
             except (ImportError, ValueError) as exc:
                 raise ConfigError(f"cannot open {self.url}: {exc}") from exc
             # s3fs splits a whole-object read into parallel parts after a HEAD for its size:
             # one more request per sample (it halved the objects fetched per second).
-            cat = getattr(self._fs, "_cat_file", None)
+            cat = getattr(fs, "_cat_file", None)
             wants = cat is not None and "max_concurrency" in inspect.signature(cat).parameters
             self._whole_kw = {"max_concurrency": 1} if wants else {}
+            # The pid last: another thread of a forked child that sees it must find our
+            # filesystem, not the parent's (fsspec refuses that one).
+            self._fs, self._root, self._pid = fs, root, os.getpid()
         return self._fs, self._root
 
     @property
