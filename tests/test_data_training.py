@@ -591,6 +591,39 @@ def test_forked_workers_get_their_own_counter_slots(tmp_path: Path) -> None:
     assert sorted(r for r in rows if r) == [1, 1000, 1_000_000]
 
 
+def test_a_child_forked_while_a_thread_sets_up_counters_does_not_hang(tmp_path: Path) -> None:
+    """A process forked while another thread of its parent held the per-process set-up lock
+    (a prefetch thread taking its counter slot as a DataLoader forks its workers) must not
+    wait for that thread, which does not exist in the child."""
+    from lcache.data import shared
+
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with shared._SETUP:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        proc = multiprocessing.get_context("fork").Process(
+            target=lambda: SharedCounters(str(tmp_path / "counters.bin")).add(accesses=1))
+        proc.start()
+        proc.join(20)
+        hung = proc.is_alive()
+        if hung:
+            proc.kill()
+            proc.join()
+    finally:
+        release.set()
+        holder.join()
+    assert not hung, "the child waited for a lock its parent's thread held at fork"
+    assert proc.exitcode == 0
+    assert SharedCounters(str(tmp_path / "counters.bin")).totals()["accesses"] == 1
+
+
 def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:
     """Threads that claim on a process's first use (the prefetcher's pool) see one claim."""
     problems = []

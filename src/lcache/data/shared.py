@@ -40,6 +40,14 @@ OWNER = WIDTH - 1
 _TABLES: dict[tuple[str, int], Any] = {}
 
 
+def _after_fork_in_child() -> None:
+    global _SETUP
+    _SETUP = threading.Lock()  # a thread of the parent may have held it at fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class FetchClaims:
     def __init__(self, path: str) -> None:
         self.path = path
