@@ -591,16 +591,39 @@ def test_forked_workers_get_their_own_counter_slots(tmp_path: Path) -> None:
     assert sorted(r for r in rows if r) == [1, 1000, 1_000_000]
 
 
-def test_a_child_forked_while_a_thread_sets_up_counters_does_not_hang(tmp_path: Path) -> None:
-    """A process forked while another thread of its parent held the per-process set-up lock
-    (a prefetch thread taking its counter slot as a DataLoader forks its workers) must not
-    wait for that thread, which does not exist in the child."""
-    from lcache.data import shared
+def _count_in_child(tmp_path: Path, _: CachedDataset) -> None:
+    SharedCounters(str(tmp_path / "counters.bin")).add(accesses=1)
 
+
+def _read_in_child(tmp_path: Path, ds: CachedDataset) -> None:
+    assert ds[3] == sample_bytes(3, SIZE, 0)
+
+
+def _open_in_child(tmp_path: Path, ds: CachedDataset) -> None:
+    other = CachedDataset(ds.cache.source, tmp_path / "other", CAPACITY)
+    assert other[3] == sample_bytes(3, SIZE, 0)
+    other.cache.close()
+
+
+@pytest.mark.parametrize(("module", "lock", "use"), [
+    ("lcache.data.shared", "_SETUP", _count_in_child),  # a counter slot, the claims' fd
+    ("lcache.data.cache", "_OPENING", _open_in_child),  # a new cache's stores
+    ("lcache.store.store", "_REOPENING", _read_in_child),  # an inherited store
+], ids=["counters", "cache", "store"])
+def test_a_child_forked_while_a_thread_holds_a_setup_lock_does_not_hang(
+        tmp_path: Path, small_data: Path, module: str, lock: str, use: Any) -> None:
+    """A process forked while another thread of its parent held one of the locks that set
+    up per-process state (a prefetch thread opening the cache as a DataLoader forks its
+    workers) must not wait for that thread: it does not exist in the child."""
+    import importlib
+
+    held = getattr(importlib.import_module(module), lock)
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    ds[0]  # opened in the parent: the child reopens what it inherits
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with shared._SETUP:
+        with held:
             holding.set()
             release.wait(30)
 
@@ -608,8 +631,7 @@ def test_a_child_forked_while_a_thread_sets_up_counters_does_not_hang(tmp_path: 
     holder.start()
     try:
         assert holding.wait(30)
-        proc = multiprocessing.get_context("fork").Process(
-            target=lambda: SharedCounters(str(tmp_path / "counters.bin")).add(accesses=1))
+        proc = multiprocessing.get_context("fork").Process(target=use, args=(tmp_path, ds))
         proc.start()
         proc.join(20)
         hung = proc.is_alive()
@@ -619,9 +641,8 @@ def test_a_child_forked_while_a_thread_sets_up_counters_does_not_hang(tmp_path: 
     finally:
         release.set()
         holder.join()
-    assert not hung, "the child waited for a lock its parent's thread held at fork"
+    assert not hung, f"the child waited for {lock}, which its parent's thread held at fork"
     assert proc.exitcode == 0
-    assert SharedCounters(str(tmp_path / "counters.bin")).totals()["accesses"] == 1
 
 
 def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:

@@ -19,7 +19,6 @@ import math
 import os
 import shutil
 import stat
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -38,6 +37,7 @@ from lcache.data.sources import (
     fetch_many,
 )
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
+from lcache.forksafe import fork_safe_lock
 from lcache.io import atomic_write, close_file, open_file, private_dir
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
@@ -57,7 +57,7 @@ NOWHERE, SSD, RAM, FETCHED = range(4)
 _COUNTER_OF = {SSD: "from_ssd", RAM: "from_ram"}  # a fetched access counts as a fetch
 # Sources whose ``decode`` copies what it is given: they may be handed the store's memory.
 _DECODE_COPIES = (FileSource, RangeSource)
-_OPENING = threading.Lock()  # prefetch threads race to open the stores of a new process
+_OPENING = fork_safe_lock()  # prefetch threads race to open the stores of a new process
 _OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from lcache.forksafe import fork_safe_lock
 from lcache.io import close_file, open_file
 
 # Appended only: a counter's index is its place in every slot of existing files.
@@ -31,21 +32,13 @@ COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched"
                  "corrupt_refetches", "admit_failures", "deleted", "served_bytes", "from_ram",
                  "skipped")
 log = logging.getLogger("lcache")
-_SETUP = threading.Lock()  # per-process set-up runs once even when threads race to it
+_SETUP = fork_safe_lock()  # per-process set-up runs once even when threads race to it
 SLOTS = 1024
 SLOT_BYTES = 128  # 16 u64: the counters, then the owner's pid in the last one
 WIDTH = SLOT_BYTES // 8
 OWNER = WIDTH - 1
 # (path, inode) -> mapped counter table, per process (inherited by fork)
 _TABLES: dict[tuple[str, int], Any] = {}
-
-
-def _after_fork_in_child() -> None:
-    global _SETUP
-    _SETUP = threading.Lock()  # a thread of the parent may have held it at fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class FetchClaims:

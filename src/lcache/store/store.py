@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lcache.errors import CorruptionError, DiskFullError, IndexFullError, StoreFullError
+from lcache.forksafe import fork_safe_lock
 from lcache.io import (
     BufferPool,
     SyncPolicy,
@@ -74,16 +75,8 @@ from lcache.store.space import Listing, Space
 log = logging.getLogger("lcache")
 Key = int | bytes
 # Held while a forked child reopens an inherited store: its threads may all use the store
-# first at once (re-created in the child, as a parent's thread may have held it at fork).
-_REOPENING = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _REOPENING
-    _REOPENING = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# first at once.
+_REOPENING = fork_safe_lock()
 
 BATCH_WRITE = 16 << 20  # bytes staged per append batch (two staging buffers of this size)
 
