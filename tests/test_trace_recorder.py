@@ -132,6 +132,46 @@ def test_forked_child_appends_its_own_events(tmp_path: Path) -> None:
     assert by_file == {"parent-before": os.getpid(), "child": pid}  # no duplicate in child
 
 
+def test_a_child_forked_while_a_thread_registers_its_buffer_does_not_hang(
+        tmp_path: Path) -> None:
+    """A traced process forked while another of its threads held the lock of the threads'
+    record lists (its first traced I/O, as a DataLoader forks its workers): the child's
+    at-fork hook clears those lists under that lock, and must not wait for a thread the
+    child does not have."""
+    import multiprocessing
+    import threading
+
+    from lcache.io import tracer
+
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tracer._buffers_lock:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        proc = multiprocessing.get_context("fork").Process(
+            target=lambda: lcache.trace.record("write", "child", 0, 1, "other", 0, 1, 1))
+        proc.start()
+        proc.join(20)
+        hung = proc.is_alive()
+        if hung:
+            proc.kill()
+            proc.join()
+    finally:
+        release.set()
+        holder.join()
+        lcache.trace.disable()
+    assert not hung, "the child waited for a lock its parent's thread held at fork"
+    assert proc.exitcode == 0
+
+
 def test_forked_child_names_what_it_inherited(tmp_path: Path) -> None:
     # A file opened, and an op and class first used, before the fork: the child's events
     # name them under the child's own pid (names are per process in the trace).

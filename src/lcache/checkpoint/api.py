@@ -32,6 +32,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
+from lcache.forksafe import fork_safe_lock
 from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
 
 log = logging.getLogger("lcache.checkpoint")
@@ -362,7 +363,7 @@ class Checkpointer:
 
 
 _default: tuple[int, Checkpointer] | None = None
-_default_lock = threading.Lock()
+_default_lock = fork_safe_lock()
 
 
 def default_checkpointer() -> Checkpointer:

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lcache.forksafe import fork_safe_lock
+
 
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) without one."""
@@ -35,7 +37,7 @@ def rank_and_world() -> tuple[int, int]:
 
 
 _group: tuple[Any, Any] | None = None  # (the default group it was made in, the vote group)
-_group_lock = threading.Lock()
+_group_lock = fork_safe_lock()
 
 
 def vote_group() -> Any:

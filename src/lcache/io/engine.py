@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lcache.errors import ConfigError, DiskFullError, LCacheError
+from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _tracing
 from lcache.io.buffers import PAGE, align_down, align_up, aligned_empty
 from lcache.io.files import O_DIRECT, open_file
@@ -522,7 +523,7 @@ class IOEngine:
 
 
 _default: IOEngine | None = None
-_default_lock = threading.Lock()
+_default_lock = fork_safe_lock()
 DEFAULT_QUEUE_DEPTH = 16
 _DEPTH_ENV = "LCACHE_IO_QUEUE_DEPTH"
 
@@ -557,8 +558,6 @@ def _queue_depth_from_env() -> int:
 
 
 def _after_fork_in_child() -> None:
-    global _default_lock
-    _default_lock = threading.Lock()
     for engine in list(_engines):
         engine._after_fork()
 

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import NamedTuple, Protocol
 
+from lcache.forksafe import fork_safe_lock
+
 
 class IOEvent(NamedTuple):
     """One completed I/O operation, as handed to a tracer installed with :func:`set_tracer`.
@@ -77,7 +79,7 @@ _binary: Tracer | None = None  # the recorder whose events go to the per-thread 
 _local = threading.local()
 #: (native thread id, records, thread) of every thread that recorded since the last reset
 buffers: list[tuple[int, list[bytes], threading.Thread]] = []
-_buffers_lock = threading.Lock()
+_buffers_lock = fork_safe_lock()
 
 _ops: dict[str, int] = {"other": 1}  # op name -> id (1..65535)
 _classes: dict[str, int] = {"other": 1}  # class name -> id (1..65535)

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _io_tracer
 from lcache.io.tracer import IOEvent
 from lcache.trace import blocks as blocks_mod
@@ -37,7 +38,7 @@ ENV_FLUSH = "LCACHE_TRACE_FLUSH_S"  # seconds between background flushes (tests 
 
 #: The recorder of this process, or ``None``; other modules test it with a single ``is None``.
 _active: Recorder | None = None
-_lock = threading.Lock()
+_lock = fork_safe_lock()
 
 
 class Recorder:
@@ -304,8 +305,7 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _flusher
-    _lock = threading.Lock()  # the parent may have held it while forking
+    global _flusher
     _flusher = None  # threads do not survive fork()
     rec = _active
     if rec is not None:
