@@ -115,3 +115,40 @@ def test_a_long_command_line_stays_under_the_line_limit(tmp_path: Path) -> None:
     trace = tmp_path / "t.trace"
     trace.write_text(line + "\n" + _good(tmp_path / "g.trace").read_text())
     assert summarize(trace)["total"]["ops"] == 5
+
+
+@pytest.mark.parametrize("option", ["-o", "--json", "--perfetto", "--jsonl"])
+def test_an_output_that_is_the_input_or_not_a_regular_file_is_refused(
+        tmp_path: Path, option: str) -> None:
+    """Writing replaces the file: the input trace would be destroyed, and a FIFO or a device
+    (as root, -o /dev/null) replaced by a regular file for everyone."""
+    good = _good(tmp_path / "good.trace")
+    before = good.read_bytes()
+    run = report(str(good), option, str(good), cwd=tmp_path)
+    assert_one_line_error(run, "good.trace", "is the input")
+    assert good.read_bytes() == before
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(report(str(good), option, str(fifo), cwd=tmp_path), "is a FIFO")
+    assert fifo.is_fifo()
+
+
+def test_trace_and_advise_refuse_the_same_outputs(tmp_path: Path) -> None:
+    good = _good(tmp_path / "good.trace")
+    before = good.read_bytes()
+    for option in ("--emit", "-o"):
+        run = run_lcache("advise", str(good), option, str(good), cwd=tmp_path)
+        assert_one_line_error(run, "is the input")
+    assert good.read_bytes() == before
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = run_lcache("trace", "-o", str(fifo), "--", "true", cwd=tmp_path)
+    assert run.returncode == 2 and "is a FIFO" in run.stderr and "Traceback" not in run.stderr
+    assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "1e300", "0", "-1", "x"])
+def test_trace_interval_is_a_finite_number_of_seconds(tmp_path: Path, interval: str) -> None:
+    run = run_lcache("trace", "--interval", interval, "-o", "t.trace", "--", "true",
+                     cwd=tmp_path)
+    assert_one_line_error(run, "--interval", "0.01 to 3600")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import click
 from rich.console import Console
 
+from lcache.cli.outputs import check_output
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
 
@@ -94,9 +94,9 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
                 ssds=_number(ssds, "--ssds", int, 1, 1024),
                 rated_dwpd=_number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
     gpus = None if scale_gpus is None else _number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
-    for path in (emit_path, html_path):
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ConfigError(f"cannot write {path}: its directory does not exist")
+    for path, what in ((emit_path, "workload"), (html_path, "page")):
+        if path is not None:
+            check_output(path, what, traces)
     doc = advise(list(traces), t, scale_gpus=gpus, model=model,
                  gpus_per_node=_number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
                  traced_gpus=None if traced_gpus is None else _number(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from typing import Any
 
 import click
 
+from lcache.cli.outputs import check_output
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.trace.recorder import ENV
@@ -52,6 +54,10 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         fd, log_path = tempfile.mkstemp(prefix="lcache-strace-", suffix=".log")
         close_file(fd)
         argv = strace_mod.strace_command(log_path, argv, strace)
+    try:
+        check_output(output, "trace")
+    except ConfigError as exc:
+        return {"exit_code": 2, "error": str(exc)}
     try:
         if os.path.lexists(output):
             os.unlink(output)  # a trace of this run only, not appended to an older one
@@ -112,12 +118,24 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
             "trace": writer.path}
 
 
+def _interval(ctx: click.Context, param: click.Parameter, value: object) -> float:
+    """A number of seconds from 0.01 to 3600 (NaN and infinity are not)."""
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        seconds = math.nan
+    if not 0.01 <= seconds <= 3600:  # False for NaN
+        raise ConfigError(f"--interval {value}: give seconds from 0.01 to 3600")
+    return seconds
+
+
 @click.command("trace", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Trace file to write (ending in .gz compresses it).")
-@click.option("--interval", default=0.2, show_default=True, type=click.FloatRange(0.01),
-              help="Seconds between samples of /proc/<pid>/io and /proc/diskstats.")
+@click.option("--interval", default="0.2", show_default=True, callback=_interval,
+              help="Seconds between samples of /proc/<pid>/io and /proc/diskstats "
+                   "(0.01 to 3600).")
 @click.option("--syscalls", is_flag=True,
               help="Also trace every file I/O system call with strace (slows the command).")
 @click.option("--no-lib-events", "no_lib", is_flag=True,
@@ -166,7 +184,7 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
     for path, what in ((html_path, "report"), (json_path, "summary"), (perfetto, "trace"),
                        (jsonl, "trace")):
         if path not in (None, "-"):
-            _check_output_dir(str(path), what)
+            check_output(str(path), what, traces)
     # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
     summary = write_report(list(traces), html_path,
                            None if json_path in (None, "-") else json_path)
@@ -183,11 +201,3 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
         print_summary(summary)
         click.echo(f"report: {html_path}" + (f", summary: {json_path}" if json_path else ""))
 
-
-def _check_output_dir(path: str, what: str) -> None:
-    """Refuse an output whose directory is missing before reading the traces, which can take
-    long, and name the path asked for (the writer's temp file would be named otherwise)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"cannot write the {what} {path}: the directory {folder} does not "
-                          "exist; create it or choose another path")

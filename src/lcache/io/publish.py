@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
-from lcache.errors import DiskFullError
+from lcache.errors import ConfigError, DiskFullError
 from lcache.io.engine import pwrite_full, sync_fd
 from lcache.io.files import close_file, fsync_dir, open_file
 
@@ -19,7 +20,10 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
 
     Raises:
         DiskFullError: the device is full (an ``OSError`` too); nothing is left behind.
+        ConfigError: ``path`` is a directory, a device, a FIFO or a socket: replacing it
+            would remove it (as root, ``-o /dev/null`` would replace the system's).
     """
+    _refuse_special(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         # open_file: O_NOFOLLOW, and a file id the trace names this write by
@@ -44,3 +48,26 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
         ):
             raise DiskFullError(f"no space left on the device writing {path}") from exc
         raise
+
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(path: str) -> str | None:
+    """What ``path`` is when it is neither absent nor a regular file ("a character device",
+    "a directory"...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # absent (or unreadable: the write says why)
+    return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
+def _refuse_special(path: str) -> None:
+    kind = special_kind(path)
+    if kind is not None:
+        raise ConfigError(f"{path} is {kind}; lcache writes a file whole and replaces what "
+                          "was there, so it writes only to a regular file or a new name")
