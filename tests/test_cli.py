@@ -128,3 +128,36 @@ def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> 
     out = run("store-demo", "--dir", str(tmp_path), "--samples", "100", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["wrong_bytes_served"] == 0
+
+
+@pytest.mark.parametrize("args", [
+    ["stats"], ["stats", "/etc/hostname"], ["warm", "-o", "x"], ["report"], ["no-such-command"],
+    ["model", "--no-such-option"], ["trace", "--interval", "x", "-o", "t", "--", "true"],
+    ["demo", "--epochs", "0"], ["demo", "--cache-fraction", "nan"], ["demo", "--latency", "inf"],
+    ["demo", "--workers", "-1"], ["store-demo", "--samples", "0"],
+    ["store-demo", "--samples", "1", "--sample-size", "5GB"],
+])
+def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
+    """What click refuses (a missing argument, a value out of range) is one line naming the
+    command's --help, like every other error, not click's four lines of usage."""
+    out = subprocess.run([*LCACHE, *args], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage", b'{"format":2,', b"[1]", b"{}"])
+def test_stats_of_a_cache_with_a_damaged_identity_is_one_line(tmp_path: Path,
+                                                              content: bytes) -> None:
+    (tmp_path / "cache.json").write_bytes(content)
+    out = run("stats", str(tmp_path))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "cache.json is damaged" in out.stderr
+
+
+def test_stats_of_a_cache_whose_identity_is_a_fifo_does_not_hang(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "cache.json")
+    out = subprocess.run([*LCACHE, "stats", str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "is a FIFO" in out.stderr, out.stderr

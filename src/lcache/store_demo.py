@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
+from lcache.errors import ConfigError
 from lcache.store import Store, StoreConfig, fsck, parse_size
 
 SEGMENT_SIZE = 8 << 20
@@ -119,6 +120,9 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
                    show_progress: bool = True) -> dict[str, Any]:
     """Run the demo; returns its figures (MB = 1e6 bytes)."""
     size = parse_size(sample_size)
+    if not 16 <= size <= SEGMENT_SIZE // 4:
+        raise ConfigError(f"--sample-size {sample_size}: the demo writes samples of 16 B to "
+                          f"{SEGMENT_SIZE // 4 >> 20} MiB (a quarter of its segments)")
     with tempfile.TemporaryDirectory(prefix="lcache-demo-") as tmp:
         root = os.path.join(directory or tmp, "store")
         os.makedirs(os.path.dirname(root), exist_ok=True)

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -18,7 +18,8 @@ from lcache.cli.bench import bench
 from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
 from lcache.cli.trace import report_cmd, trace_cmd
-from lcache.errors import LCacheError
+from lcache.errors import CorruptionError, LCacheError
+from lcache.io.publish import special_kind
 from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
 
@@ -45,17 +46,38 @@ def _table(title: str, rows: dict[str, Any]) -> Table:
 
 
 class _Group(click.Group):
-    """Turns bad input (an LCacheError, or an OSError such as a missing output directory)
-    into one clear line and exit status 2, never a traceback."""
+    """Turns bad input (an LCacheError, an OSError such as a missing output directory, or
+    a usage error click found) into one clear line and exit status 2, never a traceback."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click.UsageError as exc:  # click prints usage, a hint, a blank line and this
+            where = exc.ctx.command_path if exc.ctx is not None else "lcache"
+            _error(f"{' '.join(exc.format_message().split())} (see `{where} --help`)")
+        except click.ClickException as exc:
+            err_console.print(f"[bold red]error:[/] {' '.join(exc.format_message().split())}",
+                              highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            err_console.print("Aborted!", highlight=False)
+            sys.exit(1)
+        if isinstance(code, int) and code:  # ctx.exit(code)
+            sys.exit(code)
+        return code
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (LCacheError, OSError) as exc:
-            # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
-            err_console.print(f"[bold red]error:[/] {_one_line(exc)}", highlight=False,
-                              soft_wrap=True)
-            sys.exit(2)
+            _error(_one_line(exc))
+
+
+def _error(line: str) -> NoReturn:
+    # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
+    err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+    sys.exit(2)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -102,11 +124,28 @@ def stats(directory: str, as_json: bool) -> None:
     console.print(_table("counters (all processes, as of their last flush/close)", totals))
 
 
+def _cache_identity(path: str) -> dict[str, Any]:
+    """The cache's identity file, or a CorruptionError saying what is wrong with it."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise CorruptionError(f"{path} is {kind}, not a cache's identity file")
+    with open(path, "rb") as f:
+        raw = f.read(1 << 20)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not (isinstance(doc, dict) and isinstance(doc.get("source"), str)
+            and isinstance(doc.get("samples"), int)):
+        raise CorruptionError(f"{path} is damaged (not the JSON lcache writes there); opening "
+                              "the cache with CachedDataset drops its samples and starts anew")
+    return doc
+
+
 def _cache_stats(directory: str, identity: str, as_json: bool) -> None:
     from lcache.data.shared import SharedCounters
 
-    with open(identity) as f:
-        source = json.load(f)
+    source = _cache_identity(identity)
     counters = SharedCounters(os.path.join(directory, "counters.bin")).totals()
     accesses = counters["accesses"]
     store = _store_summary(os.path.join(directory, "store"))
@@ -178,20 +217,39 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
     sys.exit(0 if report.clean else 2)
 
 
+def _finite(value: float, name: str, low: float, high: float, low_open: bool) -> float:
+    """``value`` if it lies in (low, high] (``low_open``) or [low, high]; NaN never does."""
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise click.BadParameter(f"{value:g} is not in {'(' if low_open else '['}{low:g}, "
+                                 f"{high:g}]", param_hint=name)
+    return value
+
+
+def _fraction(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    return _finite(value, "--cache-fraction", 0.0, 1.0, low_open=True)
+
+
+def _latency(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    return _finite(value, "--latency", 0.0, 10.0, low_open=False)
+
+
 @cli.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where to put the remote's files and the cache (default: a temporary "
                    "directory).")
-@click.option("--samples", default=4000, show_default=True, help="Samples in the dataset.")
+@click.option("--samples", default=4000, show_default=True, type=click.IntRange(1, 10**7),
+              help="Samples in the dataset.")
 @click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
-@click.option("--cache-fraction", default=0.5, show_default=True,
-              help="Cache capacity as a fraction of the dataset.")
-@click.option("--epochs", default=3, show_default=True)
-@click.option("--latency", default=0.005, show_default=True,
-              help="Seconds the remote waits before each response.")
+@click.option("--cache-fraction", default=0.5, show_default=True, callback=_fraction,
+              help="Cache capacity as a fraction of the dataset (above 0, at most 1).")
+@click.option("--epochs", default=3, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--latency", default=0.005, show_default=True, callback=_latency,
+              help="Seconds the remote waits before each response (0 to 10).")
 @click.option("--bandwidth", default="25MB", show_default=True,
               help="The remote's bandwidth cap, per second.")
-@click.option("--workers", default=2, show_default=True, help="DataLoader workers.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(0, 64),
+              help="DataLoader workers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: float,
          epochs: int, latency: float, bandwidth: str, workers: int, as_json: bool) -> None:
@@ -225,7 +283,8 @@ def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: 
 @cli.command("store-demo")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where to put the demo store (default: a temporary directory).")
-@click.option("--samples", default=8000, show_default=True, help="Samples to write.")
+@click.option("--samples", default=8000, show_default=True, type=click.IntRange(1, 10**7),
+              help="Samples to write.")
 @click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def store_demo(directory: str | None, samples: int, sample_size: str, as_json: bool) -> None:
