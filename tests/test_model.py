@@ -237,10 +237,29 @@ def test_too_little_capacity_for_retention_fails() -> None:
     ({"tp": 3, "gpus": 3, "global_batch": 3}, "does not divide"),
     ({"mfu": "0.4"}, "mfu must be float"),
     ({"heads": 0}, "heads must be a positive integer"),
+    ({"peak_flops": float("inf")}, "peak_flops must be a finite number, got inf"),
+    ({"checkpoint_interval_minutes": float("inf")}, "checkpoint_interval_minutes must be a "
+                                                    "finite"),
+    ({"restarts_per_day": float("nan")}, "restarts_per_day must be a finite number, got nan"),
+    ({"ssd_rated_dwpd": float("inf")}, "ssd_rated_dwpd must be a finite"),
+    ({"ssd_write_bytes_per_s": float("inf")}, "ssd_write_bytes_per_s must be a finite"),
+    ({"mfu": float("nan")}, "mfu must be a finite"),
+    ({"gpus": 10**400}, "gpus must be a finite number, got an integer of 1329 bits"),
+    ({"max_stall_fraction": 2.0}, r"max_stall_fraction is a share of time in \(0, 1\)"),
+    ({"restart_budget_s": float("inf")}, "restart_budget_s must be a finite"),
+    ({"restarts_per_day": 100.0, "restart_budget_s": 3600.0}, "more than a day"),
 ])
 def test_bad_settings_say_what_to_change(overrides: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         config_from_preset("llama3-8b", **overrides)
+
+
+def test_finite_settings_whose_figures_leave_float_range_are_refused() -> None:
+    """Each setting finite and in range, yet together out of float range: a ConfigError,
+    not an OverflowError (round(inf)) or infinities in the figures."""
+    cfg = config_from_preset("llama3-8b", peak_flops=1e292, checkpoint_interval_minutes=1e300)
+    with pytest.raises(ConfigError, match="settings out of range"):
+        predict(cfg)
 
 
 def test_unknown_preset_lists_the_presets() -> None:

@@ -100,6 +100,48 @@ def test_bad_input_is_one_clear_line() -> None:
     assert code == 2 and "unknown model preset 'nope'" in out
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    (("--peak-tflops", "inf"), "peak_flops must be a finite number, got inf"),
+    (("--peak-tflops", "1e308"), "--peak-tflops 1e+308"),  # 1e308 x 1e12 is inf
+    (("--ckpt-minutes", "inf"), "--ckpt-minutes inf"),
+    (("--restarts-per-day", "nan"), "--restarts-per-day nan"),
+    (("--restarts-per-day", "inf"), "--restarts-per-day inf"),
+    (("--ssd-dwpd", "inf"), "--ssd-dwpd inf"),
+    (("--restart-budget", "inf"), "--restart-budget inf"),
+    (("--max-stall", "2"), "max_stall_fraction is a share of time in (0, 1), got 2.0"),
+    (("--max-stall", "nan"), "--max-stall nan"),
+    (("--restart-budget", "90000"), "more than a day"),
+    (("--peak-tflops", "1e280", "--ckpt-minutes", "1e300"), "settings out of range"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_infinite_nan_or_out_of_range_settings_are_one_line(args: tuple[str, ...], words: str,
+                                                            as_json: bool) -> None:
+    """Regression: inf/nan settings crashed in predict() or printed nulls with rc 0, and
+    --max-stall 2 / --restart-budget inf were accepted."""
+    result = CliRunner().invoke(cli, ["model", "llama3-8b", *args,
+                                      *(["--json"] if as_json else [])])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert words in result.output and "Traceback" not in result.output, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("error:"), result.output
+
+
+@pytest.mark.parametrize("setting", ["peak_flops: .inf", "checkpoint_interval_minutes: .inf",
+                                     "restarts_per_day: .nan", "ssd_rated_dwpd: .inf",
+                                     "restart_budget_s: .inf", "max_stall_fraction: 1.5",
+                                     "gpus: " + "9" * 400])
+def test_model_file_infinite_settings_are_one_line(tmp_path: Path, setting: str) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text(f"preset: llama3-8b\ntraining:\n  {setting}\n")
+    name = setting.split(":")[0]
+    with pytest.raises(ConfigError, match=name) as info:
+        load_model_file(path)
+    assert str(path) in str(info.value)
+    code, out = _run("--model-file", str(path), "--json")
+    assert code == 2 and name in out and "Traceback" not in out, out
+    assert out.count("\n") == 1, out
+
+
 def test_list_presets() -> None:
     code, out = _run("--list", "--json")
     assert code == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import click
@@ -31,6 +32,19 @@ _OPTION_FIELDS = {
 }
 _SIZE_OPTIONS = {"ssd_capacity": "ssd_capacity_bytes", "ssd_write": "ssd_write_bytes_per_s",
                  "ssd_read": "ssd_read_bytes_per_s"}
+_OTHER_OPTIONS = {"peak_tflops": "peak_flops", "hbm": "hbm_bytes"}
+
+
+def _name_options(exc: ConfigError, given: dict[str, Any]) -> ConfigError:
+    """``exc`` with the command-line options (as typed) behind the settings it names, so
+    ``--peak-tflops 1e308`` is named rather than only ``peak_flops`` = inf."""
+    text = str(exc)
+    named = []
+    for opt, fld in {**_OPTION_FIELDS, **_SIZE_OPTIONS, **_OTHER_OPTIONS}.items():
+        flag = "--" + opt.replace("_", "-")
+        if opt in given and re.search(rf"\b{fld}\b", text) and flag not in text:
+            named.append(f"{flag} {given[opt]}")
+    return ConfigError(f"{text} (given as {', '.join(named)})") if named else exc
 
 
 def _num(x: float) -> str:
@@ -181,9 +195,11 @@ def _print_tables(doc: dict[str, Any]) -> None:
 @click.option("--ssd-read", help="Read bandwidth of one drive per second, e.g. 7GB.")
 @click.option("--ssd-dwpd", type=float, help="Rated drive writes per day.")
 @click.option("--restarts-per-day", type=float, help="Restarts (checkpoint loads) per day.")
-@click.option("--restart-budget", type=float, help="Seconds a restart may take to load.")
+@click.option("--restart-budget", type=float,
+              help="Seconds a restart may take to load (x restarts per day: a day at most).")
 @click.option("--max-stall", type=float,
-              help="Share of time GPUs may wait on I/O that is not overlapped (default 0.05).")
+              help="Share of time, below 1, GPUs may wait on I/O that is not overlapped "
+                   "(default 0.05).")
 @click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def model_cmd(preset: str | None, model_file: str | None, peak_tflops: float | None,
@@ -217,9 +233,15 @@ def model_cmd(preset: str | None, model_file: str | None, peak_tflops: float | N
         overrides["peak_flops"] = peak_tflops * 1e12
     if hbm is not None:
         overrides["hbm_bytes"] = parse_size(hbm)
-    cfg = load_model_file(model_file, **overrides) if model_file else \
-        config_from_preset(str(preset), **overrides)
-    doc = _finite(predict(cfg).to_dict())
+    try:
+        cfg = load_model_file(model_file, **overrides) if model_file else \
+            config_from_preset(str(preset), **overrides)
+        doc = _finite(predict(cfg).to_dict())
+    except ConfigError as exc:
+        given = {k: v for k, v in options.items() if v is not None}
+        given.update({k: v for k, v in (("peak_tflops", peak_tflops), ("hbm", hbm))
+                      if v is not None})
+        raise _name_options(exc, given) from None
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:

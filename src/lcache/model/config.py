@@ -22,6 +22,7 @@ from lcache.store.layout import parse_size
 
 PRECISIONS = ("bf16", "fp8")
 DEFAULT_CHECKPOINT_MINUTES = 30.0
+DAY_S = 86_400.0
 
 # Fields that take a size: YAML and overrides may write "3.84TB" or "7GB" for them.
 _SIZE_FIELDS = ("ssd_capacity_bytes", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s",
@@ -147,6 +148,12 @@ class TrainingConfig:
                 ok = isinstance(value, bool)
             elif kind.startswith(("int", "float")):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if ok and not _is_finite(value):
+                    # inf passes the range checks below and nan fails none of the `< x`
+                    # ones; either (or an int beyond float range) breaks predict()
+                    shown = f"an integer of {value.bit_length()} bits" \
+                        if isinstance(value, int) else repr(value)
+                    raise ConfigError(f"{fld.name} must be a finite number, got {shown}")
             elif kind.startswith("str"):
                 ok = isinstance(value, str)
             else:
@@ -165,6 +172,13 @@ class TrainingConfig:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)!r}")
         if self.restarts_per_day < 0:
             raise ConfigError(f"restarts_per_day must be >= 0, got {self.restarts_per_day!r}")
+        if not self.max_stall_fraction < 1:
+            raise ConfigError(f"max_stall_fraction is a share of time in (0, 1), got "
+                              f"{self.max_stall_fraction!r} (write 0.05 for 5%)")
+        if self.restarts_per_day * self.restart_budget_s > DAY_S:
+            raise ConfigError(f"restarts_per_day x restart_budget_s = {self.restarts_per_day!r}"
+                              f" x {self.restart_budget_s!r} s is more than a day ({DAY_S:g} s) "
+                              "spent restarting; lower one of them")
         if not 0 < self.mfu <= 1:
             raise ConfigError(f"mfu is a fraction of peak in (0, 1], got {self.mfu!r} "
                               "(write 0.4 for 40%)")
@@ -222,6 +236,14 @@ class TrainingConfig:
         doc["peak_flops"] = self.gpu_peak_flops
         doc["hbm_bytes"] = self.gpu_hbm_bytes
         return doc
+
+
+def _is_finite(value: float) -> bool:
+    """Whether ``value`` is a finite number; an int too large for a float is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 _SHAPE_KEYS = {f.name for f in dataclasses.fields(ModelShape)}

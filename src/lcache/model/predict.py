@@ -10,16 +10,18 @@ offload, as torch.distributed.checkpoint and ZeRO-Infinity write them). MBps are
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lcache.errors import ConfigError
 from lcache.model import formulas as f
-from lcache.model.config import DEFAULT_CHECKPOINT_MINUTES, TrainingConfig
+from lcache.model.config import DAY_S, DEFAULT_CHECKPOINT_MINUTES, TrainingConfig
 
 CLASSES = ("data-read", "checkpoint-write", "checkpoint-read", "optimizer-offload",
            "activation-offload")
-DAY_S = 86_400.0
 MB = 1e6
+__all__ = ["CLASSES", "DAY_S", "MB", "ClassDemand", "Prediction", "predict", "ssd_verdict"]
 
 
 @dataclass
@@ -193,9 +195,45 @@ def predict(cfg: TrainingConfig) -> Prediction:
     """Step time, per-class I/O and the SSD verdict for one training configuration.
 
     Raises:
-        ConfigError: the configuration is invalid (see :meth:`TrainingConfig.validate`).
+        ConfigError: the configuration is invalid (see :meth:`TrainingConfig.validate`), or
+            its settings, each finite, are so far apart that a figure leaves float range.
     """
     cfg.validate()
+    try:
+        pred = _predict(cfg)
+        doc = pred.to_dict()
+    except (ZeroDivisionError, OverflowError) as exc:
+        raise _out_of_range(cfg, f"the arithmetic fails ({exc})") from None
+    where = _first_non_finite(doc)
+    if where is not None:
+        raise _out_of_range(cfg, f"{where[0]} comes out as {where[1]!r}")
+    return pred
+
+
+def _out_of_range(cfg: TrainingConfig, what: str) -> ConfigError:
+    # validate() keeps every setting finite and in range on its own; only extreme
+    # combinations (a huge peak_flops with a huge checkpoint interval...) get here.
+    return ConfigError(
+        f"settings out of range for the model: {what}; check the extreme ones among gpus "
+        f"{cfg.gpus}, peak_flops {cfg.gpu_peak_flops:g}, global_batch {cfg.global_batch}, "
+        f"seq_len {cfg.model.seq_len}, checkpoint_interval_minutes "
+        f"{cfg.checkpoint_interval_minutes!r}, checkpoint_interval_steps "
+        f"{cfg.checkpoint_interval_steps!r}, restarts_per_day {cfg.restarts_per_day!r}")
+
+
+def _first_non_finite(doc: Any, path: str = "") -> tuple[str, float] | None:
+    """The first (key path, value) of ``doc`` that is an infinite or NaN float."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            found = _first_non_finite(value, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(doc, float) and not math.isfinite(doc):
+        return path, doc
+    return None
+
+
+def _predict(cfg: TrainingConfig) -> Prediction:
     m = cfg.model
     params = f.param_count(m)
     fpt = f.flops_per_token(m, params)
