@@ -126,7 +126,13 @@ class StoreConfig:
     def minimum_capacity(self) -> int:
         return self.segment_size * (self.max_writers + 1) + index_floor(self.capacity)
 
-    def validate(self) -> None:
+    def validate(self, *, stored: bool = False) -> None:
+        """Raise :class:`ConfigError` naming the first setting no store can have.
+
+        Args:
+            stored: the values were read from ``store.json`` rather than given by the caller:
+                the message names the value found instead of saying what to raise.
+        """
         self.check_types()
         if not 4096 <= self.segment_size <= 1 << 32:
             raise ConfigError(
@@ -137,6 +143,12 @@ class StoreConfig:
         if self.max_byte_keys is not None and self.max_byte_keys < 16:
             raise ConfigError(f"max_byte_keys must be >= 16, got {self.max_byte_keys}")
         segments = self.segment_size * (self.max_writers + 1)
+        if self.capacity < self.minimum_capacity() and stored:
+            raise ConfigError(
+                f"capacity {self.capacity} is below the minimum "
+                f"{format_size(self.minimum_capacity())} for segment_size "
+                f"{format_size(self.segment_size)} x (max_writers {self.max_writers} + 1) "
+                "plus the indexes")
         if self.capacity < self.minimum_capacity():
             raise ConfigError(
                 f"cache capacity {format_size(self.capacity)} is smaller than one segment "
@@ -203,7 +215,8 @@ def load_config(path: str) -> StoreConfig | None:
     """The stored configuration, or ``None`` if the directory has none yet.
 
     Raises:
-        CorruptionError: it is unreadable, not a configuration, or a symbolic link.
+        CorruptionError: it is unreadable, not a configuration, a symbolic link, or holds a
+            value no store can have (a capacity below the minimum, an unknown policy...).
     """
     cfg_path = os.path.join(path, CONFIG_NAME)
     try:
@@ -219,7 +232,9 @@ def load_config(path: str) -> StoreConfig | None:
     known = {f.name for f in fields(StoreConfig)}
     try:
         config = StoreConfig(**{k: raw[k] for k in known if k in raw})
-        config.check_types()
+        # every value, not only its type: a user never typed these, so the message says the
+        # file is damaged and how to repair it rather than "raise capacity"
+        config.validate(stored=True)
     except (TypeError, ConfigError) as exc:
         raise _config_error(cfg_path, f"is damaged ({exc})") from exc
     return config
@@ -257,9 +272,11 @@ def salvage_config(root: str, largest_segment: int) -> StoreConfig:
     """A configuration for a store whose ``store.json`` is damaged or missing (fsck --repair).
 
     Each setting still readable in the damaged file and valid is kept (a file cut short keeps
-    the settings before the cut); the others get their defaults, except ``segment_size``: the
-    smallest power of two (at least 4 KiB) that holds the largest segment file found, or the
-    default when there is none. The capacity is raised to the minimum if it is below.
+    the settings before the cut); the others (of the wrong type or out of range: a capacity
+    below one byte, max_writers below 1...) get their defaults, except
+    ``segment_size``: the smallest power of two (at least 4 KiB) that holds the largest segment
+    file found, or the default when there is none. A capacity that is a size but below the
+    minimum is raised to the minimum.
     """
     try:
         fd = open_in_store(os.path.join(root, CONFIG_NAME), os.O_RDONLY)
@@ -286,9 +303,11 @@ def salvage_config(root: str, largest_segment: int) -> StoreConfig:
         seg = defaults.segment_size if not largest_segment else \
             max(4096, 1 << (largest_segment - 1).bit_length())
     kept["segment_size"] = seg
+    if kept.get("capacity", 1) < 1:
+        del kept["capacity"]
     if kept.get("max_writers", 1) < 1:
         del kept["max_writers"]
-    if (kept.get("max_byte_keys") or 16) < 16:
+    if kept.get("max_byte_keys") is not None and kept["max_byte_keys"] < 16:
         del kept["max_byte_keys"]
     config = replace(defaults, **kept)
     if config.capacity < config.minimum_capacity():

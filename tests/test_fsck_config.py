@@ -1,0 +1,114 @@
+"""``store.json`` whose values are of the right type but no store can have them.
+
+Regression: ``lcache fsck`` said "clean" for a ``store.json`` holding ``"capacity": -5`` (or a
+zero segment size...), which ``Store.open`` and ``lcache stats`` refuse, and
+``fsck --repair`` left it as it was; ``Store.open`` said "raise capacity" as if the user had
+typed the value instead of naming the file as damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lcache import CorruptionError
+from lcache.store import Store, fsck
+
+from .conftest import SMALL, subprocess_env
+
+KEYS = list(range(20))
+
+#: (field, bad value, words of the problem fsck reports)
+BAD = [
+    ("capacity", -5, "capacity -5 is below the minimum"),
+    ("capacity", 1000, "capacity 1000 is below the minimum"),
+    ("segment_size", 0, "segment_size 0 B must be between"),
+    ("max_writers", 0, "max_writers must be >= 1, got 0"),
+    ("max_byte_keys", -1, "max_byte_keys must be >= 16, got -1"),
+    ("max_byte_keys", 0, "max_byte_keys must be >= 16, got 0"),
+]
+
+
+def _make(store_dir: Path) -> None:
+    with Store.open(store_dir, **SMALL) as store:
+        for key in KEYS:
+            store.put(key, b"value %d" % key)
+
+
+def _set(store_dir: Path, name: str, value: Any) -> None:
+    path = store_dir / "store.json"
+    doc = json.loads(path.read_text())
+    doc[name] = value
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("name", "value", "words"), BAD)
+def test_out_of_range_config_is_damage_that_repair_fixes(store_dir: Path, name: str,
+                                                         value: Any, words: str) -> None:
+    _make(store_dir)
+    _set(store_dir, name, value)
+
+    with pytest.raises(CorruptionError) as info:
+        Store.open(store_dir, create=False)
+    message = str(info.value)
+    assert "store.json is damaged" in message and words in message, message
+    assert f"lcache fsck --repair {store_dir}" in message, message
+    assert "raise capacity" not in message, message
+
+    report = fsck(store_dir)
+    assert not report.clean
+    assert any("store.json" in p and words in p for p in report.problems), report.problems
+
+    repaired = fsck(store_dir, repair=True)
+    assert repaired.clean, repaired.problems
+    assert any("store.json" in p for p in repaired.repaired), repaired.repaired
+    assert fsck(store_dir).clean
+
+    doc = json.loads((store_dir / "store.json").read_text())
+    with Store.open(store_dir, create=False) as store:
+        got = store.get_many(KEYS)
+        assert [bytes(v) for v in got if v is not None] == [b"value %d" % k for k in KEYS]
+        # the settings that were valid are kept; the bad one got its default
+        for other in ("max_writers", "max_byte_keys", "policy"):
+            if other != name:
+                assert doc[other] == SMALL.get(other, "lru"), doc
+        if name == "max_writers" or (name, value) == ("capacity", -5):
+            assert doc[name] == {"max_writers": 8, "capacity": 8 << 30}[name], doc
+        if name == "max_byte_keys":
+            assert doc[name] is None, doc
+        if name == "capacity" and value == 1000:  # a size, but too small: raised to fit
+            assert doc[name] == store.config.minimum_capacity(), doc
+
+
+def _lcache(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lcache", *args], capture_output=True,
+                          text=True, timeout=120, env={**subprocess_env(), "COLUMNS": "1000"})
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [BAD[0], BAD[2]])
+def test_cli_fsck_reports_and_repairs_an_out_of_range_config(store_dir: Path, name: str,
+                                                             value: Any, words: str) -> None:
+    _make(store_dir)
+    _set(store_dir, name, value)
+
+    stats = _lcache("stats", str(store_dir))
+    assert stats.returncode == 2 and "Traceback" not in stats.stderr, stats.stderr
+    assert stats.stderr.count("\n") == 1, stats.stderr
+    assert "store.json is damaged" in stats.stderr and "lcache fsck --repair" in stats.stderr
+
+    check = _lcache("fsck", str(store_dir), "--json")
+    assert check.returncode == 2, check.stdout + check.stderr
+    doc = json.loads(check.stdout)
+    assert doc["clean"] is False
+    assert any(words in p for p in doc["problems"]), doc["problems"]
+
+    repair = _lcache("fsck", "--repair", str(store_dir))
+    assert repair.returncode == 0, repair.stdout + repair.stderr
+    again = _lcache("fsck", str(store_dir))
+    assert again.returncode == 0 and "clean" in again.stdout, again.stdout
+    assert _lcache("stats", str(store_dir)).returncode == 0
