@@ -31,6 +31,7 @@ from lcache.data import CachedDataset, FileSource, SeedAwareSampler  # noqa: E40
 from lcache.data.order import epoch_order, node_order, rank_order  # noqa: E402
 from lcache.data.plan import NEVER, belady, next_uses, simulate_lru, simulate_opt  # noqa: E402
 from lcache.data.shared import FetchClaims, SharedCounters  # noqa: E402
+from lcache.errors import ConfigError  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402
 
 from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
@@ -713,3 +714,35 @@ def test_fixture_files_encode_their_index(small_data: Path) -> None:
     damaged[100] ^= 1
     with pytest.raises(AssertionError):
         sample_index(bytes(damaged), SIZE)
+
+
+@pytest.mark.parametrize(("kwargs", "word"), [
+    ({"seed": None}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": -1}, "seed"),
+    ({"seed": True}, "seed"), ({"num_replicas": 2.5}, "num_replicas"),
+    ({"num_replicas": 2, "rank": 1, "local_world_size": -1}, "local_world_size"),
+    ({"loader_workers": -1}, "loader_workers"), ({"prefetch_threads": 0}, "prefetch_threads"),
+])
+def test_sampler_arguments_that_are_not_whole_numbers_are_named(
+        tmp_path: Path, small_data: Path, kwargs: dict[str, Any], word: str) -> None:
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    with pytest.raises(ConfigError, match=word):
+        SeedAwareSampler(ds, **kwargs)
+
+
+def test_epochs_and_states_a_sampler_cannot_take_are_refused(tmp_path: Path,
+                                                            small_data: Path) -> None:
+    """A step number given as the epoch would plan every epoch from 0 up to it (hours);
+    other bad epochs and states were TypeErrors, AttributeErrors and KeyErrors."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, num_replicas=1, rank=0, prefetch=False)
+    for epoch in (2**40, -1, "3", None, 1.0, True):
+        with pytest.raises(ConfigError, match="epoch"):
+            sampler.set_epoch(epoch)  # type: ignore[arg-type]
+    sampler.set_epoch(np.int64(2))  # numpy integers are whole numbers
+    assert sampler.epoch == 2
+    for state in (None, {}, {"epoch": 0}, [1]):
+        with pytest.raises(ConfigError, match="not a sampler state"):
+            sampler.load_state_dict(state)  # type: ignore[arg-type]
+    bad = {**sampler.state_dict(consumed=0), "epoch": 10**9}
+    with pytest.raises(ConfigError, match="epoch"):
+        sampler.load_state_dict(bad)

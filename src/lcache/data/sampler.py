@@ -9,6 +9,7 @@ iterates, a prefetcher in this process fetches the rank's upcoming misses.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,23 @@ from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_r
 from lcache.data.plan import PlanResult, belady
 from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
+
+#: The largest epoch: the plan of an epoch is computed from epoch 0 on (3-5 us per access),
+#: so a step number given as the epoch would take hours.
+MAX_EPOCH = 100_000
+
+
+def _whole(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high], or a ConfigError naming ``name``."""
+    try:
+        number = operator.index(value)  # ints and numpy integers; not bools, floats, str
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low or \
+            (high is not None and number > high):
+        span = f"from {low:,} to {high:,}" if high is not None else f"of at least {low}"
+        raise ConfigError(f"{name}={value!r}: give a whole number {span}")
+    return number
 
 
 def _distributed() -> tuple[int, int]:
@@ -65,11 +83,19 @@ class SeedAwareSampler:
                  loader_workers: int = 4, shard_window: int = 0) -> None:
         self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
         d_rank, d_world = _distributed()
-        self.world = d_world if num_replicas is None else num_replicas
-        self.rank = d_rank if rank is None else rank
+        self.world = d_world if num_replicas is None else \
+            _whole(num_replicas, "num_replicas", 1)
+        self.rank = d_rank if rank is None else _whole(rank, "rank", 0)
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} is not in [0, {self.world})")
-        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        seed = _whole(seed, "seed", 0)
+        for value, name, low in ((prefetch_threads, "prefetch_threads", 1),
+                                 (prefetch_window, "prefetch_window", 1),
+                                 (prefetch_bytes, "prefetch_bytes", 1),
+                                 (loader_workers, "loader_workers", 0)):
+            _whole(value, name, low)
+        local = _whole(local_world_size, "local_world_size", 1) if local_world_size else \
+            int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         node = self.rank // local
         self.node_ranks = range(node * local, min((node + 1) * local, self.world))
         self.n = len(self.cache.source)
@@ -117,6 +143,12 @@ class SeedAwareSampler:
         return self.num_samples - self._start
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch to iterate next (0, 1, 2...; not the step: each epoch's plan is made
+        from epoch 0 on, so it is at most ``MAX_EPOCH``)."""
+        try:
+            epoch = _whole(epoch, "epoch", 0, MAX_EPOCH)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (the epoch, not the step)") from None
         if epoch != self.epoch:
             self._start = 0
         self.epoch = epoch
@@ -211,16 +243,19 @@ class SeedAwareSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state_dict`` was taken: the rest of that epoch (nothing, when it
         was taken at the epoch's end), then the next epochs as ``set_epoch`` says."""
+        if not isinstance(state, dict) or not {"epoch", "consumed"} <= state.keys():
+            raise ConfigError(f"not a sampler state (a dict from state_dict() with 'epoch' and "
+                              f"'consumed'): {type(state).__name__}")
         for key, mine in (("seed", self.seed), ("samples", self.n), ("world", self.world),
                           ("shuffle", self.shuffle), ("drop_last", self.drop_last),
                           ("shard_window", self.shard_window)):
             if state.get(key, 0 if key == "shard_window" else None) != mine:
                 raise ConfigError(f"sampler state has {key}={state.get(key)!r}, this sampler "
                                   f"{mine!r}; resume with the same settings")
-        consumed = int(state["consumed"])
+        consumed = _whole(state["consumed"], "the sampler state's consumed", 0)
         if not 0 <= consumed <= self.num_samples:
             raise ConfigError(f"sampler state consumed={consumed} is outside this epoch "
                               f"(0..{self.num_samples})")
-        self.epoch = int(state["epoch"])
+        self.epoch = _whole(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
         self._start = consumed
         self._yielded = consumed
