@@ -414,3 +414,48 @@ def test_reader_killed_mid_put(tmp_path: Path) -> None:
             report = fsck(str(path))
             assert report.clean, (rnd, part, report.problems)
             assert report.active_segments == 0
+
+
+def _local_samples(root: Path, n: int = 20) -> Path:
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"{i:03d}.bin").write_bytes(os.urandom(1000))
+    return root
+
+
+def test_a_cache_inside_its_local_source_is_refused_before_anything_is_written(
+        tmp_path: Path) -> None:
+    """Its store, identity and listing files would be listed as samples the next time (the
+    second open then failed with a misleading 'capacity below the minimum')."""
+    src = _local_samples(tmp_path / "src")
+    before = sorted(p.name for p in src.iterdir())
+    for cache_dir in (src, src / "cache", f"file://{src}"):
+        for source in (str(src), f"file://{src}"):
+            target = str(cache_dir).removeprefix("file://")
+            with pytest.raises(ConfigError, match="inside the source"):
+                CachedDataset(source, target, "8MB")
+    assert sorted(p.name for p in src.iterdir()) == before
+    run = subprocess.run([sys.executable, "-m", "lcache", "warm", str(src), "--cache",
+                          str(src / "c"), "--capacity", "8MB"], capture_output=True, text=True,
+                         timeout=60, env=subprocess_env())
+    assert run.returncode == 2 and "inside the source" in run.stderr, run.stderr
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+@pytest.mark.parametrize(("source", "cache_dir", "capacity", "words"), [
+    ("", "c", "8MB", "source is an empty string"),
+    ("  ", "c", "8MB", "source is an empty string"),
+    ("SRC", "", "8MB", "cache_dir=''"),
+    ("SRC", None, "8MB", "cache_dir=None"),
+    ("SRC", "c", 4e7, "a float is a fraction"),
+])
+def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, cache_dir: str | None,
+        capacity: float | str, words: str) -> None:
+    """An empty string meant the current directory; capacity=4e7 meant 4e7 datasets."""
+    src = _local_samples(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=words):
+        CachedDataset(str(src) if source == "SRC" else source, cache_dir, capacity)
+    if cache_dir != "c":  # nothing made where an empty path would have pointed
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

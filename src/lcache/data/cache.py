@@ -127,6 +127,9 @@ class _Skipped:
 SKIPPED: Any = _Skipped()
 
 
+MAX_FRACTION = 100  # a capacity given as a fraction of the dataset is at most this
+
+
 def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
     """Bytes from a size (``"500GB"``, an int) or from a fraction of the dataset's bytes: a
     float (``0.4``) or a percentage (``"40%"``). Sizes stay ``parse_size``'s, which refuses
@@ -144,7 +147,29 @@ def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
     if not (math.isfinite(fraction) and fraction > 0):
         raise ConfigError(f"cannot read {what!r} as a capacity: a fraction of the dataset is "
                           "a float above 0 (0.4) or a percentage (\"40%\")")
+    if fraction > MAX_FRACTION:  # capacity=4e7 meant as bytes is 4e7 datasets
+        raise ConfigError(f"capacity {what} is {fraction:g} times the dataset: a float is a "
+                          f"fraction of it (at most {MAX_FRACTION}); give bytes as an int or "
+                          "a size (\"40MB\")")
     return max(1, int(fraction * dataset_bytes))
+
+
+def check_locations(source: Any, cache_dir: Any) -> None:
+    """Refuse an empty source or cache directory (either would mean the current directory)
+    and a cache directory in (or equal to) a local source's directory, whose files would be
+    listed as samples the next time the source is listed."""
+    url = source if isinstance(source, str) else getattr(source, "url", None)
+    if isinstance(url, str) and not url.strip():
+        raise ConfigError("the source is an empty string; give a URL or a directory")
+    if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
+        raise ConfigError(f"cache_dir={cache_dir!r}: give the cache's directory")
+    if not isinstance(url, str) or ("://" in url and not url.startswith("file://")):
+        return
+    root = os.path.realpath(url.removeprefix("file://"))
+    where = os.path.realpath(os.fspath(cache_dir))
+    if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+        raise ConfigError(f"the cache directory {cache_dir} is inside the source {url}: its "
+                          "files would be listed as samples; put the cache elsewhere")
 
 
 class Access(NamedTuple):
@@ -174,6 +199,7 @@ class SampleCache:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error={on_error!r}: use \"raise\" or \"skip\"")
         self.on_error = on_error
+        check_locations(source, cache_dir)
         self.source: Source = as_source(source)
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         sizes = self.source.sizes()

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lcache.data.cache import DEFAULT_STAGING, SKIPPED, Access, SampleCache
+from lcache.data.cache import DEFAULT_STAGING, SKIPPED, Access, SampleCache, check_locations
 from lcache.data.sources import SourceError, as_source
 
 
@@ -44,6 +44,7 @@ class CachedDataset:
                  staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
                  fingerprint: str | None = None, check: bool = True,
                  on_error: str = "raise", **source_options: Any) -> None:
+        check_locations(source, cache_dir)
         self.cache = SampleCache(as_source(source, cache_dir=cache_dir, **source_options),
                                  cache_dir, capacity,
                                  segment_size=segment_size, staging_bytes=staging_bytes,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from lcache.data.cache import SampleCache
+from lcache.data.cache import SampleCache, check_locations
 from lcache.data.sources import FileSource
 
 GROUP = 8  # samples per fetch_many (consecutive paths: a source may coalesce them)
@@ -23,6 +23,7 @@ def warm_cache(source: str, cache_dir: str, capacity: int | str, *, threads: int
     Samples already cached are skipped. The sampler's plan decides later which of them stay;
     warming only spares the first epoch those fetches.
     """
+    check_locations(source, cache_dir)  # before listing the source
     cache = SampleCache(FileSource(source, storage_options=storage_options), cache_dir,
                         capacity)
     sizes = cache.record_sizes()
