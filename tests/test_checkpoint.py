@@ -456,3 +456,33 @@ def test_load_into_detects_a_flipped_byte(tmp_path: Path) -> None:
         f.write(b"\x01")
     with pytest.raises(CorruptionError, match=r"rank00000\.data for array 'w'.*holds part"):
         ck.load(path, like={"w": torch.zeros(100_000)}, into=True)
+
+
+def test_bad_options_and_paths_are_refused_before_any_work(tmp_path: Path,
+                                                          monkeypatch: Any) -> None:
+    """keep_last=1.5 failed in the background thread at save time; '.' (an empty current
+    directory) was replaced by the checkpoint; load(None) was a TypeError."""
+    for options in ({"keep_last": "2"}, {"keep_last": 1.5}, {"keep_last": 0},
+                    {"queue_depth": "x"}, {"queue_depth": 0}):
+        with pytest.raises(ConfigError, match=next(iter(options))):
+            ck.Checkpointer(**options)
+    saver = ck.Checkpointer()
+    with pytest.raises(ConfigError, match="keep_last"):
+        saver.async_save({"w": torch.zeros(2)}, tmp_path / "s1", keep_last=1.5)
+    here = tmp_path / "work"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for path in (".", str(here), str(tmp_path)):
+        with pytest.raises(ConfigError, match="current directory"):
+            ck.save({"w": torch.zeros(2)}, path)
+    assert here.is_dir() and os.listdir(here) == []
+    for path in (None, ""):
+        with pytest.raises(ConfigError, match="path"):
+            ck.load(path)  # type: ignore[arg-type]
+
+
+def test_an_upload_target_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    saver = ck.Checkpointer(upload_to="http://127.0.0.1:9/bucket")
+    with pytest.raises(ConfigError, match=r"cannot upload to http://127\.0\.0\.1:9/bucket"):
+        saver.save({"w": torch.zeros(2)}, tmp_path / "s1")
+    assert ck.load(tmp_path / "s1")["w"].tolist() == [0.0, 0.0]  # published here anyway

@@ -301,3 +301,15 @@ def test_bytes_per_step_are_what_lcache_model_predicts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("code", doc_blocks("docs/offload.md"))
 def test_docs_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_doc_python("docs/offload.md", code, tmp_path, monkeypatch)
+
+
+def test_a_missing_directory_or_a_class_that_is_no_optimizer_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    params = [torch.zeros(10, requires_grad=True)]
+    for bad in (None, ""):  # "" would have put the swap file in the current directory
+        with pytest.raises(ConfigError, match="dir="):
+            OffloadedOptimizer(params, dir=bad)
+    with pytest.raises(ConfigError, match="torch optimizer class"):
+        OffloadedOptimizer(params, int, dir=tmp_path / "swap")
+    assert os.listdir(tmp_path) == []

@@ -32,6 +32,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
+from lcache.checks import whole_number
 from lcache.forksafe import fork_safe_lock
 from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
 
@@ -273,14 +274,9 @@ class Checkpointer:
     def __init__(self, *, keep_last: int | None = None, upload_to: str | None = None,
                  storage_options: dict[str, Any] | None = None, direct: bool = True,
                  queue_depth: int = 8) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ConfigError(f"keep_last={keep_last} would delete the newest checkpoint; "
-                              "use keep_last >= 1 or None")
-        if queue_depth < 1:
-            raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
-        self._defaults = {"keep_last": keep_last, "upload_to": upload_to,
-                          "storage_options": storage_options, "direct": direct,
-                          "queue_depth": queue_depth}
+        self._defaults = _checked({"keep_last": keep_last, "upload_to": upload_to,
+                                   "storage_options": storage_options, "direct": direct,
+                                   "queue_depth": queue_depth})
         self._buffer = HostBuffer()
         self._pending: CheckpointHandle | None = None
 
@@ -313,7 +309,7 @@ class Checkpointer:
         if unknown:
             raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
                               f"known: {sorted(self._defaults)}")
-        options = {**self._defaults, **overrides}
+        options = _checked({**self._defaults, **overrides})
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
         self.wait_pending()
@@ -360,6 +356,16 @@ class Checkpointer:
         """Finish the pending save and free the host buffer."""
         self.wait_pending()
         self._buffer.release()
+
+
+def _checked(options: dict[str, Any]) -> dict[str, Any]:
+    """A Checkpointer's options, the numbers checked (a bad one fails here, not in the
+    background thread at save time)."""
+    if options["keep_last"] is not None:
+        options["keep_last"] = whole_number(options["keep_last"],
+                                            "keep_last", 1)
+    options["queue_depth"] = whole_number(options["queue_depth"], "queue_depth", 1, 1024)
+    return options
 
 
 _default: tuple[int, Checkpointer] | None = None

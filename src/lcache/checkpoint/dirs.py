@@ -23,6 +23,7 @@ from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundEr
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
+from lcache.checks import path_argument
 from lcache.errors import LCacheError
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
@@ -50,11 +51,17 @@ class CheckpointInfo:
 
 def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
     """(root, name) of a checkpoint path; the name must be a plain directory name."""
-    full = os.path.abspath(os.fspath(path))
+    full = os.path.abspath(path_argument(path, "checkpoint path"))
     root, name = os.path.split(full.rstrip(os.sep))
     if not name or name.startswith(".") or name in ("..",):
         raise ConfigError(f"checkpoint path {os.fspath(path)!r} must end in a directory name "
                           "that does not start with '.', e.g. ckpts/step-100")
+    here = os.path.realpath(os.getcwd())
+    if here == os.path.realpath(full) or here.startswith(os.path.realpath(full) + os.sep):
+        # publishing renames the checkpoint onto the path: it would replace the directory
+        # this process works in
+        raise ConfigError(f"checkpoint path {os.fspath(path)!r} is the current directory or "
+                          "holds it; give a path below it, e.g. ckpts/step-100")
     return root, name
 
 

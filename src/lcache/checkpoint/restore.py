@@ -43,6 +43,7 @@ from lcache.checkpoint.persist import (
     read_data_file,
     read_small_file,
 )
+from lcache.checks import path_argument
 from lcache.errors import LCacheError
 from lcache.io import aligned_buffer, close_file, pread_full
 
@@ -156,7 +157,7 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
         CorruptionError: a damaged manifest or data file; names the file and array.
         StateMismatchError: the state differs from ``like``; lists the keys.
     """
-    path = os.fspath(path)
+    path = path_argument(path, "path")
     if into and like is None:
         raise ConfigError("load(into=True) copies into like=: pass the state to fill")
     body = read_manifest(path)

@@ -9,7 +9,6 @@ iterates, a prefetcher in this process fetches the rank's upcoming misses.
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import threading
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lcache.checks import whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
 from lcache.data.plan import PlanResult, belady
@@ -27,19 +27,6 @@ from lcache.errors import ConfigError
 #: The largest epoch: the plan of an epoch is computed from epoch 0 on (3-5 us per access),
 #: so a step number given as the epoch would take hours.
 MAX_EPOCH = 100_000
-
-
-def _whole(value: Any, name: str, low: int, high: int | None = None) -> int:
-    """``value`` as an int in [low, high], or a ConfigError naming ``name``."""
-    try:
-        number = operator.index(value)  # ints and numpy integers; not bools, floats, str
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or number < low or \
-            (high is not None and number > high):
-        span = f"from {low:,} to {high:,}" if high is not None else f"of at least {low}"
-        raise ConfigError(f"{name}={value!r}: give a whole number {span}")
-    return number
 
 
 def _distributed() -> tuple[int, int]:
@@ -84,17 +71,17 @@ class SeedAwareSampler:
         self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
         d_rank, d_world = _distributed()
         self.world = d_world if num_replicas is None else \
-            _whole(num_replicas, "num_replicas", 1)
-        self.rank = d_rank if rank is None else _whole(rank, "rank", 0)
+            whole_number(num_replicas, "num_replicas", 1)
+        self.rank = d_rank if rank is None else whole_number(rank, "rank", 0)
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} is not in [0, {self.world})")
-        seed = _whole(seed, "seed", 0)
+        seed = whole_number(seed, "seed", 0)
         for value, name, low in ((prefetch_threads, "prefetch_threads", 1),
                                  (prefetch_window, "prefetch_window", 1),
                                  (prefetch_bytes, "prefetch_bytes", 1),
                                  (loader_workers, "loader_workers", 0)):
-            _whole(value, name, low)
-        local = _whole(local_world_size, "local_world_size", 1) if local_world_size else \
+            whole_number(value, name, low)
+        local = whole_number(local_world_size, "local_world_size", 1) if local_world_size else \
             int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         node = self.rank // local
         self.node_ranks = range(node * local, min((node + 1) * local, self.world))
@@ -146,7 +133,7 @@ class SeedAwareSampler:
         """The epoch to iterate next (0, 1, 2...; not the step: each epoch's plan is made
         from epoch 0 on, so it is at most ``MAX_EPOCH``)."""
         try:
-            epoch = _whole(epoch, "epoch", 0, MAX_EPOCH)
+            epoch = whole_number(epoch, "epoch", 0, MAX_EPOCH)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (the epoch, not the step)") from None
         if epoch != self.epoch:
@@ -252,10 +239,10 @@ class SeedAwareSampler:
             if state.get(key, 0 if key == "shard_window" else None) != mine:
                 raise ConfigError(f"sampler state has {key}={state.get(key)!r}, this sampler "
                                   f"{mine!r}; resume with the same settings")
-        consumed = _whole(state["consumed"], "the sampler state's consumed", 0)
+        consumed = whole_number(state["consumed"], "the sampler state's consumed", 0)
         if not 0 <= consumed <= self.num_samples:
             raise ConfigError(f"sampler state consumed={consumed} is outside this epoch "
                               f"(0..{self.num_samples})")
-        self.epoch = _whole(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
+        self.epoch = whole_number(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
         self._start = consumed
         self._yielded = consumed

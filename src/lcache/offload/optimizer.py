@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lcache.checkpoint.dist import rank_and_world
+from lcache.checks import path_argument
 from lcache.errors import ConfigError
 from lcache.io import Pending, aligned_buffer
 from lcache.offload.plan import ALIGN, F32, SubGroup, buffer_bytes, choose_numel, plan
@@ -135,7 +136,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  dir: Any, host_budget: int | str = "2GB", sub_group_size: int | None = None,
                  buffers: int = 3, direct: bool = True, preallocate: bool = True,
                  **options: Any) -> None:
+        dir = path_argument(dir, "dir")
         self.optimizer_class = optimizer_class or torch.optim.AdamW
+        if not (isinstance(self.optimizer_class, type)
+                and issubclass(self.optimizer_class, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer_class={self.optimizer_class!r}: give a torch "
+                              "optimizer class, e.g. torch.optim.AdamW")
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
             raise ConfigError(f"buffers={buffers!r}: the pipeline needs at least 2 buffers")
         self.names, self._params, groups = _named_groups(params)

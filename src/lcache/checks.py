@@ -1,0 +1,33 @@
+"""Checks of arguments the library takes: a bad value is a ConfigError that names it."""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any
+
+from lcache.errors import ConfigError
+
+
+def whole_number(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high] (ints and numpy integers; not bools, floats or
+    strings), or a ConfigError naming ``name``."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < low or \
+            (high is not None and number > high):
+        span = f"from {low:,} to {high:,}" if high is not None else f"of at least {low}"
+        raise ConfigError(f"{name}={value!r}: give a whole number {span}")
+    return number
+
+
+def path_argument(value: Any, name: str) -> str:
+    """``value`` as a path (a non-empty str or os.PathLike; "" would mean the current
+    directory), or a ConfigError naming ``name``."""
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and path.strip():
+            return path
+    raise ConfigError(f"{name}={value!r}: give a path")
