@@ -523,3 +523,35 @@ def test_s3_shards_coalesced_exact(s3_endpoint: str, s3_shards: str, tmp_path: P
 
     reads = [e for e in _io(_events(trace)) if e["cat"] == "data-source"]
     assert len(reads) == 3  # one ranged GET per shard
+
+
+def test_a_fifo_as_cache_json_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Regression: a FIFO named ``cache.json`` in a cache directory blocked opening it
+    forever. In a child, so a hang fails the test."""
+    import subprocess
+    import sys
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_bytes(b"x" * 100)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    os.mkfifo(cache / "cache.json")
+    code = ("import sys\nfrom lcache import LCacheError\nfrom lcache.data import CachedDataset\n"
+            "try:\n"
+            "    CachedDataset(sys.argv[1], sys.argv[2], capacity='40MB')\n"
+            "except LCacheError as exc:\n"
+            "    print('ERROR', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(cache)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"ERROR {cache / 'cache.json'} is a FIFO, not a regular file" in done.stdout, done.stdout
+    # What `lcache stats` reads it with (the one reader of cache.json).
+    from lcache.data.identity import read_cache_json
+    from lcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        read_cache_json(str(cache))
+    (cache / "cache.json").unlink()
+    assert read_cache_json(str(cache)) is None
+    (cache / "cache.json").write_bytes(b"{}")
+    assert read_cache_json(str(cache)) == b"{}"

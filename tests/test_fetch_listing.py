@@ -186,3 +186,67 @@ def test_cached_dataset_with_sizes_given(tmp_path: Path,
     with caplog.at_level("WARNING", logger="lcache"):
         CachedDataset(str(tmp_path / "d"), tmp_path / "cache2", "16MiB", files=sizes)
     assert "files= with sizes" in caplog.text and "pass fingerprint=" in caplog.text
+
+
+# ------------------------------------------------------------------------ not regular files
+def _special_tree(root: Path) -> dict[str, bytes]:
+    """Two real samples ("a", and "b", a link to "a"), and what is not a sample: a FIFO, a
+    link to /dev/zero, a dangling link, and a link to a directory."""
+    data = _tree(root, ["a"])
+    os.symlink(root / "a", root / "b")
+    os.mkfifo(root / "p")
+    os.symlink("/dev/zero", root / "z")
+    os.symlink(root / "missing", root / "dangling")
+    (root / "sub").mkdir()
+    os.symlink(root / "sub", root / "to-dir")
+    return data
+
+
+def test_a_local_listing_holds_only_regular_files(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    src_dir = tmp_path / "s"
+    src_dir.mkdir()
+    data = _special_tree(src_dir)
+    with caplog.at_level("WARNING", logger="lcache"):
+        src = FileSource(str(src_dir))
+    assert [os.path.basename(p) for p in src.paths] == ["a", "b"]
+    assert src.sizes().tolist() == [len(data["a"])] * 2
+    assert src.fetch_many([0, 1]) == [data["a"]] * 2
+    warnings = [r.getMessage() for r in caplog.records if "not regular files" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert "4 entries" in warnings[0] and str(src_dir / "dangling") in warnings[0]
+
+
+def test_files_naming_a_fifo_are_refused(tmp_path: Path) -> None:
+    src_dir = tmp_path / "s"
+    src_dir.mkdir()
+    _special_tree(src_dir)
+    for name in ("p", "z", "sub"):
+        with pytest.raises(SourceError, match=f"{src_dir / name} is not a regular file"):
+            FileSource(str(src_dir), files=["a", name])
+
+
+def test_a_fifo_in_the_source_does_not_hang_warm_or_a_dataset(tmp_path: Path) -> None:
+    """The finding: a FIFO (or a link to /dev/zero) listed as a sample blocked the read
+    forever (or read until memory ran out). In a child, so a hang fails the test."""
+    import subprocess
+    import sys
+
+    src_dir = tmp_path / "s"
+    src_dir.mkdir()
+    data = _tree(src_dir, ["a", "b"])
+    data["b"] = data["a"]
+    (src_dir / "b").write_bytes(data["a"])
+    os.mkfifo(src_dir / "p")
+    os.symlink("/dev/zero", src_dir / "z")
+    code = ("import sys; from lcache.data import CachedDataset\n"
+            "from lcache.data.warm import warm_cache\n"
+            f"src, c1, c2 = {str(src_dir)!r}, {str(tmp_path / 'c1')!r}, {str(tmp_path / 'c2')!r}\n"
+            "assert warm_cache(src, c1, '20MB', show_progress=False)['samples'] == 2\n"
+            "ds = CachedDataset(src, c2, capacity='40MB')\n"
+            "assert len(ds) == 2, len(ds)\n"
+            "sys.stdout.buffer.write(ds[1])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout == data["a"]
+    assert b"not regular files" in done.stderr

@@ -19,7 +19,6 @@ from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
 from lcache.cli.trace import report_cmd, trace_cmd
 from lcache.errors import CorruptionError, LCacheError
-from lcache.io.publish import special_kind
 from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
 
@@ -111,9 +110,12 @@ def _store_summary(directory: str) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def stats(directory: str, as_json: bool) -> None:
     """Show a sample cache's or a store's size, keys and counters (all processes)."""
-    identity = os.path.join(directory, "cache.json")
-    if os.path.exists(identity):
-        _cache_stats(directory, identity, as_json)
+    from lcache.data.identity import read_cache_json
+
+    raw = read_cache_json(directory)  # refuses a FIFO or a device there
+    if raw is not None:
+        _cache_stats(directory, _cache_identity(os.path.join(directory, "cache.json"), raw),
+                     as_json)
         return
     doc = _store_summary(directory)
     if as_json:
@@ -124,13 +126,9 @@ def stats(directory: str, as_json: bool) -> None:
     console.print(_table("counters (all processes, as of their last flush/close)", totals))
 
 
-def _cache_identity(path: str) -> dict[str, Any]:
-    """The cache's identity file, or a CorruptionError saying what is wrong with it."""
-    kind = special_kind(path)
-    if kind is not None:
-        raise CorruptionError(f"{path} is {kind}, not a cache's identity file")
-    with open(path, "rb") as f:
-        raw = f.read(1 << 20)
+def _cache_identity(path: str, raw: bytes) -> dict[str, Any]:
+    """The cache's identity (``raw``, read from ``path``), or a CorruptionError saying what
+    is wrong with it."""
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -142,10 +140,9 @@ def _cache_identity(path: str) -> dict[str, Any]:
     return doc
 
 
-def _cache_stats(directory: str, identity: str, as_json: bool) -> None:
+def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
     from lcache.data.shared import SharedCounters
 
-    source = _cache_identity(identity)
     counters = SharedCounters(os.path.join(directory, "counters.bin")).totals()
     accesses = counters["accesses"]
     store = _store_summary(os.path.join(directory, "store"))

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from lcache.data.identity import DirectoryIdentity, identify
+from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
 from lcache.data.sources import (
     FileSource,
@@ -109,12 +109,9 @@ def _shm_has_room(need: int) -> bool:
 
 def _cache_id(cache_dir: str) -> str | None:
     try:
-        fd = open_file(os.path.join(cache_dir, "cache.json"), os.O_RDONLY)
-        try:
-            return str(json.loads(os.read(fd, 1 << 20)).get("id"))
-        finally:
-            close_file(fd)
-    except (OSError, ValueError, AttributeError):
+        raw = read_cache_json(cache_dir)
+        return None if raw is None else str(json.loads(raw).get("id"))
+    except (OSError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
 
 
@@ -163,7 +160,9 @@ def check_locations(source: Any, cache_dir: Any) -> None:
         raise ConfigError("the source is an empty string; give a URL or a directory")
     if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
         raise ConfigError(f"cache_dir={cache_dir!r}: give the cache's directory")
-    if not isinstance(url, str) or ("://" in url and not url.startswith("file://")):
+    listed = isinstance(source, (str, FileSource))  # a table of ranges lists nothing
+    if not listed or not isinstance(url, str) or ("://" in url and
+                                                  not url.startswith("file://")):
         return
     root = os.path.realpath(url.removeprefix("file://"))
     where = os.path.realpath(os.fspath(cache_dir))

@@ -11,6 +11,7 @@ log says which.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -26,6 +27,7 @@ import xxhash
 
 from lcache.errors import ConfigError
 from lcache.io import atomic_write, close_file, open_file
+from lcache.io.publish import kind_of
 
 log = logging.getLogger("lcache")
 
@@ -102,6 +104,36 @@ def _describe(doc: dict[str, Any]) -> str:
     return f"{doc.get('source')!r} ({doc.get('samples')} samples{extra})"
 
 
+def read_cache_json(cache_dir: str) -> bytes | None:
+    """The bytes of ``DIR/cache.json`` (at most 1 MiB), or None if there is none: the one
+    place that reads it (opening a cache, ``lcache stats``).
+
+    Opened without blocking (``O_NONBLOCK``) and checked to be a regular file, so a FIFO or
+    a device under its name is an error rather than a hang or an endless read.
+
+    Raises:
+        ConfigError: ``cache.json`` is not a regular file (a link, a FIFO, a device...).
+    """
+    path = os.path.join(cache_dir, "cache.json")
+    try:
+        fd = open_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{path} is a symbolic link, not a regular file; remove it "
+                              "(or use another cache directory)") from exc
+        raise
+    try:
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise ConfigError(f"{path} is {kind}, not a regular file; remove it (or use "
+                              "another cache directory)")
+        return os.read(fd, 1 << 20)
+    finally:
+        close_file(fd)
+
+
 @dataclass
 class Opened:
     """The outcome of checking a directory: the cache id (a new one when the directory is
@@ -148,14 +180,9 @@ class DirectoryIdentity:
 
     def _load(self) -> dict[str, Any] | None:
         """The stored identity, or None if there is none this version can trust."""
-        try:
-            fd = open_file(self.json_path, os.O_RDONLY)
-        except FileNotFoundError:
+        raw = read_cache_json(self.cache_dir)
+        if raw is None:
             return None
-        try:
-            raw = os.read(fd, 1 << 20)
-        finally:
-            close_file(fd)
         try:
             doc = json.loads(raw)
         except ValueError:

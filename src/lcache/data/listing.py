@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -164,7 +165,8 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
                 raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: "
                                   f"{exc}") from exc
             bar.update(files=len(found))
-        objects = [p for p, info in found.items() if info.get("type") != "directory"]
+        objects = _samples_only(remote, [p for p, info in found.items()
+                                         if info.get("type") != "directory"], found)
         infos = {p: found[p] for p in objects if keep(p)}
         # e.g. HTTP listings carry neither sizes nor versions: ask each object (HEAD)
         bare = [p for p, info in infos.items() if not info.get("size") or
@@ -182,6 +184,39 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
     return infos, [p for p in objects if p not in infos]
 
 
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _samples_only(remote: Remote, paths: list[str], found: Mapping[str, dict[str, Any]]
+                  ) -> list[str]:
+    """``paths`` less, on a local filesystem, what is not a regular file (FIFOs, sockets,
+    devices, links to them or to directories, dangling links): reading one would block
+    forever or never end. A link to a regular file is kept. Logs one warning if any."""
+    if not _is_local(remote.fs()[0]):
+        return paths
+    kept, skipped = [], []
+    for p in paths:
+        # fsspec's local listing calls a regular file "file", anything else (a link to a
+        # regular file included) "other": only those are looked at again, following links.
+        if found[p].get("type") != "file":
+            try:
+                regular = stat.S_ISREG(os.stat(p).st_mode)
+            except OSError:
+                regular = False
+            if not regular:
+                skipped.append(p)
+                continue
+        kept.append(p)
+    if skipped:
+        log.warning("lcache: %d entries under %s are not regular files (FIFOs, sockets, "
+                    "devices, links to them, or dangling links) and are not samples, e.g. %s",
+                    len(skipped), remote.url, sorted(skipped)[0])
+    return kept
+
+
 def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
                 Sequence[tuple[str, int]]) -> Listing:
     """The listing of ``files`` (names under the URL, in sample order): with sizes given
@@ -191,6 +226,11 @@ def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
     if items and all(isinstance(f, str) for f in items):
         paths = [remote.path(str(f)) for f in items]
         infos = remote.infos(paths)
+        if _is_local(remote.fs()[0]):
+            for p, info in zip(paths, infos, strict=True):
+                if info.get("type") != "file":  # info follows links: a regular file is "file"
+                    raise SourceError(f"files=: {p} is not a regular file (a directory, a "
+                                      "FIFO, a socket or a device), so it is not a sample")
         return Listing(paths, np.array([int(i.get("size") or 0) for i in infos], np.int64),
                        [object_version(i) for i in infos])
     pairs = []

@@ -56,14 +56,18 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISSOCK, "a socket"))
 
 
+def kind_of(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is when not a regular file ("a FIFO"...)."""
+    return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
 def special_kind(path: str) -> str | None:
     """What ``path`` is when it is neither absent nor a regular file ("a character device",
     "a directory"...), else None."""
     try:
-        mode = os.stat(path).st_mode
+        return kind_of(os.stat(path).st_mode)
     except OSError:
         return None  # absent (or unreadable: the write says why)
-    return next((kind for test, kind in _KINDS if test(mode)), None)
 
 
 def _refuse_special(path: str) -> None:
