@@ -178,3 +178,58 @@ def test_a_link_planted_in_a_sticky_directory_is_refused(nobody_dir: Path) -> No
         fsck(link, repair=True)
     assert snapshot(real) == before
 
+
+
+# ------------------------------------------------------------------------ not regular files
+_USE_IN_CHILD = """
+import sys
+from lcache import LCacheError
+from lcache.store import Store
+try:
+    with Store.open(sys.argv[1], create=False) as store:
+        store.get_many(list(range(40)))
+        store.put(1000, b"new")
+        store.get_many(list(range(40)))
+except LCacheError as exc:
+    print("ERROR", exc)
+"""
+
+_FSCK_IN_CHILD = """
+import sys
+from lcache import LCacheError
+from lcache.store import fsck
+try:
+    print(fsck(sys.argv[1]).problems)
+except LCacheError as exc:
+    print("ERROR", exc)
+"""
+
+
+@pytest.mark.parametrize("what", ["store.json", "int index", "byte index", "delete journal",
+                                  "segment log", "segment summary", "stats.json"])
+def test_a_fifo_inside_a_store_never_blocks(tmp_path: Path, what: str) -> None:
+    """Regression: a FIFO under a store file's name blocked opening the store, reading from
+    it and ``lcache fsck`` forever. Now the open never waits (``O_NONBLOCK``) and anything but
+    a regular file is refused like a link, with the way out. In children: a hang fails."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    fill(root, 1)
+    name = _targets(root)[what]
+    (root / name).unlink()
+    os.mkfifo(root / name)
+
+    used = subprocess.run([sys.executable, "-c", _USE_IN_CHILD, str(root)],
+                          capture_output=True, text=True, timeout=60)
+    assert used.returncode == 0, used.stderr
+    if "ERROR" in used.stdout:  # refused, naming the file
+        assert f"{root / name} is a FIFO" in used.stdout, used.stdout
+    if what not in ("stats.json", "segment summary"):  # advisory, or rebuilt by a scan
+        assert f"lcache fsck --repair {root}" in used.stdout, used.stdout
+
+    checked = subprocess.run([sys.executable, "-c", _FSCK_IN_CHILD, str(root)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr
+    if what != "stats.json":  # fsck does not look at the counters
+        assert name.split("/")[-1] in checked.stdout, checked.stdout

@@ -2,7 +2,8 @@
 
 Never through a symbolic link: the store directory is private, so a link inside it can only be
 a plant or damage; every file is opened with ``O_NOFOLLOW`` and a link is a CorruptionError
-that says how to get rid of it.
+that says how to get rid of it. Nor anything but a regular file: a FIFO, a device or a socket
+under a store file's name is opened without blocking (``O_NONBLOCK``) and refused the same way.
 
 The indexes and the delete journal are replaced whole (an index grows into a larger table,
 ``fsck --repair`` rebuilds one, the journal is compacted), while other processes hold them
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
+import stat
 from typing import Protocol
 
 from lcache.errors import CorruptionError, DiskFullError
-from lcache.io import fsync_dir, open_file
+from lcache.io import close_file, fsync_dir, open_file
+from lcache.io.publish import kind_of
 
 STEMS = ("index-int", "index-bytes", "deletes")
 _GENERATIONAL = re.compile(r"^(index-int|index-bytes|deletes)-(\d+)\.bin$")
@@ -51,18 +55,41 @@ def symlink_error(path: str) -> CorruptionError:
         f"(run `lcache fsck --repair {store_root(path)}`)")
 
 
+def not_regular_error(path: str, mode: int) -> CorruptionError:
+    what = kind_of(mode) or "not a regular file"
+    return CorruptionError(
+        f"{path} is {what}, not a regular file, and lcache never reads one inside a store; "
+        f"remove it (run `lcache fsck --repair {store_root(path)}`)")
+
+
 def open_in_store(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
-    """``open_file`` (``O_NOFOLLOW``, ``O_CLOEXEC``) with a planted link as a clear error.
+    """``open_file`` (``O_NOFOLLOW``, ``O_CLOEXEC``) of a regular file, with a planted link
+    or anything else (a FIFO, a device, a socket) as a clear error.
+
+    Opened with ``O_NONBLOCK``, so a FIFO planted under a store file's name never blocks the
+    open; the fd is checked (``fstat``) and the flag cleared for a regular file.
 
     Raises:
-        CorruptionError: ``path`` is a symbolic link.
+        CorruptionError: ``path`` is a symbolic link or not a regular file.
     """
     try:
-        return open_file(path, flags, direct, mode)
+        fd = open_file(path, flags | os.O_NONBLOCK, direct, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise symlink_error(path) from exc
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing, with no reader
+            raise not_regular_error(path, stat.S_IFIFO) from exc
         raise
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise not_regular_error(path, st_mode)
+        if not flags & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        close_file(fd)
+        raise
+    return fd
 
 
 def allocate(fd: int, path: str, start: int, length: int) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from lcache.errors import CorruptionError, StoreNotFoundError
 from lcache.io import close_file, fsync_dir, pread_full, pwrite_full, sync_fd
+from lcache.io.publish import kind_of
 from lcache.store import record
 from lcache.store.deletes import DeleteJournal, decode, encode, journal_body, write_journal
 from lcache.store.files import (
@@ -172,15 +173,21 @@ class _Checker:
 
     # ------------------------------------------------------------------ files
     def _check_links(self) -> None:
-        """Nothing inside a store is a symbolic link; repair removes them (not their targets)."""
+        """Nothing inside a store is a symbolic link, a FIFO, a socket or a device (opening
+        one could block or never end); repair removes them (not a link's target)."""
         for folder in (self.root, segments_dir(self.root)):
             for name in sorted(os.listdir(folder)):
                 path = os.path.join(folder, name)
-                if os.path.islink(path):
+                mode = os.lstat(path).st_mode
+                if stat.S_ISLNK(mode):
                     self.problem(f"{path} is a symbolic link (never followed)")
-                    self.links.add(path)
-                    if self.fix:
-                        os.unlink(path)
+                elif stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                    continue
+                else:
+                    self.problem(f"{path} is {kind_of(mode)}, not a regular file")
+                self.links.add(path)
+                if self.fix:
+                    os.unlink(path)
 
     def _check_config(self) -> None:
         cfg_path = os.path.join(self.root, CONFIG_NAME)
