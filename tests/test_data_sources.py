@@ -549,7 +549,7 @@ def test_a_fifo_as_cache_json_is_refused_not_waited_on(tmp_path: Path) -> None:
     from lcache.data.identity import read_cache_json
     from lcache.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="is not a regular file"):
+    with pytest.raises(ConfigError, match="is a FIFO, not a regular file"):
         read_cache_json(str(cache))
     (cache / "cache.json").unlink()
     assert read_cache_json(str(cache)) is None
