@@ -152,3 +152,15 @@ def test_trace_interval_is_a_finite_number_of_seconds(tmp_path: Path, interval: 
     run = run_lcache("trace", "--interval", interval, "-o", "t.trace", "--", "true",
                      cwd=tmp_path)
     assert_one_line_error(run, "--interval", "0.01 to 3600")
+
+
+def test_a_gzip_of_newlines_is_refused_early(tmp_path: Path) -> None:
+    """100 KB of gzip held 10^8 newlines, which took minutes to read one by one; a run of
+    blank lines longer than any trace has is refused, a few are still skipped."""
+    bomb = tmp_path / "blank.trace.gz"
+    bomb.write_bytes(gzip.compress(b"\n" * 10**6, 9))
+    assert_one_line_error(report(str(bomb), cwd=tmp_path), "blank.trace.gz: line 10001",
+                          "blank lines in a row")
+    good = _good(tmp_path / "good.trace")
+    good.write_text("\n\n" + good.read_text().replace("\n", "\n\n"))
+    assert summarize(good)["total"]["ops"] == 5

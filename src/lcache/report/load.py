@@ -70,6 +70,7 @@ class Trace:
 #: are cut to 4 KiB); a longer line is damage or not a trace, and the cap bounds the memory a
 #: file without newlines (``/dev/zero``, a gzip bomb) can take.
 MAX_LINE = 1 << 20
+MAX_BLANK_LINES = 10_000  # in a row: a gzip of 10^8 newlines (100 KB) took minutes to read
 
 #: Timestamps and durations are microseconds; beyond 2^53 (285 years) a float loses the
 #: microsecond and the time bins of the report would overflow.
@@ -119,6 +120,7 @@ def records(path: str) -> Iterator[tuple[int, str | Block]]:
     """
     lineno = 0
     at = 0
+    blank = 0  # blank lines in a row
     try:
         with _open(path) as raw:
             magic = raw.read(2)
@@ -137,6 +139,15 @@ def records(path: str) -> Iterator[tuple[int, str | Block]]:
                     raise TraceFormatError(f"{path}: line {lineno}: longer than {MAX_LINE} "
                                            "characters, which no trace event is; the file is "
                                            "damaged or not a trace")
+                if data.isspace():  # no writer makes them: a run of them is a bomb
+                    blank += 1
+                    if blank > MAX_BLANK_LINES:
+                        raise TraceFormatError(f"{path}: line {lineno}: more than "
+                                               f"{MAX_BLANK_LINES:,} blank lines in a row, "
+                                               "which no trace has; the file is damaged or "
+                                               "not a trace")
+                    continue
+                blank = 0
                 yield lineno, data.decode("utf-8")
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise TraceFormatError(f"{path}: line {lineno + 1}: compressed data is cut short or "
