@@ -136,6 +136,7 @@ def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> 
     ["demo", "--epochs", "0"], ["demo", "--cache-fraction", "nan"], ["demo", "--latency", "inf"],
     ["demo", "--workers", "-1"], ["store-demo", "--samples", "0"],
     ["store-demo", "--samples", "1", "--sample-size", "5GB"],
+    ["warm", "src", "--cache", "c", "--capacity", "1MB", "--threads", "0"],
 ])
 def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     """What click refuses (a missing argument, a value out of range) is one line naming the

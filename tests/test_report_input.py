@@ -164,3 +164,11 @@ def test_a_gzip_of_newlines_is_refused_early(tmp_path: Path) -> None:
     good = _good(tmp_path / "good.trace")
     good.write_text("\n\n" + good.read_text().replace("\n", "\n\n"))
     assert summarize(good)["total"]["ops"] == 5
+
+
+def test_trace_refuses_an_output_directory_that_does_not_exist(tmp_path: Path) -> None:
+    """As report and advise do: it used to create the folders."""
+    run = run_lcache("trace", "-o", str(tmp_path / "no" / "such" / "t.trace"), "--", "true",
+                     cwd=tmp_path)
+    assert run.returncode == 2 and "does not exist" in run.stderr, run.stderr
+    assert not (tmp_path / "no").exists()

@@ -168,7 +168,8 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
               help="The cache directory (on the local SSD).")
 @click.option("--capacity", default="50GB", show_default=True,
               help="Bound on the cache's bytes on disk.")
-@click.option("--threads", default=16, show_default=True, help="Fetches in flight.")
+@click.option("--threads", default=16, show_default=True, type=click.IntRange(1, 1024),
+              help="Fetches in flight.")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
