@@ -65,6 +65,7 @@ def test_storage_check(trace: Path, tmp_path: Path) -> None:
     (("T", "--hit-ratio", "1.5"), ["--hit-ratio", "out of range"]),
     (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
     (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
+    (("T", "--scale-gpus", "1e9"), ["--scale-gpus", "digits only"]),
     (("T", "--ssd-capacity", "lots"), ["lots", "size"]),
     (("T", "--model", "llama9"), ["llama9"]),
     (("T", "--bogus"), ["--bogus"]),

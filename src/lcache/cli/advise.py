@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -29,13 +30,18 @@ class _OneLineErrors(click.Command):
 
 
 def _number(value: str, option: str, kind: type, lo: float, hi: float) -> Any:
+    span = f"{lo:,}..{hi:,}" if kind is int else f"{lo:g}..{hi:g}"
     try:
         n = kind(value)
     except ValueError:
-        raise ConfigError(f"{option} {value!r:.40} is not a number; give one in "
-                          f"{lo:g}..{hi:g}") from None
+        what = "a number"
+        if kind is int:
+            with contextlib.suppress(ValueError):
+                float(value)
+                what = "a whole number written with digits only (1000000, not 1e6)"
+        raise ConfigError(f"{option} {value!r:.40} is not {what}; give one in {span}") from None
     if not lo <= n <= hi:
-        raise ConfigError(f"{option} {n:g} is out of range; give one in {lo:g}..{hi:g}")
+        raise ConfigError(f"{option} {n:g} is out of range; give one in {span}")
     return n
 
 
