@@ -228,3 +228,33 @@ def moto_s3() -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def fork_while_held(lock: Any, target: Any, *args: Any) -> int | None:
+    """Fork a child running ``target(*args)`` while another thread of this process holds
+    ``lock``; the child's exit code, or None when it hung (killed after 20 s)."""
+    import multiprocessing
+    import threading
+
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        proc = multiprocessing.get_context("fork").Process(target=target, args=args)
+        proc.start()
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            return None
+        return proc.exitcode
+    finally:
+        release.set()
+        holder.join()

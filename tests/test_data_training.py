@@ -35,7 +35,7 @@ from lcache.errors import ConfigError  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402
 
 from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
-from .conftest import KIB, MIB, run_torchrun  # noqa: E402
+from .conftest import KIB, MIB, fork_while_held, run_torchrun  # noqa: E402
 
 HEADER = 32  # record header bytes the cache adds to every sample
 
@@ -621,29 +621,9 @@ def test_a_child_forked_while_a_thread_holds_a_setup_lock_does_not_hang(
     held = getattr(importlib.import_module(module), lock)
     ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
     ds[0]  # opened in the parent: the child reopens what it inherits
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with held:
-            holding.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(30)
-        proc = multiprocessing.get_context("fork").Process(target=use, args=(tmp_path, ds))
-        proc.start()
-        proc.join(20)
-        hung = proc.is_alive()
-        if hung:
-            proc.kill()
-            proc.join()
-    finally:
-        release.set()
-        holder.join()
-    assert not hung, f"the child waited for {lock}, which its parent's thread held at fork"
-    assert proc.exitcode == 0
+    code = fork_while_held(held, use, tmp_path, ds)
+    assert code is not None, f"the child waited for {lock}, which its parent's thread held at fork"
+    assert code == 0
 
 
 def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ from lcache.io import get_tracer, open_file, pread_full, pwrite_full, sync_fd
 from lcache.io.files import close_file
 from lcache.report.load import json_lines
 
+from .conftest import fork_while_held
+
 HERE = Path(__file__).parent
 
 
@@ -138,38 +140,16 @@ def test_a_child_forked_while_a_thread_registers_its_buffer_does_not_hang(
     record lists (its first traced I/O, as a DataLoader forks its workers): the child's
     at-fork hook clears those lists under that lock, and must not wait for a thread the
     child does not have."""
-    import multiprocessing
-    import threading
-
     from lcache.io import tracer
 
-    trace = tmp_path / "t.trace"
-    lcache.trace.enable(str(trace))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with tracer._buffers_lock:
-            holding.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
+    lcache.trace.enable(str(tmp_path / "t.trace"))
     try:
-        assert holding.wait(30)
-        proc = multiprocessing.get_context("fork").Process(
-            target=lambda: lcache.trace.record("write", "child", 0, 1, "other", 0, 1, 1))
-        proc.start()
-        proc.join(20)
-        hung = proc.is_alive()
-        if hung:
-            proc.kill()
-            proc.join()
+        code = fork_while_held(tracer._buffers_lock, lcache.trace.record, "write", "child", 0,
+                               1, "other", 0, 1, 1)
     finally:
-        release.set()
-        holder.join()
         lcache.trace.disable()
-    assert not hung, "the child waited for a lock its parent's thread held at fork"
-    assert proc.exitcode == 0
+    assert code is not None, "the child waited for a lock its parent's thread held at fork"
+    assert code == 0
 
 
 def test_forked_child_names_what_it_inherited(tmp_path: Path) -> None:
