@@ -151,7 +151,7 @@ def test_trace_and_advise_refuse_the_same_outputs(tmp_path: Path) -> None:
 def test_trace_interval_is_a_finite_number_of_seconds(tmp_path: Path, interval: str) -> None:
     run = run_lcache("trace", "--interval", interval, "-o", "t.trace", "--", "true",
                      cwd=tmp_path)
-    assert_one_line_error(run, "--interval", "0.01 to 3600")
+    assert_one_line_error(run, "--interval", "0.01..3600")
 
 
 def test_a_gzip_of_newlines_is_refused_early(tmp_path: Path) -> None:

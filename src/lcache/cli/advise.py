@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
 import click
 from rich.console import Console
 
-from lcache.cli.outputs import check_output
+from lcache.cli.checks import check_output, number
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
 
@@ -27,22 +26,6 @@ class _OneLineErrors(click.Command):
         except click.UsageError as exc:
             raise ConfigError(f"lcache advise: {exc.format_message()} (see lcache advise "
                               "--help)") from None
-
-
-def _number(value: str, option: str, kind: type, lo: float, hi: float) -> Any:
-    span = f"{lo:,}..{hi:,}" if kind is int else f"{lo:g}..{hi:g}"
-    try:
-        n = kind(value)
-    except ValueError:
-        what = "a number"
-        if kind is int:
-            with contextlib.suppress(ValueError):
-                float(value)
-                what = "a whole number written with digits only (1000000, not 1e6)"
-        raise ConfigError(f"{option} {value!r:.40} is not {what}; give one in {span}") from None
-    if not lo <= n <= hi:
-        raise ConfigError(f"{option} {n:g} is out of range; give one in {span}")
-    return n
 
 
 @click.command("advise", cls=_OneLineErrors)
@@ -93,22 +76,22 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
     if not traces:
         raise ConfigError("lcache advise: give a trace file (lcache trace -o FILE -- CMD "
                           "writes one)")
-    t = Targets(hit_ratio=_number(hit_ratio, "--hit-ratio", float, 0.001, 1.0),
-                max_stall=_number(max_stall, "--max-stall", float, 0.0001, 0.99),
+    t = Targets(hit_ratio=number(hit_ratio, "--hit-ratio", float, 0.001, 1.0),
+                max_stall=number(max_stall, "--max-stall", float, 0.0001, 0.99),
                 ssd_write_Bps=parse_size(ssd_write), ssd_read_Bps=parse_size(ssd_read),
                 ssd_capacity_bytes=parse_size(ssd_capacity),
-                ssds=_number(ssds, "--ssds", int, 1, 1024),
-                rated_dwpd=_number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
-    gpus = None if scale_gpus is None else _number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
+                ssds=number(ssds, "--ssds", int, 1, 1024),
+                rated_dwpd=number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
+    gpus = None if scale_gpus is None else number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
     for path, what in ((emit_path, "workload"), (html_path, "page")):
         if path is not None:
             check_output(path, what, traces)
     doc = advise(list(traces), t, scale_gpus=gpus, model=model,
-                 gpus_per_node=_number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
-                 traced_gpus=None if traced_gpus is None else _number(
+                 gpus_per_node=number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
+                 traced_gpus=None if traced_gpus is None else number(
                      traced_gpus, "--traced-gpus", int, 1, 1 << 24),
                  storage=storage,
-                 check_epochs=_number(check_epochs, "--check-epochs", int, 1, 1000),
+                 check_epochs=number(check_epochs, "--check-epochs", int, 1, 1000),
                  html_path=html_path, show_progress=not as_json)
     if emit_path is not None:
         atomic_write(emit_path, doc["workload"]["yaml"].encode(), mode=0o644)

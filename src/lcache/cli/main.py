@@ -15,6 +15,7 @@ from rich.table import Table
 from lcache import __version__
 from lcache.cli.advise import advise_cmd
 from lcache.cli.bench import bench
+from lcache.cli.checks import number_option
 from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
 from lcache.cli.trace import report_cmd, trace_cmd
@@ -56,9 +57,7 @@ class _Group(click.Group):
             where = exc.ctx.command_path if exc.ctx is not None else "lcache"
             _error(f"{' '.join(exc.format_message().split())} (see `{where} --help`)")
         except click.ClickException as exc:
-            err_console.print(f"[bold red]error:[/] {' '.join(exc.format_message().split())}",
-                              highlight=False, soft_wrap=True)
-            sys.exit(exc.exit_code)
+            _error(" ".join(exc.format_message().split()), exc.exit_code)
         except click.Abort:
             err_console.print("Aborted!", highlight=False)
             sys.exit(1)
@@ -73,10 +72,10 @@ class _Group(click.Group):
             _error(_one_line(exc))
 
 
-def _error(line: str) -> NoReturn:
+def _error(line: str, code: int = 2) -> NoReturn:
     # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
     err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -215,23 +214,6 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
     sys.exit(0 if report.clean else 2)
 
 
-def _finite(value: float, name: str, low: float, high: float, low_open: bool) -> float:
-    """``value`` if it lies in (low, high] (``low_open``) or [low, high]; NaN never does."""
-    ok = (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        raise click.BadParameter(f"{value:g} is not in {'(' if low_open else '['}{low:g}, "
-                                 f"{high:g}]", param_hint=name)
-    return value
-
-
-def _fraction(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    return _finite(value, "--cache-fraction", 0.0, 1.0, low_open=True)
-
-
-def _latency(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    return _finite(value, "--latency", 0.0, 10.0, low_open=False)
-
-
 @cli.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Where to put the remote's files and the cache (default: a temporary "
@@ -239,10 +221,12 @@ def _latency(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--samples", default=4000, show_default=True, type=click.IntRange(1, 10**7),
               help="Samples in the dataset.")
 @click.option("--sample-size", default="16KiB", show_default=True, help="Bytes per sample.")
-@click.option("--cache-fraction", default=0.5, show_default=True, callback=_fraction,
-              help="Cache capacity as a fraction of the dataset (above 0, at most 1).")
+@click.option("--cache-fraction", default=0.5, show_default=True,
+              callback=number_option("--cache-fraction", float, 0.001, 1.0),
+              help="Cache capacity as a fraction of the dataset (0.001 to 1).")
 @click.option("--epochs", default=3, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--latency", default=0.005, show_default=True, callback=_latency,
+@click.option("--latency", default=0.005, show_default=True,
+              callback=number_option("--latency", float, 0.0, 10.0),
               help="Seconds the remote waits before each response (0 to 10).")
 @click.option("--bandwidth", default="25MB", show_default=True,
               help="The remote's bandwidth cap, per second.")

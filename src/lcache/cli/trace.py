@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ from typing import Any
 
 import click
 
-from lcache.cli.outputs import check_output
+from lcache.cli.checks import check_output, number_option
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.trace.recorder import ENV
@@ -118,22 +117,12 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
             "trace": writer.path}
 
 
-def _interval(ctx: click.Context, param: click.Parameter, value: object) -> float:
-    """A number of seconds from 0.01 to 3600 (NaN and infinity are not)."""
-    try:
-        seconds = float(str(value))
-    except ValueError:
-        seconds = math.nan
-    if not 0.01 <= seconds <= 3600:  # False for NaN
-        raise ConfigError(f"--interval {value}: give seconds from 0.01 to 3600")
-    return seconds
-
-
 @click.command("trace", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Trace file to write (ending in .gz compresses it).")
-@click.option("--interval", default="0.2", show_default=True, callback=_interval,
+@click.option("--interval", default="0.2", show_default=True,
+              callback=number_option("--interval", float, 0.01, 3600),
               help="Seconds between samples of /proc/<pid>/io and /proc/diskstats "
                    "(0.01 to 3600).")
 @click.option("--syscalls", is_flag=True,

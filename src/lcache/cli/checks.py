@@ -1,9 +1,14 @@
-"""The checks every command makes on a file it will write, before any long work."""
+"""Checks of what a command is given: the files it will write (before any long work) and
+the numbers it is given."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
 
 from lcache.errors import ConfigError
 from lcache.io.publish import special_kind
@@ -30,3 +35,27 @@ def check_output(path: str, what: str, inputs: Iterable[str] = ()) -> None:
         if same:
             raise ConfigError(f"cannot write the {what} {path}: it is the input {given}, "
                               "which writing would destroy; choose another path")
+
+
+def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
+    """``value`` (as typed) as ``kind`` in [lo, hi], or a ConfigError naming ``option``
+    (NaN and infinities are never in range)."""
+    span = f"{lo:,}..{hi:,}" if kind is int else f"{lo:g}..{hi:g}"
+    try:
+        n = kind(value)
+    except ValueError:
+        what = "a number"
+        if kind is int:
+            with contextlib.suppress(ValueError):
+                float(value)
+                what = "a whole number written with digits only (1000000, not 1e6)"
+        raise ConfigError(f"{option} {value!r:.40} is not {what}; give one in {span}") from None
+    if not lo <= n <= hi:
+        raise ConfigError(f"{option} {n:g} is out of range; give one in {span}")
+    return n
+
+
+def number_option(option: str, kind: type, lo: float, hi: float
+                  ) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that checks an option with :func:`number`."""
+    return lambda ctx, param, value: number(value, option, kind, lo, hi)
