@@ -87,7 +87,7 @@ def run_as_nobody(imports: str, body: str, arg: str) -> str:
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
-def _bounded_memory() -> None:
+def bounded_memory() -> None:
     # A failing input must not take the machine (old code grew to 8 GB on some of them).
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
@@ -97,7 +97,7 @@ def run_lcache(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = subprocess_env()
     env.pop("LCACHE_TRACE", None)
     return subprocess.run([sys.executable, "-m", "lcache", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60, preexec_fn=_bounded_memory)
+                          capture_output=True, text=True, timeout=60, preexec_fn=bounded_memory)
 
 
 def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) -> str:

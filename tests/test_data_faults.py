@@ -29,7 +29,7 @@ from lcache.errors import ConfigError, StorePermissionError
 from lcache.store import fsck
 from lcache.testing.remote import ThrottledServer
 
-from .conftest import KIB, MIB, mounted_tmpfs, run_as_nobody, subprocess_env
+from .conftest import KIB, MIB, bounded_memory, mounted_tmpfs, run_as_nobody, subprocess_env
 
 NOBODY = 65534
 CAPACITY = "16MiB"
@@ -89,6 +89,46 @@ def test_object_deleted_after_http_listing(tmp_path: Path) -> None:
         message = str(info.value)
         assert "sample 2" in message and url + "s0002.bin" in message, message
         assert ds[1] == files[1]
+
+
+def test_object_rewritten_after_listing_is_refused_not_cached(tmp_path: Path) -> None:
+    files = _make_files(tmp_path / "data", 4)
+    with ThrottledServer(str(tmp_path)) as server:
+        url = server.url + "/data/"
+        ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
+        (tmp_path / "data" / "s0002.bin").write_bytes(files[2] + b"grown")
+        (tmp_path / "data" / "s0003.bin").write_bytes(files[3][:-1])
+        for i in (2, 3):
+            with pytest.raises(SourceError) as info:
+                ds[i]
+            message = str(info.value)
+            assert f"sample {i}" in message and f"{url}s000{i}.bin" in message, message
+            assert "changed since the source was opened" in message, message
+        assert ds[1] == files[1]
+        for i in (2, 3):  # nothing of the rewritten objects was kept
+            (tmp_path / "data" / f"s000{i}.bin").write_bytes(files[i])
+            assert ds[i] == files[i]
+
+
+def test_local_object_swapped_for_an_endless_file_is_not_read_without_end(
+        tmp_path: Path) -> None:
+    # A child with 4 GiB of memory at most: code that reads the whole "object" runs out.
+    _make_files(tmp_path / "data", 3)
+    code = (
+        "import os, sys\n"
+        "from lcache.data import CachedDataset, SourceError\n"
+        "ds = CachedDataset(sys.argv[1] + '/data', sys.argv[1] + '/cache', '16MiB')\n"
+        "victim = sys.argv[1] + '/data/s0001.bin'\n"
+        "os.unlink(victim); os.symlink('/dev/zero', victim)\n"
+        "try:\n"
+        "    ds[1]\n"
+        "except SourceError as exc:\n"
+        "    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env(),
+                          preexec_fn=bounded_memory, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sample 1" in done.stdout and "changed since the source was opened" in done.stdout
 
 
 def test_range_source_file_missing_or_short(tmp_path: Path) -> None:

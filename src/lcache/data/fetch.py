@@ -5,7 +5,10 @@ request, the requests run concurrently (``Remote.bounded``) and retried
 A coalesced response is never trusted by position alone: one shorter or longer than asked
 (a truncated object, a server that ignores Range) is an error naming the first sample it
 would have cut, and a format's ``check`` (tar header checksums, say) sees every sample
-before it is returned.
+before it is returned. A whole object of a known size is asked for one byte more than that
+size and refused unless exactly that size arrives: an object rewritten since it was listed
+is an error, not new bytes cached under the old listing, and one swapped for something
+endless is not read without end.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from lcache.trace import recorder as _trace
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """One sample's bytes: ``path[start:end]``, or the whole object when ``start`` is None."""
+    """One sample's bytes: ``path[start:end]``, or the whole object when ``start`` is None
+    (of ``size`` bytes as listed, None: not known)."""
 
     index: int
     path: str
     start: int | None = None
     end: int | None = None
+    size: int | None = None
 
 
 @dataclass(slots=True)
@@ -37,6 +42,13 @@ class Request:
     start: int | None
     end: int | None
     wants: list[int] = field(default_factory=list)
+    size: int | None = None  # a whole object's listed size
+
+    def asked(self) -> tuple[int | None, int | None]:
+        """The range to ask for: a whole object of a known size up to one byte past it."""
+        if self.start is None and self.size is not None:
+            return 0, self.size + 1
+        return self.start, self.end
 
 
 def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
@@ -47,7 +59,7 @@ def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
     by_path: dict[str, list[int]] = {}
     for pos, w in enumerate(wants):
         if w.start is None:
-            requests.append(Request(w.path, None, None, [pos]))
+            requests.append(Request(w.path, None, None, [pos], w.size))
         else:
             by_path.setdefault(w.path, []).append(pos)
     for path, positions in by_path.items():
@@ -82,6 +94,12 @@ def _split(remote: Remote, wants: Sequence[Want], req: Request, data: bytes,
            out: list[bytes | None]) -> None:
     """Cut ``data`` (the response to ``req``) into its wants, after checking its length."""
     if req.start is None:
+        if req.size is not None and len(data) != req.size:
+            more = "more than " if len(data) > req.size else ""
+            raise SourceError(
+                f"{_samples(wants, req)}: {remote.full_url(req.path)} is now {more}"
+                f"{len(data)} bytes, {req.size} when it was listed: it changed since the "
+                f"source was opened (open it again)")
         for pos in req.wants:
             out[pos] = data
         return
@@ -121,7 +139,7 @@ def fetch(remote: Remote, wants: Sequence[Want],
         datas = [_read_here(remote, wants, requests[0])]
     else:
         def job(r: Request) -> Callable[[], Awaitable[bytes]]:
-            return lambda: remote.cat(r.path, r.start, r.end, lambda: _describe(remote, wants, r))
+            return lambda: remote.cat(r.path, *r.asked(), lambda: _describe(remote, wants, r))
 
         datas = remote.run(lambda: remote.bounded(job(r) for r in requests))
     for req, data in zip(requests, datas, strict=True):
@@ -139,10 +157,11 @@ def _read_here(remote: Remote, wants: Sequence[Want], req: Request) -> bytes:
     """One request to a non-async filesystem, in this thread (no event loop round trip)."""
     fs, _ = remote.fs()
     url = remote.full_url(req.path)
-    size = 0 if req.end is None else req.end - (req.start or 0)
+    start, end = req.asked()
+    size = 0 if end is None else end - (start or 0)
     t0 = time.perf_counter_ns() if _trace._active is not None else 0
     try:
-        data = bytes(fs.cat_file(req.path, start=req.start, end=req.end))
+        data = bytes(fs.cat_file(req.path, start=start, end=end))
     except Exception as exc:
         trace_read(url, req.start or 0, size, t0, -errno.EIO)
         raise SourceError(f"{_describe(remote, wants, req)}: {type(exc).__name__}: "

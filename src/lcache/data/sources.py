@@ -116,6 +116,7 @@ class FileSource:
                 keep(listing)
         self.paths = listing.paths
         self._sizes = listing.sizes
+        self._object_sizes = listing.sizes  # as listed (0: not known)
         self._versions = listing.versions
 
     def _list(self, files: Sequence[Any] | Mapping[str, int] | None,
@@ -177,8 +178,11 @@ class FileSource:
         return self.fetch_many([index])[0]
 
     def fetch_many(self, indices: Sequence[int]) -> list[bytes]:
-        """The objects of ``indices``, fetched concurrently, in order."""
-        return fetch(self._remote, [Want(int(i), self.paths[int(i)]) for i in indices])
+        """The objects of ``indices``, fetched concurrently, in order; one whose size is not
+        the listed one is an error (it changed since the listing)."""
+        sizes = self._object_sizes
+        return fetch(self._remote, [Want(int(i), self.paths[int(i)],
+                                         size=int(sizes[int(i)]) or None) for i in indices])
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
