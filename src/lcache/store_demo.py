@@ -22,6 +22,7 @@ from rich.progress import Progress
 
 from lcache.errors import ConfigError
 from lcache.store import Store, StoreConfig, fsck, parse_size
+from lcache.store.segment import list_segments
 
 SEGMENT_SIZE = 8 << 20
 MAX_WRITERS = 2
@@ -94,6 +95,16 @@ def _kill_mid_write(root: str, first_key: int, size: int, batches: int) -> int:
                 raise RuntimeError("the demo's writer process made no progress in 120 s")
             time.sleep(0.01)
         time.sleep(random.uniform(0, 0.05))  # land somewhere inside the next batch
+        # Stopped, it cannot change the store: kill it only where it left a segment open
+        # (not in the moment between sealing a full one and making the next, which would
+        # leave nothing to recover and the demo nothing to show).
+        while True:
+            child.send_signal(signal.SIGSTOP)
+            logs, sums = list_segments(root)
+            if set(logs) - sums or time.monotonic() > deadline:
+                break
+            child.send_signal(signal.SIGCONT)
+            time.sleep(0.001)
         child.send_signal(signal.SIGKILL)
         child.wait()
     finally:
