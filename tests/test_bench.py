@@ -507,7 +507,7 @@ def test_from_model_runs_on_real_storage(tmp_path: Path) -> None:
     # data: one mmap_indexed_binary sample of the planned size per step, read exactly
     record = p.workload.record_length
     assert [e["bytes_read"] for e in doc["per_epoch"]] == [p.steps * record]
-    data = tmp_path / "data" / "train"
+    data = tmp_path / "data" / f"3x{record}B" / "train"
     assert sum(f.stat().st_size for f in data.glob("*.mmap_indexed_binary")) == p.steps * record
     # checkpoint: the node's share scaled, written once and read back once
     assert doc["metric"]["checkpoint_size_GB"] * GIB == p.workload.model_size > 0
@@ -518,3 +518,35 @@ def test_from_model_runs_on_real_storage(tmp_path: Path) -> None:
     offload = list(tmp_path.glob("output/checkpoints/offload-offload-*-rank0.bin"))
     assert [f.stat().st_size for f in offload] == [max(io.write_bytes, io.read_bytes)]
     assert info["classes"]["optimizer-offload"]["capped"]  # bert-large asks > 2 MiB a step
+
+
+def test_from_model_rerun_in_the_same_dir_reads_its_own_shape(tmp_path: Path) -> None:
+    """Regression: a rerun with other --steps reused the first run's data file ("indexes 3
+    samples; the workload needs 4"), and one with another --duration read samples sized for
+    the first run's scale."""
+    runs = []
+    for steps, duration in (("3", "0.3"), ("4", "0.3"), ("4", "0.6")):
+        res = CliRunner().invoke(cli, ["bench", "from-model", "bert-large", "--duration",
+                                       duration, "--steps", steps, "--dir", str(tmp_path),
+                                       "--json"])
+        assert res.exit_code == 0, res.output
+        runs.append(json.loads(res.output))
+    records = []
+    for doc, steps in zip(runs, (3, 4, 4), strict=True):
+        (epoch,) = doc["per_epoch"]
+        assert doc["from_model"]["steps"] == steps and epoch["bytes_read"] % steps == 0
+        records.append(epoch["bytes_read"] // steps)
+    # each step moves a share of the scaled interval: 4 steps move 3/4 of what 3 do each,
+    # and twice the duration doubles it
+    assert records[1] == pytest.approx(records[0] * 3 / 4, rel=1e-4)
+    assert records[2] == pytest.approx(records[1] * 2, rel=1e-4)
+
+
+def test_from_model_says_when_it_emulates_fewer_steps_than_asked(tmp_path: Path) -> None:
+    from lcache.model import config_from_preset, predict
+
+    interval = predict(config_from_preset("llama3-8b")).to_dict()["checkpoint_interval_steps"]
+    res = CliRunner().invoke(cli, ["bench", "from-model", "llama3-8b", "--duration", "0.3",
+                                   "--steps", str(interval + 5), "--dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert f"--steps {interval + 5} emulates {interval}" in " ".join(res.output.split())

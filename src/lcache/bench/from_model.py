@@ -51,7 +51,8 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
         prediction: the model's figures (``step_time_s``, ``checkpoint_interval_steps``,
             ``checkpoint_bytes_per_node``, ``classes``).
         duration: seconds the emulated checkpoint interval takes.
-        steps: emulated steps (at least 3: DLIO's AU skips the first).
+        steps: emulated steps (at least 3: DLIO's AU skips the first; at most one per real
+            step of the interval).
         world: ranks on this node sharing its traffic.
         max_step_bytes: cap on one class's bytes per emulated step per node.
         restart: also read the checkpoint back (the ``checkpoint-read`` class).
@@ -148,6 +149,10 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     pred = predict(config_from_preset(preset, **overrides)).to_dict()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p = plan(pred, duration, steps, world, max_step_bytes, restart, name=preset)
+    # One folder per dataset shape: files kept from a run with other steps or another scale
+    # would be read with their own sample count and sizes, not the ones this run needs.
+    w = p.workload
+    data_dir = os.path.join(data_dir, f"{w.num_samples_per_file}x{w.record_length}B")
     opts = BenchOptions(data_dir=data_dir, output=output,
                         checkpoint_dir=os.path.join(output, "checkpoints"),
                         show_progress=show_progress, step_io=p.step_io, trace=trace,
@@ -161,7 +166,8 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     capped = [c for c, v in p.classes.items() if v.get("capped")]
     info = {
         "preset": preset, "overrides": overrides, "duration_s": duration,
-        "scale": p.scale, "steps": p.steps, "step_time_s": pred["step_time_s"],
+        "scale": p.scale, "steps": p.steps, "steps_asked": steps,
+        "step_time_s": pred["step_time_s"],
         "emulated_step_s": duration / p.steps,
         "checkpoint_interval_steps": pred.get("checkpoint_interval_steps"),
         "classes": p.classes, "capped": capped,

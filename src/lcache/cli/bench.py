@@ -197,6 +197,10 @@ def from_model_cmd(preset: str, duration: float, steps: int, directory: str,
         _print(summary, as_json)
         return
     info = summary["from_model"]
+    if info["steps"] < steps:
+        console.print(f"note: one checkpoint interval of {preset} is "
+                      f"{info['checkpoint_interval_steps']} real steps; --steps {steps} "
+                      f"emulates {info['steps']} (one per real step at most)")
     table = Table(title=f"{preset}: one checkpoint interval scaled by {info['scale']:.3g} into "
                   f"{duration:g} s ({info['steps']} steps of {info['emulated_step_s']:.3f} s)")
     table.add_column("class")
