@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lcache.data import CachedDataset, FileSource, SeedAwareSampler  # noqa: E402
+from lcache.data import sampler as sampler_module  # noqa: E402
 from lcache.data.order import epoch_order, node_order, rank_order  # noqa: E402
 from lcache.data.plan import NEVER, belady, next_uses, simulate_lru, simulate_opt  # noqa: E402
 from lcache.data.shared import FetchClaims, SharedCounters  # noqa: E402
@@ -524,6 +525,31 @@ def test_sampler_plan_is_the_whole_sequence_belady(small_data: Path, tmp_path: P
     whole = belady(seq, SIZE + HEADER, sampler.plan_capacity)
     for e in range(3):  # the last epoch's plan looks one epoch further: compare 0..2
         assert sampler.plan(e).hits.tolist() == whole.hits[e * N:(e + 1) * N].tolist()
+
+
+@pytest.mark.parametrize("capacity", [3 * MIB, CAPACITY, 7 * MIB])
+def test_a_resumed_sampler_plans_from_two_epochs_back_not_from_epoch_0(
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capacity: int) -> None:
+    """Regression: a sampler resumed at epoch E planned epochs 0..E (a million samples at
+    epoch 100: minutes). It plans E-2..E from an empty cache, and the plan is the same."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", capacity)
+    continuous = SeedAwareSampler(ds, seed=5, prefetch=False)
+    for e in range(31):
+        continuous.plan(e)  # one epoch after another, as a job that never stopped
+    calls = []
+    real = sampler_module.belady
+    monkeypatch.setattr(sampler_module, "belady",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    resumed = SeedAwareSampler(ds, seed=5, prefetch=False)
+    resumed.load_state_dict(continuous.state_dict(consumed=7) | {"epoch": 30})
+    plan = resumed.plan(30)
+    assert len(calls) == 3
+    assert plan.keep.tolist() == continuous.plan(30).keep.tolist()
+    assert plan.hits.tolist() == continuous.plan(30).hits.tolist()
+    resumed.set_epoch(90_000)  # a jump: planned from 89,998, not from 30
+    resumed.plan(90_000)
+    assert len(calls) == 6
 
 
 def test_next_epochs_plan_is_made_while_this_epoch_runs(small_data: Path,
