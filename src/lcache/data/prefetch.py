@@ -24,7 +24,7 @@ import numpy.typing as npt
 from lcache.data.cache import SampleCache
 
 log = logging.getLogger("lcache")
-GROUP = 8  # samples per prefetch request
+GROUP = 16  # samples per prefetch_many: with 2 threads, 32 requests in flight
 IDLE_WAIT = 0.05  # seconds: the longest a missed wake-up can delay the prefetcher
 
 
@@ -57,7 +57,7 @@ def shard_groups(positions: list[int], samples: list[int], shards: npt.NDArray[n
 class Prefetcher:
     def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64],
                  keep: npt.NDArray[np.bool_], start: int, *,
-                 hits: npt.NDArray[np.bool_] | None = None, threads: int = 16,
+                 hits: npt.NDArray[np.bool_] | None = None, threads: int = 2,
                  window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP,
                  shards: npt.NDArray[np.int64] | None = None, reach: int = 0) -> None:
         self.cache = cache
