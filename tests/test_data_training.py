@@ -33,6 +33,7 @@ from lcache.data.order import epoch_order, node_order, rank_order  # noqa: E402
 from lcache.data.plan import NEVER, belady, next_uses, simulate_lru, simulate_opt  # noqa: E402
 from lcache.data.shared import FetchClaims, SharedCounters  # noqa: E402
 from lcache.errors import ConfigError  # noqa: E402
+from lcache.store import Store, fsck  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402
 
 from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
@@ -180,6 +181,23 @@ def test_dataloader_every_sample_once_in_sampler_order(small_data: Path, tmp_pat
 @pytest.fixture(scope="module")
 def big_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_samples(tmp_path_factory.mktemp("big") / "data", BIG_N, BIG_SIZE)
+
+
+def test_dataloader_workers_seal_their_segments_when_they_exit(small_data: Path,
+                                                              tmp_path: Path) -> None:
+    """Regression: a worker leaves by os._exit (no atexit), so each epoch left its segments
+    open, to be recovered as a crashed writer's by the next process (and counted so)."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, seed=3, loader_workers=2, prefetch=False)
+    loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=2, collate_fn=list)
+    for epoch in range(2):  # workers started and ended with each epoch
+        sampler.set_epoch(epoch)
+        assert_once_each(read_epoch(loader, SIZE), N)
+    ds.cache.close()
+    assert fsck(str(tmp_path / "cache" / "store")).clean
+    with Store.open(str(tmp_path / "cache" / "store")) as store:
+        assert store.counters.recovered_segments == 0  # none was left open
+        assert store.stats()["recovered_segments"] == 0  # nor recovered by the loop
 
 
 @pytest.mark.slow

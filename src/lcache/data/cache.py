@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import math
+import multiprocessing.util
 import os
 import shutil
 import stat
@@ -96,6 +97,28 @@ def _close_open_caches() -> None:
     for cache in list(_OPEN_CACHES):
         with contextlib.suppress(Exception):
             cache.close()
+
+
+def _seal_in_forked_child() -> None:
+    for cache in list(_OPEN_CACHES):
+        with contextlib.suppress(Exception):
+            cache.close_stores_in_child()
+
+
+class _ForkedChild:
+    """Why: a multiprocessing child (a DataLoader worker) ends with os._exit, so atexit does
+    not close its caches; its segments were left open each epoch, for the next process to
+    recover as a crashed writer's (and stats counted those recoveries). multiprocessing runs
+    its own finalizers at that exit, but clears those inherited over fork: each child
+    registers one when it starts."""
+
+    @staticmethod
+    def started(_: object) -> None:
+        multiprocessing.util.Finalize(None, _seal_in_forked_child, exitpriority=0)
+
+
+_FORKED_CHILD = _ForkedChild()
+multiprocessing.util.register_after_fork(_FORKED_CHILD, _ForkedChild.started)
 
 
 def _shm_has_room(need: int) -> bool:
@@ -358,6 +381,13 @@ class SampleCache:
             pass  # another process still stages samples there
         finally:
             close_file(self._users)
+
+    def close_stores_in_child(self) -> None:
+        """At a forked child's exit: close the stores it used (sealing the segments it
+        wrote); the staging area and its users lock stay its parent's."""
+        for store in (self._store, self._staging):
+            if store is not None and store.opened_here:
+                store.close()
 
     def plan_capacity(self, writers: int, early: int = 0) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,

@@ -239,6 +239,12 @@ class Store(Space, Reader):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def opened_here(self) -> bool:
+        """Whether this process has its own descriptors (it made or used the store, not
+        only inherited it over ``fork``) and has not closed them."""
+        return not self._closed and self._pid == os.getpid()
+
     def close(self) -> None:
         """Seal this process's segment, make everything durable and release all files."""
         if self._closed:
