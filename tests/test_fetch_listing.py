@@ -188,6 +188,18 @@ def test_cached_dataset_with_sizes_given(tmp_path: Path,
     assert "files= with sizes" in caplog.text and "pass fingerprint=" in caplog.text
 
 
+def test_a_wrong_size_in_files_is_an_error_not_cached_bytes(tmp_path: Path) -> None:
+    written = _tree(tmp_path / "d", ["a.bin", "b.bin"])
+    sizes = {"a.bin": len(written["a.bin"]), "b.bin": len(written["b.bin"]) - 1}
+    ds = CachedDataset(str(tmp_path / "d"), tmp_path / "cache", "16MiB", files=sizes,
+                       fingerprint="v1")
+    assert ds[0] == written["a.bin"]
+    with pytest.raises(SourceError, match="files= gave a wrong size") as info:
+        ds[1]
+    assert "sample 1" in str(info.value) and "b.bin" in str(info.value)
+    assert 1 not in ds.cache.store()
+
+
 # ------------------------------------------------------------------------ not regular files
 def _special_tree(root: Path) -> dict[str, bytes]:
     """Two real samples ("a", and "b", a link to "a"), and what is not a sample: a FIFO, a

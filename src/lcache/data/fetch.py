@@ -99,7 +99,7 @@ def _split(remote: Remote, wants: Sequence[Want], req: Request, data: bytes,
             raise SourceError(
                 f"{_samples(wants, req)}: {remote.full_url(req.path)} is now {more}"
                 f"{len(data)} bytes, {req.size} when it was listed: it changed since the "
-                f"source was opened (open it again)")
+                f"source was opened (open it again), or files= gave a wrong size")
         for pos in req.wants:
             out[pos] = data
         return
