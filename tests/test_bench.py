@@ -198,6 +198,41 @@ def test_generated_files_follow_dlio_layout(tmp_path: Path, fmt: str) -> None:
         assert got == 30 * 1000  # exactly the samples' bytes, found through the index
 
 
+@pytest.mark.parametrize("fmt", ["npz", "npy", "indexed_binary", "tfrecord"])
+def test_files_kept_from_another_workload_are_generated_again(
+        tmp_path: Path, fmt: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: generation kept any file with the expected name, so a rerun with another
+    record length or sample count read the old files (and reported figures about them)."""
+    def workload(record: int, per_file: int) -> Any:
+        return parse_workload(small(tmp_path, dataset={
+            "format": fmt, "num_files_train": 4, "num_samples_per_file": per_file,
+            "record_length_bytes": record}))
+
+    def read_all(w: Any) -> int:
+        reader = SampleReader(w, list_files(w, str(tmp_path / "data")))
+        try:
+            got = reader.read_batch(np.arange(4 * w.num_samples_per_file))
+        finally:
+            reader.close()
+        return got
+
+    first = workload(1000, 3)
+    assert generate(first, str(tmp_path / "data")) == (4, generate(
+        first, str(tmp_path / "data2"))[1])
+    assert generate(first, str(tmp_path / "data"))[0] == 0  # they fit: kept
+    for record, per_file in ((1600, 3), (1600, 5)):
+        w = workload(record, per_file)
+        with caplog.at_level("WARNING", logger="lcache"):
+            assert generate(w, str(tmp_path / "data"))[0] == 4
+        assert "generating the train files again" in caplog.text
+        caplog.clear()
+        got = read_all(w)
+        if fmt in ("npz", "npy"):
+            assert got >= 4 * per_file * record  # whole files, headers included
+        else:
+            assert got == 4 * per_file * record
+
+
 def test_many_indexed_files_keep_few_open(tmp_path: Path) -> None:
     """An indexed dataset of many files read by threads holds at most 64 fds per thread."""
     from lcache.bench import reader as reader_mod

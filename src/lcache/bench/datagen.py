@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from lcache.bench.resources import need_memory
 from lcache.errors import ConfigError
 from lcache.io import close_file, fsync_dir, open_file, pwrite_full, sync_fd
 
+log = logging.getLogger("lcache")
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 _CHECK_MEMORY_FROM = 64 << 20
@@ -152,8 +154,9 @@ def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
     """Write this rank's share of the training (and evaluation) files.
 
     File ``i`` goes to rank ``i % world``. Files that already exist with the expected name are
-    kept (DLIO regenerates them; keeping them makes a rerun cheap). Returns the files and
-    bytes this rank wrote.
+    kept when the first of them fits the workload (DLIO regenerates them; keeping them makes
+    a rerun cheap); a folder made for another workload is written again. Returns the files
+    and bytes this rank wrote.
     """
     if w.on_s3 and rank == 0:
         storage.make_bucket(w)
@@ -203,11 +206,50 @@ def _existing(w: Workload, data_dir: str, split: str) -> set[str]:
     return {e.name for e in os.scandir(root) if e.name.endswith(suffix)}
 
 
+def _bytes_of_file(w: Workload, size: int) -> tuple[int, int]:
+    """The least and most bytes a data file of samples of ``size`` bytes holds, as written
+    here or by DLIO: its samples without ``record_length_stdev`` are squares of side
+    ``int(sqrt(size))``, a little less; npy and npz add a header (and DLIO's npz 8-byte
+    labels), DLIO's TFRecords wrap each sample in a small protobuf."""
+    n = w.num_samples_per_file
+    side = int(math.sqrt(size))
+    low = min(size, side * side) if w.record_length_stdev <= 0 else size
+    if w.format == "tfrecord":
+        return n * (low + 16), n * (size + 16 + 64)
+    if w.format in ("npy", "npz"):
+        return n * low, n * (size + 8) + (64 << 10)
+    return n * low, n * size
+
+
+def _made_for_another(w: Workload, root: str, split: str, have: set[str],
+                      sizes: np.ndarray) -> str | None:
+    """Why the split's kept files do not fit this workload (another sample count or size),
+    judged by the first of them; None when they fit."""
+    first = 0 if split == "train" else w.num_files_train
+    for i in range(_count(w, split)):
+        name = file_name(w, split, i)
+        if name in have:
+            low, high = _bytes_of_file(w, int(sizes[first + i]))
+            got = os.path.getsize(f"{root}/{name}")
+            if low <= got <= high:
+                return None
+            want = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+            return f"{root}/{name} holds {got:,} bytes, this workload's {want}"
+    return None
+
+
 def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: int,
                     sizes: np.ndarray, progress: Callable[[int], None] | None
                     ) -> tuple[int, int]:
     root = f"{data_dir.rstrip('/')}/{split}"
     have = _existing(w, data_dir, split)
+    if have and not w.on_s3:
+        # Kept files of another workload would be read with their own sample count and
+        # sizes, and every figure of the run would be about them: write them again.
+        why = _made_for_another(w, root, split, have, sizes)
+        if why is not None:
+            log.warning("lcache bench: %s: generating the %s files again", why, split)
+            have = set()
     folders = {root} | {os.path.dirname(f"{root}/{file_name(w, split, i)}")
                         for i in range(min(_count(w, split), _subfolders(w, split)))}
     if not w.on_s3:
