@@ -221,12 +221,13 @@ def _bytes_of_file(w: Workload, size: int) -> tuple[int, int]:
     return n * low, n * size
 
 
-def _made_for_another(w: Workload, root: str, split: str, have: set[str],
-                      sizes: np.ndarray) -> str | None:
-    """Why the split's kept files do not fit this workload (another sample count or size),
-    judged by the first of them; None when they fit."""
+def _made_for_another(w: Workload, root: str, split: str, have: set[str], sizes: np.ndarray,
+                      rank: int, world: int) -> str | None:
+    """Why the kept files this rank writes do not fit this workload (another sample count or
+    size), judged by the first of them (only its own: another rank may be rewriting its
+    files); None when they fit."""
     first = 0 if split == "train" else w.num_files_train
-    for i in range(_count(w, split)):
+    for i in range(rank, _count(w, split), world):
         name = file_name(w, split, i)
         if name in have:
             low, high = _bytes_of_file(w, int(sizes[first + i]))
@@ -246,7 +247,7 @@ def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: in
     if have and not w.on_s3:
         # Kept files of another workload would be read with their own sample count and
         # sizes, and every figure of the run would be about them: write them again.
-        why = _made_for_another(w, root, split, have, sizes)
+        why = _made_for_another(w, root, split, have, sizes, rank, world)
         if why is not None:
             log.warning("lcache bench: %s: generating the %s files again", why, split)
             have = set()
