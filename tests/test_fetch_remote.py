@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lcache.trace
@@ -230,6 +230,8 @@ def test_short_answer_names_the_first_sample_cut(tmp_path: Path, big: bytes) -> 
 @given(spans=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 900)), min_size=1,
                       max_size=25),
        gap=st.integers(0, 2000), cap=st.integers(1, 6000))
+# found by CI: a want inside a request already over the cap (one larger want) was asked again
+@example(spans=[(0, 1)] * 7 + [(0, 2), (0, 1)], gap=0, cap=1)
 def test_plan_covers_every_want_within_its_limits(spans: list[tuple[int, int]], gap: int,
                                                   cap: int) -> None:
     wants = [Want(i, "f" if i % 3 else "g", s, s + n) for i, (s, n) in enumerate(spans)]
@@ -240,7 +242,8 @@ def test_plan_covers_every_want_within_its_limits(spans: list[tuple[int, int]], 
         assert r.start is not None and r.end is not None
         assert all(wants[p].path == r.path and r.start <= wants[p].start  # type: ignore[operator]
                    and wants[p].end <= r.end for p in r.wants)  # type: ignore[operator]
-        assert len(r.wants) == 1 or r.end - r.start <= cap
+        assert r.end - r.start <= cap or any(  # or no larger than one of its wants
+            (wants[p].start, wants[p].end) == (r.start, r.end) for p in r.wants)
     per_path: dict[str, list[tuple[int, int]]] = {}
     for r in requests:
         per_path.setdefault(r.path, []).append((r.start, r.end))  # type: ignore[arg-type]

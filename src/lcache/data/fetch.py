@@ -54,7 +54,7 @@ class Request:
 def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
     """Requests for ``wants``: ranges of one object whose gap is at most ``gap`` bytes (or
     that overlap) become one request of at most ``max_request`` bytes (a single want may be
-    larger); whole objects are one request each."""
+    larger, and the wants inside it join it); whole objects are one request each."""
     requests: list[Request] = []
     by_path: dict[str, list[int]] = {}
     for pos, w in enumerate(wants):
@@ -68,9 +68,11 @@ def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
         for pos in positions:
             w = wants[pos]
             assert w.start is not None and w.end is not None
+            # (A want inside the current request joins it even when that request, one large
+            # want, is already over max_request: it grows nothing.)
             if (cur is not None and cur.end is not None and cur.start is not None
                     and w.start - cur.end <= gap
-                    and max(cur.end, w.end) - cur.start <= max_request):
+                    and (w.end <= cur.end or max(cur.end, w.end) - cur.start <= max_request)):
                 cur.end = max(cur.end, w.end)
                 cur.wants.append(pos)
             else:
