@@ -235,7 +235,7 @@ def _made_for_another(w: Workload, root: str, split: str, have: set[str], sizes:
             if low <= got <= high:
                 return None
             want = f"{low:,}" if low == high else f"{low:,}-{high:,}"
-            return f"{root}/{name} holds {got:,} bytes, this workload's {want}"
+            return f"{root}/{name} holds {got:,} bytes, not the {want} this workload writes"
     return None
 
 
@@ -249,7 +249,7 @@ def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: in
         # sizes, and every figure of the run would be about them: write them again.
         why = _made_for_another(w, root, split, have, sizes, rank, world)
         if why is not None:
-            log.warning("lcache bench: %s: generating the %s files again", why, split)
+            log.warning("%s: generating the %s files again", why, split)
             have = set()
     folders = {root} | {os.path.dirname(f"{root}/{file_name(w, split, i)}")
                         for i in range(min(_count(w, split), _subfolders(w, split)))}
