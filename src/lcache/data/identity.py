@@ -27,7 +27,7 @@ import xxhash
 
 from lcache.errors import ConfigError
 from lcache.io import atomic_write, close_file, open_file
-from lcache.io.publish import kind_of
+from lcache.io.files import NotRegularFile, open_regular
 
 log = logging.getLogger("lcache")
 
@@ -116,19 +116,18 @@ def read_cache_json(cache_dir: str) -> bytes | None:
     """
     path = os.path.join(cache_dir, "cache.json")
     try:
-        fd = open_file(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except NotRegularFile as exc:
+        raise ConfigError(f"{path} is {exc.kind}, not a regular file; remove it (or use "
+                          "another cache directory)") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ConfigError(f"{path} is a symbolic link, not a regular file; remove it "
                               "(or use another cache directory)") from exc
         raise
     try:
-        kind = kind_of(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise ConfigError(f"{path} is {kind}, not a regular file; remove it (or use "
-                              "another cache directory)")
         return os.read(fd, 1 << 20)
     finally:
         close_file(fd)

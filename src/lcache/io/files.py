@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
 
 from lcache.errors import ConfigError
 from lcache.io import tracer as _tracer
@@ -35,6 +38,49 @@ def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) ->
     else:
         fd = os.open(path, flags, mode)
     _tracer.note_open(fd, os.fsdecode(path))
+    return fd
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is when not a regular file ("a FIFO"...)."""
+    return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
+class NotRegularFile(OSError):
+    """:func:`open_regular` found something else under the name; ``kind`` says what."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"{path} is {kind}, not a regular file")
+        self.kind = kind
+
+
+def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
+    """:func:`open_file` of a regular file only. Opened with ``O_NONBLOCK``, so a FIFO under
+    the name never blocks the open; the fd is checked (``fstat``) and the flag cleared.
+
+    Raises:
+        NotRegularFile: a FIFO, a device, a socket or a directory is there.
+    """
+    try:
+        fd = open_file(path, flags | os.O_NONBLOCK, direct, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing, with no reader
+            raise NotRegularFile(path, "a FIFO") from exc
+        raise
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise NotRegularFile(path, kind_of(st_mode) or "not a regular file")
+        if not flags & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        close_file(fd)
+        raise
     return fd
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 
 from lcache.errors import ConfigError, DiskFullError
 from lcache.io.engine import pwrite_full, sync_fd
-from lcache.io.files import close_file, fsync_dir, open_file
+from lcache.io.files import close_file, fsync_dir, kind_of, open_file
 
 
 def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bool = True,
@@ -48,17 +47,6 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
         ):
             raise DiskFullError(f"no space left on the device writing {path}") from exc
         raise
-
-
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"))
-
-
-def kind_of(mode: int) -> str | None:
-    """What a file of ``st_mode`` ``mode`` is when not a regular file ("a FIFO"...)."""
-    return next((kind for test, kind in _KINDS if test(mode)), None)
 
 
 def special_kind(path: str) -> str | None:

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
-import stat
 from typing import Protocol
 
 from lcache.errors import CorruptionError, DiskFullError
-from lcache.io import close_file, fsync_dir, open_file
-from lcache.io.publish import kind_of
+from lcache.io import fsync_dir
+from lcache.io.files import NotRegularFile, open_regular
 
 STEMS = ("index-int", "index-bytes", "deletes")
 _GENERATIONAL = re.compile(r"^(index-int|index-bytes|deletes)-(\d+)\.bin$")
@@ -55,41 +53,24 @@ def symlink_error(path: str) -> CorruptionError:
         f"(run `lcache fsck --repair {store_root(path)}`)")
 
 
-def not_regular_error(path: str, mode: int) -> CorruptionError:
-    what = kind_of(mode) or "not a regular file"
-    return CorruptionError(
-        f"{path} is {what}, not a regular file, and lcache never reads one inside a store; "
-        f"remove it (run `lcache fsck --repair {store_root(path)}`)")
-
-
 def open_in_store(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
-    """``open_file`` (``O_NOFOLLOW``, ``O_CLOEXEC``) of a regular file, with a planted link
-    or anything else (a FIFO, a device, a socket) as a clear error.
-
-    Opened with ``O_NONBLOCK``, so a FIFO planted under a store file's name never blocks the
-    open; the fd is checked (``fstat``) and the flag cleared for a regular file.
+    """``open_regular`` (``O_NOFOLLOW``, ``O_CLOEXEC``, never blocking on a FIFO) with a
+    planted link or anything but a regular file (a FIFO, a device, a socket) as a clear
+    error.
 
     Raises:
         CorruptionError: ``path`` is a symbolic link or not a regular file.
     """
     try:
-        fd = open_file(path, flags | os.O_NONBLOCK, direct, mode)
+        return open_regular(path, flags, direct, mode)
+    except NotRegularFile as exc:
+        raise CorruptionError(
+            f"{path} is {exc.kind}, not a regular file, and lcache never reads one inside a "
+            f"store; remove it (run `lcache fsck --repair {store_root(path)}`)") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise symlink_error(path) from exc
-        if exc.errno == errno.ENXIO:  # a FIFO opened for writing, with no reader
-            raise not_regular_error(path, stat.S_IFIFO) from exc
         raise
-    try:
-        st_mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(st_mode):
-            raise not_regular_error(path, st_mode)
-        if not flags & os.O_NONBLOCK:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        close_file(fd)
-        raise
-    return fd
 
 
 def allocate(fd: int, path: str, start: int, length: int) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from lcache.errors import CorruptionError, StoreNotFoundError
 from lcache.io import close_file, fsync_dir, pread_full, pwrite_full, sync_fd
-from lcache.io.publish import kind_of
+from lcache.io.files import kind_of
 from lcache.store import record
 from lcache.store.deletes import DeleteJournal, decode, encode, journal_body, write_journal
 from lcache.store.files import (
