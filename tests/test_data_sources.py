@@ -32,6 +32,7 @@ from lcache.data import (
     codec,
 )
 from lcache.data.codec import CodecError
+from lcache.errors import ConfigError
 from lcache.testing.remote import ThrottledServer
 
 from .conftest import moto_s3
@@ -99,6 +100,19 @@ def test_file_source_with_nothing_to_serve(tmp_path: Path) -> None:
     _write_tree(tmp_path / "d", ["a.txt"])
     with pytest.raises(SourceError, match="no samples found"):
         FileSource(str(tmp_path / "d"), suffixes=(".bin",))
+
+
+def test_a_local_folder_with_double_colons_is_read_as_named(tmp_path: Path) -> None:
+    # fsspec reads "::" as a chain of filesystems: "d::x" would be listed and read as "d".
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "0.bin").write_bytes(b"the other folder")
+    (tmp_path / "d::x").mkdir()
+    (tmp_path / "d::x" / "0.bin").write_bytes(b"this folder")
+    ds = CachedDataset(str(tmp_path / "d::x"), tmp_path / "cache", CAPACITY)
+    assert ds[0] == b"this folder"
+    assert FileSource(f"file://{tmp_path}/d::x").fetch(0) == b"this folder"
+    with pytest.raises(ConfigError, match=r"cannot open http://127.0.0.1:1/d::x: fsspec reads"):
+        FileSource("http://127.0.0.1:1/d::x")
 
 
 def test_range_source_over_one_big_file(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from lcache.bench.config import Workload
 from lcache.errors import ConfigError
+from lcache.io.urls import filesystem_of
 
 
 def fsspec_options(w: Workload) -> dict[str, Any]:
@@ -39,12 +40,12 @@ def fsspec_options(w: Workload) -> dict[str, Any]:
 def filesystem(w: Workload) -> Any:
     """The s3fs filesystem of the workload's data folder."""
     try:
-        import fsspec.core
-
-        fs, _ = fsspec.core.url_to_fs(w.data_folder, **fsspec_options(w))
-    except ImportError as exc:
-        raise ConfigError(f"{w.source}: storage_type s3 needs s3fs: pip install "
-                          "'lcache[s3]' (or s3fs)") from exc
+        fs, _ = filesystem_of(w.data_folder, fsspec_options(w))
+    except ConfigError as exc:
+        if isinstance(exc.__cause__, ImportError):
+            raise ConfigError(f"{w.source}: storage_type s3 needs s3fs: pip install "
+                              "'lcache[s3]' (or s3fs)") from exc
+        raise
     return fs
 
 

@@ -14,6 +14,7 @@ from lcache.checkpoint.persist import CHUNK, open_member
 from lcache.checkpoint.restore import read_manifest
 from lcache.errors import ConfigError
 from lcache.io import close_file, pread_full
+from lcache.io.urls import filesystem_of
 
 IO_CLASS = "checkpoint-upload"
 
@@ -21,9 +22,7 @@ IO_CLASS = "checkpoint-upload"
 def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | None = None
                       ) -> str:
     """Upload the checkpoint directory ``path`` to ``url/<name>``; returns that URL."""
-    import fsspec
-
-    fs, base = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, base = filesystem_of(url, storage_options)
     name = os.path.basename(path.rstrip(os.sep))
     dest = f"{base.rstrip('/')}/{name}"
     # the files the manifest names (checked plain names), nothing else found in the directory

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from lcache.errors import ConfigError, CorruptionError, LCacheError
+from lcache.io.urls import filesystem_of
 from lcache.trace import recorder as _trace
 
 T = TypeVar("T")
@@ -182,12 +183,7 @@ class Remote:
             if self._fs is not None:
                 _INHERITED.append(self._fs)  # see _INHERITED
             self._pool = None
-            import fsspec.core
-
-            try:
-                fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-            except (ImportError, ValueError) as exc:
-                raise ConfigError(f"cannot open {self.url}: {exc}") from exc
+            fs, root = filesystem_of(self.url, self.storage_options)
             # s3fs splits a whole-object read into parallel parts after a HEAD for its size:
             # one more request per sample (it halved the objects fetched per second).
             cat = getattr(fs, "_cat_file", None)

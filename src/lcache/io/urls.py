@@ -1,0 +1,42 @@
+"""The fsspec filesystem of a URL or a local path: the one way every layer opens one."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from lcache.errors import ConfigError
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+def filesystem_of(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(filesystem, path)`` of ``url``, a URL (``s3://bucket/data``) or a local path.
+
+    fsspec reads ``::`` as a chain of filesystems (``simplecache::s3://...``), so through it
+    the folder ``/data/a::b`` would be read as ``/data/a``: another dataset's bytes. A local
+    path is taken as it is written; a URL holding ``::`` is refused (lcache takes no
+    chained filesystems: it is the cache).
+
+    Raises:
+        ConfigError: a URL with ``::``, or one fsspec cannot open (an unknown protocol, a
+            missing package).
+    """
+    import fsspec.core
+
+    options = storage_options or {}
+    if "::" in url:
+        scheme, sep, _ = url.partition("://")
+        if sep and _SCHEME.fullmatch(scheme) and scheme != "file":
+            raise ConfigError(f"cannot open {url}: fsspec reads '::' as a chain of "
+                              "filesystems, which lcache does not take; rename the object or "
+                              "folder, or give the URL without a chain")
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(**options), os.path.abspath(url.removeprefix("file://"))
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"cannot open {url}: {exc}") from exc
+    return fs, str(path)
