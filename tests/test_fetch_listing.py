@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,29 @@ def test_ranks_of_one_launch_list_once(tmp_path: Path, monkeypatch: pytest.Monke
         kept.write_text(json.dumps(doc))
         FileSource(url, cache_dir=cache)
         assert _listed(server) > asked
+
+
+_READ_FIRST = """
+import sys
+from lcache.data import CachedDataset
+print(CachedDataset(sys.argv[1], sys.argv[2], "16MiB")[0].decode())
+"""
+
+
+def test_a_later_run_from_the_same_parent_lists_again(tmp_path: Path) -> None:
+    # Two runs from one shell with LOCAL_RANK exported share a "launch" (the parent process):
+    # the second, started after the listing was made, must not reuse it.
+    (tmp_path / "d").mkdir()
+    sample = tmp_path / "d" / "0.txt"
+    sample.write_text("before")
+    env = {**os.environ, "LOCAL_RANK": "0"}
+    cmd = [sys.executable, "-c", _READ_FIRST, str(tmp_path / "d"), str(tmp_path / "cache")]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.strip() == "before"
+    sample.write_text("after!")  # same size
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    assert second.stdout.strip() == "after!"
+    assert listing_mod.started_at() is not None
 
 
 def test_cached_dataset_with_sizes_given(tmp_path: Path,

@@ -8,8 +8,11 @@ terminal once a listing takes more than a second.
 
 **A kept listing** (``DIR/source-listing.json``) is reused only when it can be no staler than
 a fresh one: by the other ranks of the same launch on this node (children of one launcher
-process, e.g. torchrun's agent: they list once, under ``DIR/listing.lock``), or when the user
-allows it with ``listing_ttl`` seconds. A reused listing does not see objects rewritten since
+process, e.g. torchrun's agent: they list once, under ``DIR/listing.lock``) that were
+already running when it was made, or when the user allows it with ``listing_ttl`` seconds.
+A later run from the same parent (a shell with ``LOCAL_RANK`` exported, torchrun's restart of
+its workers) started after the listing was made, so it lists again and sees every object
+rewritten before it started. A reused listing does not see objects rewritten since
 it was made, so the cache's check of rewritten samples (``listing.bin``) cannot either.
 """
 
@@ -265,6 +268,19 @@ def launch_id() -> str | None:
     return f"{boot}:{ppid}:{started}"
 
 
+def started_at() -> float | None:
+    """When this process started, in seconds since the epoch, up to a second early (the
+    boot time in /proc/stat is whole seconds), or None where /proc does not say."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
 def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
                  ) -> Iterator[tuple[Listing | None, Callable[[Listing], None]]]:
@@ -284,8 +300,13 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         doc = _load(path)
         found = None
         if doc is not None and doc.get("key") == digest:
-            age = time.time() - float(doc.get("made", 0))
-            if (launch is not None and doc.get("launch") == launch) or 0 <= age < ttl:
+            made = float(doc.get("made", 0))
+            started = started_at() if launch is not None else None
+            # a sibling rank's listing, made while this process ran (a second's margin: the
+            # start is known to the second), or one the user allows by its age
+            sibling = (launch is not None and doc.get("launch") == launch
+                       and started is not None and made > started + 1.0)
+            if sibling or 0 <= time.time() - made < ttl:
                 found = _listing(doc)
 
         def keep(listing: Listing) -> None:
