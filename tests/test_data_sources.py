@@ -32,6 +32,8 @@ from lcache.data import (
     codec,
 )
 from lcache.data.codec import CodecError
+from lcache.data.formats.kept import KeptIndex
+from lcache.data.identity import read_cache_json
 from lcache.errors import ConfigError
 from lcache.testing.remote import ThrottledServer
 
@@ -539,33 +541,70 @@ def test_s3_shards_coalesced_exact(s3_endpoint: str, s3_shards: str, tmp_path: P
     assert len(reads) == 3  # one ranged GET per shard
 
 
-def test_a_fifo_as_cache_json_is_refused_not_waited_on(tmp_path: Path) -> None:
-    """Regression: a FIFO named ``cache.json`` in a cache directory blocked opening it
-    forever. In a child, so a hang fails the test."""
+_PLANTED = """
+import os, shutil, sys
+from lcache import LCacheError
+from lcache.data import CachedDataset
+from lcache.data.formats.kept import KeptIndex
+src, template, work = sys.argv[1:4]
+for case in sys.argv[4:]:
+    name, kind = case.split(":")
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(template, work, symlinks=True)
+    path = os.path.join(work, name)
+    if os.path.exists(path):
+        os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        os.mkdir(path)
+    else:
+        os.symlink(os.path.join(src, "a"), path)
+    print(case, end=" ", flush=True)
+    try:
+        if name.startswith("shard-index"):
+            with KeptIndex(work, "webdataset") as kept:
+                kept.load()
+        else:
+            ds = CachedDataset(src, work, capacity="40MB")
+            ds[0], ds[1]  # a hit, and a miss (which claims its fetch)
+        print("SERVED", flush=True)
+    except LCacheError as exc:
+        print("ERROR", exc, flush=True)
+"""
+
+_CACHE_FILES = ["cache.json", "cache.lock", "listing.bin", "listing.lock", "source-listing.json",
+                "claims", "counters.bin", "shard-index-webdataset.json", "shard-index.lock"]
+
+
+def test_anything_but_a_regular_file_in_a_cache_directory_is_refused(tmp_path: Path) -> None:
+    """Regression: a FIFO named ``cache.json``, ``listing.bin``, ``source-listing.json`` or
+    a shard index blocked opening the cache forever; a directory or a link under a lock's or
+    a table's name was a bare IsADirectoryError or ELOOP. In a child, so a hang fails."""
     import subprocess
     import sys
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a").write_bytes(b"x" * 100)
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    os.mkfifo(cache / "cache.json")
-    code = ("import sys\nfrom lcache import LCacheError\nfrom lcache.data import CachedDataset\n"
-            "try:\n"
-            "    CachedDataset(sys.argv[1], sys.argv[2], capacity='40MB')\n"
-            "except LCacheError as exc:\n"
-            "    print('ERROR', exc)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(cache)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert f"ERROR {cache / 'cache.json'} is a FIFO, not a regular file" in done.stdout, done.stdout
-    # What `lcache stats` reads it with (the one reader of cache.json).
-    from lcache.data.identity import read_cache_json
-    from lcache.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="is a FIFO, not a regular file"):
-        read_cache_json(str(cache))
-    (cache / "cache.json").unlink()
-    assert read_cache_json(str(cache)) is None
-    (cache / "cache.json").write_bytes(b"{}")
-    assert read_cache_json(str(cache)) == b"{}"
+    (tmp_path / "src" / "b").write_bytes(b"y" * 100)
+    template = tmp_path / "template"
+    CachedDataset(str(tmp_path / "src"), template, capacity="40MB")[0]
+    with KeptIndex(template, "webdataset") as kept:
+        kept.save({})
+    cases = [f"{name}:{kind}" for name in _CACHE_FILES for kind in ("fifo", "directory", "link")]
+    work = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-c", _PLANTED, str(tmp_path / "src"), str(template),
+                           str(work), *cases], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-300:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(cases)
+    kinds = {"fifo": "a FIFO", "directory": "a directory", "link": "a symbolic link"}
+    for case, line in zip(cases, lines, strict=True):
+        name, kind = case.split(":")
+        assert line == (f"{case} ERROR {work / name} is {kinds[kind]}, not a regular file; "
+                        "remove it (or use another cache directory)")
+    # What `lcache stats` reads cache.json with (its one reader).
+    (work / "cache.json").unlink()
+    assert read_cache_json(str(work)) is None
+    (work / "cache.json").write_bytes(b"{}")
+    assert read_cache_json(str(work)) == b"{}"

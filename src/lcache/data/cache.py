@@ -39,7 +39,8 @@ from lcache.data.sources import (
 )
 from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
 from lcache.forksafe import fork_safe_lock
-from lcache.io import atomic_write, close_file, open_file, private_dir
+from lcache.io import atomic_write, close_file, private_dir
+from lcache.io.files import open_owned, open_regular
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
 from lcache.store.record import HEADER_SIZE
@@ -73,14 +74,14 @@ def _remove_orphaned_staging() -> None:
             st = os.lstat(path)
             if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
                 continue  # another user's (or a plant): never read, never removed
-            fd = open_file(os.path.join(path, "origin"), os.O_RDONLY)
+            fd = open_regular(os.path.join(path, "origin"), os.O_RDONLY)
             try:
                 origin, _, cache_id = os.read(fd, 1 << 16).decode().partition("\n")
             finally:
                 close_file(fd)
             if _cache_id(origin) == cache_id:
                 continue  # its cache still exists
-            fd = open_file(os.path.join(path, "users"), os.O_RDWR)
+            fd = open_regular(os.path.join(path, "users"), os.O_RDWR)
         except (OSError, UnicodeDecodeError):
             continue
         try:
@@ -341,8 +342,8 @@ class SampleCache:
                          durable=False)
             # Each process using the staging dir holds a shared flock, so the last one to
             # close removes it (memory in /dev/shm is not freed until its files are deleted).
-            self._users = open_file(os.path.join(self.staging_dir, "users"),
-                                    os.O_RDWR | os.O_CREAT)
+            self._users = open_owned(os.path.join(self.staging_dir, "users"),
+                                     os.O_RDWR | os.O_CREAT, "staging directory")
             fcntl.flock(self._users, fcntl.LOCK_SH)
             _OPEN_CACHES.add(self)
             staging = Store.open(self.staging_dir, capacity=self.staging_bytes,

@@ -11,7 +11,6 @@ log says which.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -26,8 +25,8 @@ import numpy.typing as npt
 import xxhash
 
 from lcache.errors import ConfigError
-from lcache.io import atomic_write, close_file, open_file
-from lcache.io.files import NotRegularFile, open_regular
+from lcache.io import atomic_write, close_file
+from lcache.io.files import open_owned
 
 log = logging.getLogger("lcache")
 
@@ -114,19 +113,10 @@ def read_cache_json(cache_dir: str) -> bytes | None:
     Raises:
         ConfigError: ``cache.json`` is not a regular file (a link, a FIFO, a device...).
     """
-    path = os.path.join(cache_dir, "cache.json")
     try:
-        fd = open_regular(path, os.O_RDONLY)
+        fd = open_owned(os.path.join(cache_dir, "cache.json"), os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except NotRegularFile as exc:
-        raise ConfigError(f"{path} is {exc.kind}, not a regular file; remove it (or use "
-                          "another cache directory)") from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(f"{path} is a symbolic link, not a regular file; remove it "
-                              "(or use another cache directory)") from exc
-        raise
     try:
         return os.read(fd, 1 << 20)
     finally:
@@ -156,7 +146,7 @@ class DirectoryIdentity:
         """Compare ``ident`` with what the directory caches; the caller drops what the
         yielded ``Opened`` says, then the new identity is published (all under a lock that
         every rank and process opening the directory takes, so one of them does it)."""
-        fd = open_file(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
+        fd = open_owned(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             stored = self._load()
@@ -209,7 +199,7 @@ class DirectoryIdentity:
         if listing is None:
             return np.zeros(0, np.int64)
         try:
-            fd = open_file(self.listing_path, os.O_RDONLY)
+            fd = open_owned(self.listing_path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
                 old = np.frombuffer(os.pread(fd, size, 0), "<u8") if size % 8 == 0 else None

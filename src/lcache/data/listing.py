@@ -38,7 +38,8 @@ import xxhash
 
 from lcache.data.remote import Remote, SourceError, object_version
 from lcache.errors import ConfigError
-from lcache.io import atomic_write, close_file, open_file, private_dir, read_and_close
+from lcache.io import atomic_write, close_file, private_dir, read_and_close
+from lcache.io.files import open_owned
 
 log = logging.getLogger("lcache")
 
@@ -294,7 +295,7 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
     path = os.path.join(cache_dir, LISTING_FILE)
     digest = xxhash.xxh3_128_hexdigest(json.dumps(key, sort_keys=True, default=str).encode())
     launch = launch_id()
-    fd = open_file(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
+    fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         doc = _load(path)
@@ -331,7 +332,7 @@ def _listing(doc: dict[str, Any]) -> Listing | None:
 
 def _load(path: str) -> dict[str, Any] | None:
     try:
-        fd = open_file(path, os.O_RDONLY)
+        fd = open_owned(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from lcache.forksafe import fork_safe_lock
-from lcache.io import close_file, open_file
+from lcache.io import close_file
+from lcache.io.files import open_owned
 
 # Appended only: a counter's index is its place in every slot of existing files.
 COUNTER_NAMES = ("accesses", "from_ssd", "fetches", "remote_bytes", "prefetched",
@@ -54,7 +55,7 @@ class FetchClaims:
                 return
             # Why one descriptor per process: closing any descriptor of a file drops all of
             # the process's lockf locks on it.
-            self._fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
+            self._fd = open_owned(self.path, os.O_RDWR | os.O_CREAT)
             self._mu = threading.Lock()
             self._locks: dict[int, list[object]] = {}
             self._pid = os.getpid()
@@ -139,7 +140,7 @@ class SharedCounters:
     def _table(self) -> Any:
         """The counter file, mapped once per path and kept for the process's life; a forked
         child keeps using the (shared) mapping it inherited."""
-        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
+        fd = open_owned(self.path, os.O_RDWR | os.O_CREAT)
         key = (self.path, os.fstat(fd).st_ino)  # a recreated file is another table
         table = _TABLES.get(key)
         if table is not None:
@@ -171,7 +172,7 @@ class SharedCounters:
 
     def _claim(self, table: Any) -> Any:
         """A slot whose owner (pid in its last word) is gone, taken under a brief flock."""
-        fd = open_file(self.path, os.O_RDWR)
+        fd = open_owned(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             for slot in table:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,7 +33,10 @@ def warm_cache(source: str, cache_dir: str, capacity: int | str, *, threads: int
     fetched = 0
     start = time.perf_counter()
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), disable=not show_progress, transient=True) as bar:
+                  TransferSpeedColumn(), transient=True,
+                  # on a pipe or a file the bar would leave an empty line (and, on an error,
+                  # print it before the message)
+                  disable=not (show_progress and sys.stdout.isatty())) as bar:
         task = bar.add_task("warming", total=int(sizes[todo].sum()) if todo else 0)
         groups = [todo[lo : lo + GROUP] for lo in range(0, len(todo), GROUP)]
         with ThreadPoolExecutor(max(1, threads)) as pool:

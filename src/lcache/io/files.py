@@ -71,6 +71,8 @@ def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO opened for writing, with no reader
             raise NotRegularFile(path, "a FIFO") from exc
+        if exc.errno == errno.EISDIR:  # a directory opened for writing
+            raise NotRegularFile(path, "a directory") from exc
         raise
     try:
         st_mode = os.fstat(fd).st_mode
@@ -82,6 +84,26 @@ def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600)
         close_file(fd)
         raise
     return fd
+
+
+def open_owned(path: str, flags: int, place: str = "cache directory") -> int:
+    """:func:`open_regular` of a file lcache keeps in a directory of its own (a lock, a
+    listing, a table): anything else under its name was put there, and is refused.
+
+    Raises:
+        ConfigError: a symbolic link, a directory, a FIFO, a device or a socket is there;
+            the message names it and says to remove it (or use another ``place``).
+    """
+    try:
+        return open_regular(path, flags)
+    except NotRegularFile as exc:
+        kind = exc.kind
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        kind = "a symbolic link"
+    raise ConfigError(f"{path} is {kind}, not a regular file; remove it (or use another "
+                      f"{place})")
 
 
 def close_file(fd: int) -> None:

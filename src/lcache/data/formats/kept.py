@@ -13,7 +13,8 @@ import os
 from types import TracebackType
 from typing import Any
 
-from lcache.io import atomic_write, close_file, open_file, private_dir, read_and_close
+from lcache.io import atomic_write, close_file, private_dir, read_and_close
+from lcache.io.files import open_owned
 
 FORMAT = 1
 
@@ -30,7 +31,7 @@ class KeptIndex:
     def __enter__(self) -> KeptIndex:
         if self.dir is not None:
             self.dir = private_dir(self.dir, "cache directory")
-            self._fd = open_file(os.path.join(self.dir, "shard-index.lock"),
+            self._fd = open_owned(os.path.join(self.dir, "shard-index.lock"),
                                  os.O_RDWR | os.O_CREAT)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
@@ -51,7 +52,7 @@ class KeptIndex:
         if self.dir is None:
             return {}
         try:
-            fd = open_file(self.path, os.O_RDONLY)
+            fd = open_owned(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return {}
         raw = read_and_close(fd)
