@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from lcache.data import CachedDataset, SourceError
-from lcache.data.formats import WebDatasetSource
+from lcache.data.formats import WebDatasetSource, tar
 from lcache.data.formats.webdataset import split_name
 from lcache.errors import CorruptionError
 from lcache.testing.remote import ThrottledServer
@@ -201,3 +201,60 @@ def test_progress_while_indexing(capfd: pytest.CaptureFixture[str],
     WebDatasetSource(str(FIXTURE / "shards"), progress=True)
     err = capfd.readouterr().err
     assert f"indexing {FIXTURE / 'shards'}: " in err and "12 samples" in err, err
+
+
+def _header(name: str, size: int, kind: bytes) -> bytes:
+    """A ustar header block, its checksum right."""
+    block = bytearray(512)
+    block[0 : len(name)] = name.encode()
+    block[100:108], block[108:116], block[116:124] = b"0000644\0", b"0000000\0", b"0000000\0"
+    block[124:136], block[136:148] = f"{size:011o}\0".encode(), b"00000000000\0"
+    block[156:157], block[257:263], block[263:265] = kind, b"ustar\0", b"00"
+    block[148:156] = b" " * 8
+    block[148:156] = f"{sum(block):06o}\0 ".encode()
+    return bytes(block)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1  # the record's length in bytes, its own digits included
+    while len(str(n)) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+def _shard_with_pax_size(size: str) -> bytes:
+    record = _pax_record("size", size)
+    return (_header("a.txt", 5, b"0") + b"hello".ljust(512, b"\0")
+            + _header("././@PaxHeader", len(record), b"x") + record.ljust(512, b"\0")
+            + _header("././@LongLink", 0, b"L") + _header("b.txt", 0, b"0") + bytes(1024))
+
+
+@pytest.mark.parametrize("size", ["-512", "abc", "1_0", "\u0661\u0660"])
+def test_a_pax_size_that_is_not_a_byte_count_is_named_not_looped_on(size: str) -> None:
+    """Regression: a pax size of -512 before a GNU long-name header pointed the scan back at
+    that header, forever; "abc" was a bare ValueError. The scan runs here, in the main
+    thread, so an alarm can end a loop."""
+    import signal
+
+    shard = _shard_with_pax_size(size)
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("the scan did not end")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CorruptionError, match=r"^s-0\.tar at byte 1024: a pax size of"):
+            list(tar.scan(lambda at, n: shard[at : at + n], 0, len(shard),
+                          lambda at: f"s-0.tar at byte {at}", archive=True))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_shard_with_a_bad_pax_size_is_named(tmp_path: Path) -> None:
+    (tmp_path / "wds").mkdir()
+    (tmp_path / "wds" / "s-0.tar").write_bytes(_shard_with_pax_size("abc"))
+    with pytest.raises(CorruptionError, match=r"s-0\.tar at byte 1024: a pax size of 'abc'"):
+        WebDatasetSource(str(tmp_path / "wds"))

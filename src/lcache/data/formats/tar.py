@@ -86,6 +86,14 @@ def _pax(data: bytes | memoryview, where: Callable[[], str]) -> dict[str, str]:
     return out
 
 
+def _pax_size(value: str, where: Callable[[], str], why: str) -> int:
+    # ASCII digits only: int() takes "-512" (a header that points back at itself: the scan
+    # would go round forever), " 1_0" and other scripts' digits
+    if not (value.isascii() and value.isdigit()):
+        raise SourceCorruptionError(f"{where()}: a pax size of {value!r}: {why}")
+    return int(value)
+
+
 def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
          where: Callable[[int], str], *, verify: bool = True,
          archive: bool = False) -> Iterator[Member]:
@@ -113,8 +121,8 @@ def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
                 return
             raise SourceCorruptionError(f"{where(pos)}: an end-of-archive block: {cut}")
         name, kind, size = _header(block, partial(where, pos), verify, bad)
-        if "size" in pax and kind not in (b"x", b"g"):
-            size = int(pax["size"])
+        if "size" in pax and kind not in (b"x", b"g", b"L", b"K"):  # the member's own size
+            size = _pax_size(pax["size"], partial(where, pos if first is None else first), bad)
         data = pos + BLOCK
         nxt = data + padded(size)
         if data + size > end:
