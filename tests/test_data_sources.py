@@ -392,6 +392,33 @@ def test_codec_refusals() -> None:
     assert issubclass(CodecError, ValueError)
 
 
+def test_codec_refuses_what_it_would_get_wrong_and_keeps_what_numpy_lacks(
+        tmp_path: Path) -> None:
+    """Regression: a masked array came back without its mask, an np.matrix could not be
+    decoded, and a huge int, a conjugated or float8 tensor were bare errors."""
+    with pytest.raises(CodecError, match="masked array would lose its mask"):
+        codec.encode({"x": np.ma.array([1, 2, 3], mask=[0, 1, 0])})
+    with pytest.warns(PendingDeprecationWarning), \
+            pytest.raises(CodecError, match=r"np\.matrix .* return np\.asarray"):
+        codec.encode(np.matrix([[1, 2], [3, 4]]))
+    with pytest.raises(CodecError, match="cannot cache this item"):
+        codec.encode([10 ** 5000])
+    with pytest.raises(CodecError, match="to_dense"):
+        codec.encode(torch.eye(2).to_sparse())
+    day = np.datetime64("2024-01-02")
+    assert codec.decode(codec.encode(day)) == day
+    assert codec.decode(codec.encode(np.complex64(1 + 2j))) == 1 + 2j
+    conj = torch.tensor([1 + 2j]).conj()
+    assert torch.equal(codec.decode(codec.encode(conj)), conj.resolve_conj())
+    f8 = torch.tensor([1.5, -2.0]).to(torch.float8_e4m3fn)
+    back = codec.decode(codec.encode(f8))
+    assert back.dtype == f8.dtype and torch.equal(back.view(torch.uint8), f8.view(torch.uint8))
+    mapped = np.memmap(tmp_path / "m", dtype="<f4", mode="w+", shape=(3,))
+    mapped[:] = [1, 2, 3]
+    assert type(codec.decode(codec.encode(mapped))) is np.ndarray
+    assert codec.decode(codec.encode(mapped)).tolist() == [1, 2, 3]
+
+
 def test_dataset_source_refuses_unencodable_items(tmp_path: Path) -> None:
     class Objects:
         def __len__(self) -> int:

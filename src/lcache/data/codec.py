@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -25,11 +26,11 @@ def encode(item: Any) -> bytes:
     buffers: list[bytes | memoryview] = []
     offset = 0
 
-    def add(buf: bytes | memoryview) -> list[int]:
+    def add(buf: memoryview) -> list[int]:
         nonlocal offset
         buffers.append(buf)
-        start, offset = offset, offset + len(buf)
-        return [start, len(buf)]
+        start, offset = offset, offset + buf.nbytes
+        return [start, buf.nbytes]
 
     def walk(x: Any) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -39,7 +40,10 @@ def encode(item: Any) -> bytes:
         if isinstance(x, np.ndarray) or type(x).__module__ == "torch":
             return _array(x, add)
         if isinstance(x, np.generic):
-            return {"v": x.item()}
+            value = x.item()  # a Python number where there is one
+            if value is None or isinstance(value, (bool, int, float, str)):
+                return {"v": value}
+            return _array(np.asarray(x), add)  # complex, datetime64, bytes_: a 0-d array
         if isinstance(x, (list, tuple)):
             return {"t" if isinstance(x, tuple) else "l": [walk(v) for v in x]}
         if isinstance(x, dict):
@@ -49,7 +53,12 @@ def encode(item: Any) -> bytes:
         raise CodecError(f"cannot cache an item of type {type(x).__name__} without pickle; "
                          "return bytes, numpy arrays, tensors or numbers")
 
-    header = json.dumps(walk(item), separators=(",", ":")).encode()
+    try:
+        header = json.dumps(walk(item), separators=(",", ":")).encode()
+    except CodecError:
+        raise
+    except (ValueError, TypeError, RecursionError) as exc:  # an int of 4,300 digits, a cycle
+        raise CodecError(f"cannot cache this item: {exc}") from exc
     return b"".join([MAGIC, _LEN.pack(len(header)), header, *buffers])
 
 
@@ -58,12 +67,10 @@ def _array(x: Any, add: Any) -> dict[str, Any]:
     torch_dtype = None
     if is_tensor:
         torch_dtype = str(x.dtype).removeprefix("torch.")
-        x = x.detach().cpu()
-        if torch_dtype == "bfloat16":  # numpy has no bfloat16: keep the bits
-            import torch
-
-            x = x.view(torch.int16)
-        x = x.numpy()
+        x = _tensor_array(x)
+    elif type(x) is not np.ndarray:
+        _refuse_subclass(x)
+        x = np.asarray(x)  # np.memmap and the like: the values are the array's
     if x.dtype.hasobject or x.dtype.fields is not None:
         kind = "object" if x.dtype.hasobject else "structured"
         raise CodecError(f"{kind} arrays (dtype {x.dtype}) cannot be cached without pickle")
@@ -75,6 +82,34 @@ def _array(x: Any, add: Any) -> dict[str, Any]:
     if is_tensor:
         out["torch"] = torch_dtype
     return out
+
+
+def _refuse_subclass(x: Any) -> None:
+    ma = sys.modules.get("numpy.ma")  # not imported: no masked array can exist
+    if ma is not None and isinstance(x, ma.MaskedArray):
+        raise CodecError("a masked array would lose its mask; return its data and its mask "
+                         "(np.ma.getdata(x), np.ma.getmaskarray(x)) or x.filled(...)")
+    if isinstance(x, np.matrix):
+        raise CodecError("np.matrix cannot be cached as it is (its operators differ from an "
+                         "array's); return np.asarray(x)")
+
+
+def _tensor_array(x: Any) -> np.ndarray:
+    """A tensor's values as a numpy array; a dtype numpy lacks (bfloat16, float8...) as the
+    same bits in an integer type of its size, for decode to view back."""
+    import torch
+
+    try:
+        x = x.detach().cpu().resolve_conj().resolve_neg()
+        if x.layout != torch.strided:
+            raise CodecError(f"a {x.layout} tensor cannot be cached; return x.to_dense()")
+        try:
+            return x.numpy()  # type: ignore[no-any-return]
+        except TypeError:
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            return x.view(bits[x.element_size()]).numpy()  # type: ignore[no-any-return]
+    except (RuntimeError, TypeError, KeyError) as exc:
+        raise CodecError(f"cannot cache a tensor of dtype {x.dtype}: {exc}") from exc
 
 
 def decode(data: bytes | memoryview) -> Any:
@@ -121,4 +156,7 @@ def _tensor(arr: np.ndarray, dtype: str) -> Any:
     import torch
 
     t = torch.from_numpy(arr.copy())  # a writable copy: torch warns on read-only buffers
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    return t if t.dtype == target else t.view(target)  # the bits of a dtype numpy lacks
