@@ -71,6 +71,7 @@ BOMB = "\n".join(
     ("a: " + "[" * 5000 + "]" * 5000 + "\n", ["nested deeper than 16 levels"]),
     ("train: !!python/object/apply:os.system [true]\n", ["the tag !!python/object/apply:os.system"
                                                          " is not allowed"]),
+    ("train: {epochs: 3, epochs: 1}\n", ["line 1, column 20: the key 'epochs' is given twice"]),
 ])
 def test_bad_workload_file_is_one_line(tmp_path: Path, text: str, words: list[str]) -> None:
     path = tmp_path / "w.yaml"

@@ -232,6 +232,7 @@ BOMB = ("training:\n  gpus:\n    - &a [" + ", ".join(["lol"] * 9) + "]\n"
 @pytest.mark.parametrize(("text", "words"), [
     (BOMB, "aliases (*name) are not allowed in a model file"),
     ("layers: !!python/object/apply:os.system [true]\n", "the tag !!python/object/apply"),
+    ("layers: 32\nlayers: 2\n", "line 2, column 1: the key 'layers' is given twice"),
     ("/dev/zero", "/dev/zero is not a regular file"),
     ("fifo", "fifo is not a regular file"),
     ("# padding\n" * 200_000, "over 1 MiB"),

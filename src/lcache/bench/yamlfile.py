@@ -3,9 +3,10 @@
 PyYAML's SafeLoader constructs no Python objects, but it still accepts aliases (``*name``: a
 "billion laughs" document of a few lines expands exponentially when it is compared or
 printed), explicit tags (``!!timestamp null`` crashes PyYAML itself; ``!!python/...`` is a
-ConstructorError) and unbounded nesting (the composer recurses). None of these has a place in
-a configuration file, so they are refused, as is a file that is not a regular file (a FIFO
-would block, ``/dev/zero`` never ends) or over 1 MiB. Every failure is one ``ConfigError``.
+ConstructorError), unbounded nesting (the composer recurses) and a key given twice (the last
+one silently wins). None of these has a place in a configuration file, so they are refused,
+as is a file that is not a regular file (a FIFO would block, ``/dev/zero`` never ends) or over
+1 MiB. Every failure is one ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        mapping = super().construct_mapping(node, deep=deep)
+        if len(mapping) < len(node.value):  # PyYAML keeps the last of a repeated key
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {str(key)[:80]!r} is given twice; keep one",
+                        key_node.start_mark)
+                seen.add(key)
+        return mapping
 
 
 def _problem(exc: yaml.YAMLError) -> str:
