@@ -251,7 +251,8 @@ def test_capacity_as_a_fraction_of_the_dataset(data: Path, tmp_path: Path) -> No
     assert cache_capacity(0.4, total) == cache_capacity("40%", total) == int(0.4 * total)
     assert cache_capacity(" 150 % ", total) == int(1.5 * total)
     assert cache_capacity("8MiB", total) == 8 * MIB and cache_capacity(4096, total) == 4096
-    for bad in ("0.4", 0.0, -0.5, float("nan"), float("inf"), "x%", "-3%", "%"):
+    for bad in ("0.4", 0.0, -0.5, float("nan"), float("inf"), "x%", "-3%", "%", "1_0%",
+                "\u0664\u0660%"):
         with pytest.raises(ConfigError):
             cache_capacity(bad, total)
     ds = CachedDataset(str(data), tmp_path / "cache", "300%")

@@ -113,6 +113,7 @@ def test_sizes_parse(text: int | str, size: int) -> None:
 @pytest.mark.parametrize("bad", [
     "0.4", "4096.0", "1.5B", "0", "0KiB", "0.0001KB", "-5", "-5MiB", "nan", "inf", "", " ",
     "MiB", "1.2.3KB", "1e9", "5i", "ten", True, False, None, 0, -1, 1.5, 4096.0, [4096],
+    "\u0661\u0660MB",  # other scripts' digits: int() reads them, a size does not
 ])
 def test_what_is_not_a_size_is_refused(bad: object) -> None:
     """Regression: parse_size("0.4") was 0 bytes (found by a new user: capacity="0.4")."""

@@ -18,6 +18,7 @@ import logging
 import math
 import multiprocessing.util
 import os
+import re
 import shutil
 import stat
 import weakref
@@ -149,6 +150,7 @@ SKIPPED: Any = _Skipped()
 
 
 MAX_FRACTION = 100  # a capacity given as a fraction of the dataset is at most this
+_PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*", re.ASCII)
 
 
 def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
@@ -156,10 +158,9 @@ def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
     float (``0.4``) or a percentage (``"40%"``). Sizes stay ``parse_size``'s, which refuses
     ``"0.4"``: a fraction is a float or a percentage, never a bare string number."""
     if isinstance(capacity, str) and capacity.strip().endswith("%"):
-        try:
-            fraction = float(capacity.strip()[:-1]) / 100
-        except ValueError:
-            fraction = math.nan
+        # not float(): it takes "1_0" and other scripts' digits
+        number = _PERCENT.fullmatch(capacity)
+        fraction = float(number.group(1)) / 100 if number else math.nan
         what = capacity
     elif isinstance(capacity, float):
         fraction, what = capacity, str(capacity)

@@ -41,7 +41,7 @@ from lcache.store.index import INDEX_HEADER
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE | re.ASCII)
 _SIZES_ALLOWED = ("a size is a whole number of bytes (4096) or a number with a unit (512KiB, "
                   "1.5GiB, 50GB; KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)")
 
