@@ -12,6 +12,8 @@ import pytest
 
 from lcache.store import Store
 
+from .conftest import assert_one_line_error, run_lcache
+
 LCACHE = [sys.executable, "-m", "lcache"]
 
 
@@ -162,3 +164,11 @@ def test_stats_of_a_cache_whose_identity_is_a_fifo_does_not_hang(tmp_path: Path)
     out = subprocess.run([*LCACHE, "stats", str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "is a FIFO" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args", [("stats", ""), ("fsck", " "), ("ckpt", "ls", ""),
+                                  ("warm", "src", "--cache", ""),
+                                  ("bench", "run", "w.yaml", "--output", "")])
+def test_an_empty_directory_argument_is_refused(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """Regression: ``lcache stats ''`` looked at the current directory."""
+    assert_one_line_error(run_lcache(*args, cwd=tmp_path), "an empty path; give a directory")

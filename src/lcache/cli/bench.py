@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from lcache.cli.checks import Folder
 from lcache.errors import ConfigError
 
 console = Console()
@@ -81,11 +82,11 @@ def bench() -> None:
 
 @bench.command("run")
 @click.argument("config")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--data-dir", type=Folder(), default=None,
               help="Dataset folder (default: the workload's dataset.data_folder).")
-@click.option("--output", type=click.Path(file_okay=False), default=None,
+@click.option("--output", type=Folder(), default=None,
               help="Where summary.json goes (default: output.folder).")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--checkpoint-dir", type=Folder(), default=None,
               help="Checkpoint folder (default: checkpoint.checkpoint_folder).")
 @click.option("--generate/--no-generate", default=None,
               help="Generate the dataset first (default: workflow.generate_data).")
@@ -167,9 +168,9 @@ def _parse_settings(items: tuple[str, ...], option: str = "--set") -> dict[str, 
 @click.option("--duration", default=30.0, show_default=True,
               help="Seconds one emulated checkpoint interval takes.")
 @click.option("--steps", default=20, show_default=True, help="Emulated steps in it.")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), required=True,
+@click.option("--dir", "directory", type=Folder(), required=True,
               help="A folder on the storage to measure (dataset, offload files, checkpoint).")
-@click.option("--output", type=click.Path(file_okay=False), default=None,
+@click.option("--output", type=Folder(), default=None,
               help="Where summary.json goes (default: DIR/output).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="lcache model setting, e.g. --set gpus=16 --set optimizer_offload=true.")

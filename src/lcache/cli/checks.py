@@ -14,6 +14,20 @@ from lcache.errors import ConfigError
 from lcache.io.publish import special_kind
 
 
+class Folder(click.Path):
+    """A directory argument; an empty one, which the system would read as the current
+    directory, is refused."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path; give a directory", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def check_output(path: str, what: str, inputs: Iterable[str] = ()) -> None:
     """Refuse to write the ``what`` (trace, report...) at ``path`` when its directory is
     missing, when it is a device, FIFO, socket or directory (writing replaces the file: as

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
+from lcache.cli.checks import Folder
+
 console = Console()
 
 
@@ -29,7 +31,7 @@ def ckpt() -> None:
 
 
 @ckpt.command("ls")
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=Folder())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls_cmd(directory: str, as_json: bool) -> None:
     """List the complete checkpoints in DIRECTORY, oldest first (partial saves never)."""
@@ -59,7 +61,7 @@ def ls_cmd(directory: str, as_json: bool) -> None:
 
 
 @ckpt.command("verify")
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=Folder())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def verify_cmd(directory: str, as_json: bool) -> None:
     """Check every checksum of the checkpoint DIRECTORY, or of every checkpoint in it.

@@ -15,7 +15,7 @@ from rich.table import Table
 from lcache import __version__
 from lcache.cli.advise import advise_cmd
 from lcache.cli.bench import bench
-from lcache.cli.checks import number_option
+from lcache.cli.checks import Folder, number_option
 from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
 from lcache.cli.trace import report_cmd, trace_cmd
@@ -105,7 +105,7 @@ def _store_summary(directory: str) -> dict[str, Any]:
 
 
 @cli.command()
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=Folder())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def stats(directory: str, as_json: bool) -> None:
     """Show a sample cache's or a store's size, keys and counters (all processes)."""
@@ -163,7 +163,7 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
 
 @cli.command()
 @click.argument("source")
-@click.option("--cache", "cache_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--cache", "cache_dir", required=True, type=Folder(),
               help="The cache directory (on the local SSD).")
 @click.option("--capacity", default="50GB", show_default=True,
               help="Bound on the cache's bytes on disk.")
@@ -192,7 +192,7 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
 
 
 @cli.command("fsck")
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=Folder())
 @click.option("--repair", is_flag=True, help="Fix what can be fixed (bad records become misses).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
@@ -215,7 +215,7 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+@click.option("--dir", "directory", type=Folder(), default=None,
               help="Where to put the remote's files and the cache (default: a temporary "
                    "directory).")
 @click.option("--samples", default=4000, show_default=True, type=click.IntRange(1, 10**7),
@@ -263,7 +263,7 @@ def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: 
 
 
 @cli.command("store-demo")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+@click.option("--dir", "directory", type=Folder(), default=None,
               help="Where to put the demo store (default: a temporary directory).")
 @click.option("--samples", default=8000, show_default=True, type=click.IntRange(1, 10**7),
               help="Samples to write.")
