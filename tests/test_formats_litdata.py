@@ -100,6 +100,15 @@ def test_corrupt_index_truncated_and_unreachable_chunks(chunks: Path) -> None:
     (chunks / "index.json").write_text(json.dumps({"chunks": []}))
     with pytest.raises(CorruptionError, match="not a LitData index"):
         LitDataSource(str(chunks))
+    index["chunks"][2]["chunk_size"] = float("inf")  # a bare OverflowError before
+    (chunks / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptionError, match="not a LitData index"):
+        LitDataSource(str(chunks))
+    index["chunks"][2]["chunk_size"] = 2
+    index["chunks"][0]["filename"] = "../lit/chunk-0-0.bin"  # read from outside, before
+    (chunks / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptionError, match=r"chunk 0: '\.\./lit/chunk-0-0.bin' is not under"):
+        LitDataSource(str(chunks))
     shutil.copy(FIXTURE / "shards" / "index.json", chunks / "index.json")
     src = LitDataSource(str(chunks))
     raw = (chunks / "chunk-0-3.bin").read_bytes()

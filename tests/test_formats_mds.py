@@ -83,7 +83,18 @@ def test_compressed_shards_are_refused() -> None:
                                                   r"index says 4"),
     (lambda d: d["shards"][2]["raw_data"].update(bytes=99), r"shard.00002.mds: 2799 bytes, "
                                                              r"its index says 99"),
-], ids=["no-shards", "no-raw-data", "wrong-count", "wrong-size"])
+    # Regression: a name out of the dataset's folder was read (and cached) from there.
+    (lambda d: d["shards"][0]["raw_data"].update(basename="../mds/shard.00000.mds"),
+     r"index.json: shard 0: '\.\./mds/shard.00000.mds' is not under"),
+    (lambda d: d["shards"][0]["raw_data"].update(basename="/etc/passwd"),
+     r"shard 0: '/etc/passwd' is not under"),
+    # Regression: Infinity was a bare OverflowError.
+    (lambda d: d["shards"][0]["raw_data"].update(bytes=float("inf")),
+     r"shard 0 is not an MDS shard entry"),
+    (lambda d: d["shards"][0].update(column_sizes=[float("inf")] * 7),
+     r"shard 0 is not an MDS shard entry"),
+], ids=["no-shards", "no-raw-data", "wrong-count", "wrong-size", "parent", "absolute",
+        "infinite-size", "infinite-column"])
 def test_corrupt_index_is_named(shards: Path, damage: Any, why: str) -> None:
     index = json.loads((shards / "index.json").read_text())
     damage(index)
@@ -93,6 +104,9 @@ def test_corrupt_index_is_named(shards: Path, damage: Any, why: str) -> None:
     assert str(shards) in str(info.value) and isinstance(info.value, CorruptionError)
     (shards / "index.json").write_text("{not json")
     with pytest.raises(SourceError, match="is not a JSON index"):
+        MDSSource(str(shards))
+    (shards / "index.json").write_text("[" * 100_000)  # a bare RecursionError before
+    with pytest.raises(SourceError, match="is not a JSON index: nested too deeply"):
         MDSSource(str(shards))
 
 

@@ -71,6 +71,10 @@ def test_over_http_coalesced_and_cached(tmp_path: Path, files: dict[str, bytes])
     ("path,offset,length\na.bin,zero,5\n", r"row 2:"),
     ("path,offset,length\n../x.bin,0,5\n", r"row 2: '../x.bin' is not under"),
     ("path,offset,length\n", "lists no samples"),
+    # Regression: an offset past 2**63 was a bare OverflowError, and one that overflowed
+    # int64 with its length slipped past the end-of-file check.
+    (f"path,offset,length\na.bin,{2**63},5\n", r"row 2: .*that end before 2\*\*62"),
+    (f"path,offset,length\na.bin,{2**63 - 10},20\n", r"row 2: .*that end before 2\*\*62"),
 ])
 def test_bad_tables_are_named(tmp_path: Path, files: dict[str, bytes], body: str,
                               why: str) -> None:

@@ -26,6 +26,7 @@ from lcache.data.formats.shards import (
     read_offsets,
     split_sized,
     table,
+    under_url,
 )
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.sources import RangeSource
@@ -85,10 +86,12 @@ def _index(index: Any, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
               and isinstance(config.get("data_format"), list)
               and all(isinstance(c["filename"], str) and int(c["chunk_bytes"]) >= 0
                       and int(c["chunk_size"]) >= 0 for c in chunks))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # int(Infinity): Overflow
         ok = False
     if not ok:
         raise SourceCorruptionError(f"{url}: not a LitData index (chunks, config.data_format)")
+    for k, chunk in enumerate(chunks):
+        under_url(chunk["filename"], url.rsplit("/", 1)[0], f"{url}: chunk {k}")
     for field, what in (("compression", "compressed"), ("encryption", "encrypted")):
         if config.get(field):
             raise ConfigError(f"{url}: the chunks are {what} ({config[field]}); such chunks "

@@ -27,6 +27,7 @@ from lcache.data.formats.shards import (
     read_offsets,
     split_sized,
     table,
+    under_url,
 )
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.sources import RangeSource
@@ -84,11 +85,13 @@ def _shards(index: Any, url: str) -> list[dict[str, Any]]:
             count = int(shard["samples"])
             ok = (shard.get("format") == "mds" and isinstance(basename, str) and size >= 0
                   and count >= 0 and len(set(map(len, columns))) == 1
-                  and all(isinstance(e, str) for e in columns[1]))
-        except (KeyError, TypeError, ValueError):
+                  and all(isinstance(e, str) for e in columns[1])
+                  and all(n is None or int(n) >= 0 for n in columns[2]))
+        except (KeyError, TypeError, ValueError, OverflowError):  # int(Infinity): Overflow
             ok = False
         if not ok:
             raise SourceCorruptionError(f"{url}: shard {k} is not an MDS shard entry")
+        under_url(basename, url.rsplit("/", 1)[0], f"{url}: shard {k}")
         if shard.get("compression"):
             raise ConfigError(
                 f"{url}: shard {basename} is compressed ({shard['compression']}); a compressed "

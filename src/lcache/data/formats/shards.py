@@ -72,9 +72,20 @@ def read_json(remote: Remote, name: str) -> Any:
                            lambda url: f"cannot read the index {url}")[0]
     try:
         return json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." 100,000 deep
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise SourceCorruptionError(f"{remote.full_url(remote.path(name))} is not a JSON "
-                                    f"index: {exc}") from None
+                                    f"index: {why}") from None
+
+
+def under_url(name: Any, url: str, where: str) -> str:
+    """``name`` (a shard or file an index names) if it lies under the source's URL: a
+    relative path without ``..``; an index that names ``../x`` or ``/etc/x`` would have lcache
+    read and cache files outside the dataset."""
+    if (not isinstance(name, str) or not name or "\0" in name or "://" in name
+            or name.startswith("/") or ".." in name.split("/")):
+        raise SourceCorruptionError(f"{where}: {name!r} is not under {url}")
+    return name
 
 
 def read_offsets(remote: Remote, names: Sequence[str], counts: Sequence[int],

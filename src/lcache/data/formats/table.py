@@ -13,7 +13,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from lcache.data.formats.shards import make_remote, read_json
+from lcache.data.formats.shards import make_remote, read_json, under_url
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.sources import RangeSource
 
@@ -41,9 +41,7 @@ class TableSource(RangeSource):
                 if path.startswith(prefix):
                     path = path[len(prefix):]
                     break
-            if "://" in path or path.startswith("/") or ".." in path.split("/"):
-                raise SourceCorruptionError(f"{where} row {line}: {path!r} is not under {url}")
-            names.append(path)
+            names.append(under_url(path, url, f"{where} row {line}"))
             offsets.append(offset)
             lengths.append(length)
         super().__init__(url, names, offsets, lengths, storage_options=storage_options,
@@ -56,12 +54,13 @@ Row = tuple[int, tuple[str, int, int]]
 def _row(line: int, path: Any, offset: Any, length: Any, where: str) -> Row:
     try:
         off, n = int(offset), int(length)
-        ok = isinstance(path, str) and bool(path) and off >= 0 and n > 0
-    except (TypeError, ValueError):
+        ok = isinstance(path, str) and bool(path) and off >= 0 and n > 0 and off + n < 1 << 62
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity)
         ok = False
     if not ok:
         raise SourceCorruptionError(f"{where} row {line}: ({path!r}, {offset!r}, {length!r}) "
-                                    "is not a path, an offset >= 0 and a length > 0")
+                                    "is not a path, an offset >= 0 and a length > 0 (that "
+                                    "end before 2**62)")
     return line, (path, off, n)
 
 
