@@ -258,3 +258,29 @@ def test_a_shard_with_a_bad_pax_size_is_named(tmp_path: Path) -> None:
     (tmp_path / "wds" / "s-0.tar").write_bytes(_shard_with_pax_size("abc"))
     with pytest.raises(CorruptionError, match=r"s-0\.tar at byte 1024: a pax size of 'abc'"):
         WebDatasetSource(str(tmp_path / "wds"))
+
+
+def test_a_negative_member_size_is_named_not_looped_on() -> None:
+    """Regression: int(text, 8) read a size field of "-1000" as -512, which pointed the scan
+    back at the same header, forever."""
+    import signal
+
+    shard = bytearray(_header("a.txt", 5, b"0") + b"hello".ljust(512, b"\0")
+                      + _header("noext", 0, b"0") + bytes(1024))
+    at = 1024  # the second header
+    shard[at + 124 : at + 136] = b"-1000".ljust(12, b"\0")
+    shard[at + 148 : at + 156] = b" " * 8
+    shard[at + 148 : at + 156] = f"{sum(shard[at : at + 512]):06o}\0 ".encode()
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("the scan did not end")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CorruptionError, match=r"^s-0\.tar at byte 1024: not a tar header"):
+            list(tar.scan(lambda at, n: bytes(shard[at : at + n]), 0, len(shard),
+                          lambda at: f"s-0.tar at byte {at}", archive=True))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -40,6 +40,8 @@ def _number(field: bytes | memoryview) -> int:
     if raw[0] & 0x80:  # base-256 (GNU), for sizes of 8 GiB and more
         return int.from_bytes(bytes([raw[0] & 0x7F]) + raw[1:], "big")
     text = raw.replace(b"\0", b" ").strip()
+    if text.strip(b"01234567"):  # int(..., 8) takes "-1000": a size of -512 loops the scan
+        raise ValueError(f"not an octal number: {text!r}")
     return int(text, 8) if text else 0
 
 
