@@ -230,7 +230,8 @@ class ThrottledServer:
                 meta["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
             announced = end - start
             if fault == "short":
-                end = announced = start + (end - start) // 2
+                announced = (end - start) // 2
+                end = start + announced
             elif fault == "cut":
                 end = start + (end - start) // 2
             self._send(writer, status, meta, b"", length=announced)
