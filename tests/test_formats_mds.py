@@ -138,3 +138,18 @@ def test_unreachable_shard_is_named(shards: Path) -> None:
             src.fetch_many([0, 8])
         assert "sample 8" in str(info.value)
         assert f"{server.url}/mds/shard.00002.mds" in str(info.value)
+
+
+def test_a_column_that_does_not_decode_is_named(shards: Path, tmp_path: Path) -> None:
+    """Regression: MDS carries no checksum per sample; a byte of a str column damaged at the
+    source came out of ``ds[i]`` as a bare UnicodeDecodeError naming nothing."""
+    name = EXPECTED[0]["name"].encode()
+    shard = shards / "shard.00000.mds"
+    raw = shard.read_bytes()
+    assert raw.count(name) == 1
+    shard.write_bytes(raw.replace(name, b"\xff" + name[1:]))
+    ds = CachedDataset(MDSSource(str(shards)), tmp_path / "cache", "16MiB")
+    with pytest.raises(CorruptionError, match=r"^sample 0 \(.*shard.00000.mds#bytes=\d+-\d+\): "
+                                              "its bytes do not decode .*UnicodeDecodeError"):
+        ds[0]
+    _check(1, ds[1])

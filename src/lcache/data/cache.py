@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
+from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
 from lcache.data.sources import (
     FileSource,
@@ -38,7 +39,13 @@ from lcache.data.sources import (
     as_source,
     fetch_many,
 )
-from lcache.errors import ConfigError, DiskFullError, StoreFullError, StorePermissionError
+from lcache.errors import (
+    ConfigError,
+    DiskFullError,
+    LCacheError,
+    StoreFullError,
+    StorePermissionError,
+)
 from lcache.forksafe import fork_safe_lock
 from lcache.io import atomic_write, close_file, private_dir
 from lcache.io.files import open_owned, open_regular
@@ -451,7 +458,16 @@ class SampleCache:
             tally["served_bytes"] += len(item)
             if type(item) is not bytes and not self._decode_copies:
                 item = bytearray(item)  # a private, writable copy of the store's memory
-            out[i] = self.source.decode(item)
+            try:
+                out[i] = self.source.decode(item)
+            except Exception as exc:  # a format's decoder on bytes its index misdescribes
+                if isinstance(exc, LCacheError):
+                    raise
+                path_of = getattr(self.source, "path_of", None)  # optional in a Source
+                where_ = path_of(indices[i]) if path_of is not None else self.source.url
+                raise SourceCorruptionError(
+                    f"sample {indices[i]} ({where_}): its bytes do not decode as the source "
+                    f"describes them: {type(exc).__name__}: {exc}") from exc
         tally["accesses"] += n
         self.counters.add(**{k: v for k, v in tally.items() if v})
         return out
