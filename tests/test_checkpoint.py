@@ -158,6 +158,10 @@ def test_unsupported_values_are_named(tmp_path: Path) -> None:
         ck.save({1.5: 1}, tmp_path / "c" / "x")
     with pytest.raises(ck.UnsupportedValueError, match=r"obj.*Python objects"):
         ck.save({"obj": np.array([object()])}, tmp_path / "c" / "x")
+    with pytest.warns(UserWarning, match="prototype"):  # a bare RuntimeError before
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ck.UnsupportedValueError, match=r"ragged: a nested tensor; .*unbind"):
+        ck.save({"ragged": nested}, tmp_path / "c" / "x")
     with pytest.raises(ConfigError, match="must end in a directory name"):
         ck.save({}, tmp_path / ".hidden")
     assert ck.leftovers(tmp_path / "c") == []  # a refused save leaves nothing behind

@@ -353,6 +353,9 @@ def _torch_ref(tensor: Any, where: str) -> ArrayRef:
                                     "dequantize it first")
     if tensor.device.type == "meta":
         raise UnsupportedValueError(f"cannot checkpoint {where}: a meta tensor holds no data")
+    if tensor.is_nested:  # strided layout, but no single shape
+        raise UnsupportedValueError(f"cannot checkpoint {where}: a nested tensor; save its "
+                                    "components (.unbind()) instead")
     nbytes = tensor.numel() * tensor.element_size()
     return ArrayRef(where, "torch", torch_dtype_name(tensor.dtype), list(tensor.shape), 0,
                     nbytes, source=tensor)
