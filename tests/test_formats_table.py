@@ -95,3 +95,11 @@ def test_ranges_beyond_a_file_or_missing_files(tmp_path: Path, files: dict[str, 
         TableSource(str(data), "t.csv")
     with pytest.raises(SourceError, match="cannot read the table"):
         TableSource(str(data), "missing.csv")
+
+
+def test_a_csv_table_saved_with_a_bom_is_read(tmp_path: Path, files: dict[str, bytes]) -> None:
+    """Regression: a table saved by a spreadsheet (UTF-8 with a BOM) was refused, its header
+    read as ['\\ufeffpath', ...]."""
+    lines = ["path,offset,length"] + [f"{p},{o},{n}" for p, o, n in ROWS]
+    (tmp_path / "data" / "t.csv").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    assert TableSource(str(tmp_path / "data"), "t.csv").fetch_many(range(4)) == _want(files)

@@ -98,6 +98,9 @@ def read_offsets(remote: Remote, names: Sequence[str], counts: Sequence[int],
     tables = []
     for name, count, size, head in zip(names, counts, sizes, heads, strict=True):
         url = remote.full_url(remote.path(name))
+        if len(head) > 4 * (count + 2):
+            raise SourceError(f"{url}: {len(head)} bytes came for the {4 * (count + 2)} asked "
+                              f"of its {what} header: a server that ignores Range requests?")
         if len(head) != 4 * (count + 2):
             raise SourceCorruptionError(
                 f"{url}: {what} header is {len(head)} bytes, not {4 * (count + 2)} for its "

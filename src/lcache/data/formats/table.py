@@ -66,7 +66,7 @@ def _row(line: int, path: Any, offset: Any, length: Any, where: str) -> Row:
 
 def _csv_rows(raw: bytes, where: str) -> list[Row]:
     try:
-        reader = csv.DictReader(io.StringIO(raw.decode("utf-8")))
+        reader = csv.DictReader(io.StringIO(raw.decode("utf-8-sig")))  # a BOM (Excel) too
         fields = reader.fieldnames or []
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SourceCorruptionError(f"{where}: not a CSV table: {exc}") from None
