@@ -130,6 +130,24 @@ def test_checkpoint_folder_that_cannot_hold_files(tmp_path: Path) -> None:
         run_workload(load_workload(str(path)), BenchOptions(show_progress=False))
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_data_file_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
+    """Regression: a directory in place of a data file was "error: Is a directory", naming
+    nothing; a FIFO would have blocked the reader."""
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(tiny(tmp_path)))
+    run_workload(load_workload(str(path)), BenchOptions(show_progress=False))
+    victim = next((tmp_path / "data" / "train").glob("*.npz"))
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.mkdir()
+    shown = "a FIFO" if kind == "fifo" else "a directory"
+    assert_one_line_error(run_lcache("bench", "run", str(path), "--no-generate", cwd=tmp_path),
+                          f"{victim} is {shown}, not a data file of this workload")
+
+
 # --------------------------------------------------------------------------- published values
 # The largest value of each field in any published DLIO workload (argonne-lcf/dlio_benchmark
 # configs/workload, whole history) or MLPerf Storage v1.0/v2.0 workload (mlcommons/storage

@@ -28,14 +28,24 @@ from typing import Any
 import numpy as np
 
 from lcache.bench.config import Workload
-from lcache.errors import CorruptionError
-from lcache.io import aligned_buffer, close_file, drop_page_cache, open_file, pread_full
+from lcache.errors import ConfigError, CorruptionError
+from lcache.io import aligned_buffer, close_file, drop_page_cache, pread_full
 from lcache.io.buffers import align_down, align_up
-from lcache.io.files import logical_block_size
+from lcache.io.files import NotRegularFile, logical_block_size, open_regular
 
 IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 _MAX_OPEN = 64  # open files kept per reader thread
+
+
+def _open_data(path: str, direct: bool = False) -> int:
+    """A data file of the workload, opened for reading; a directory or a FIFO in its place
+    is named (reading a directory failed later as a bare "Is a directory")."""
+    try:
+        return open_regular(path, os.O_RDONLY, direct)
+    except NotRegularFile as exc:
+        raise ConfigError(f"{path} is {exc.kind}, not a data file of this workload; remove it "
+                          "(lcache bench run --generate writes the files again)") from exc
 
 
 def batches_ahead(w: Workload) -> int:
@@ -88,7 +98,7 @@ class SampleReader:
         if fd is None:
             if len(st.fds) >= _MAX_OPEN:  # many indexed files: close the oldest, not EMFILE
                 self._release(next(iter(st.fds)))
-            fd = open_file(path, os.O_RDONLY, direct=self.direct)
+            fd = _open_data(path, self.direct)
             st.fds[path] = fd
             with self._lock:
                 self._all_fds.append(fd)
@@ -141,7 +151,7 @@ class SampleReader:
         else:
             arrays = []
             for suffix in (".off.idx", ".sz.idx"):
-                fd = open_file(path + suffix, os.O_RDONLY)
+                fd = _open_data(path + suffix)
                 try:
                     raw = bytearray(os.fstat(fd).st_size)
                     pread_full(fd, 0, memoryview(raw), io_class=IO_CLASS)
@@ -157,7 +167,7 @@ class SampleReader:
 
     def _scan_tfrecord(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         """Record offsets from the 12-byte headers (tf.data reads the same headers)."""
-        fd = open_file(path, os.O_RDONLY)
+        fd = _open_data(path)
         try:
             end = os.fstat(fd).st_size
             offs, sizes = [], []
@@ -213,7 +223,7 @@ class SampleReader:
         if self.remote is not None:
             return  # nothing of an object store is in this host's page cache
         for path in self.files:
-            fd = open_file(path, os.O_RDONLY)
+            fd = _open_data(path)
             try:
                 drop_page_cache(fd)
             finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -174,7 +175,9 @@ class _Run:
         self.ck_dir = os.path.abspath(opts.checkpoint_dir or w.checkpoint_folder)
         self.direct = w.odirect if opts.direct is None else opts.direct
         self.generate = w.generate_data if opts.generate is None else opts.generate
-        self.progress = _Progress(opts.show_progress and comm.rank == 0, opts.progress_label)
+        # bars on a terminal only: in a log they are lines before the summary or an error
+        self.progress = _Progress(opts.show_progress and comm.rank == 0 and sys.stderr.isatty(),
+                                  opts.progress_label)
         self.rec = RankRecorder(comm.rank, w.batch_size, w.exclude_start_steps,
                                 w.exclude_end_steps, w.batch_size_eval)
         self.ck_io: ckpt.CheckpointIO | None = None
