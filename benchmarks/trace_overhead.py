@@ -124,6 +124,7 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
 
     trace = os.path.join(directory, f"alternate-{kind}.trace")
     out: dict[str, list[float]] = {m: [] for m in BLOCK_MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in BLOCK_MODES}  # the reading thread's CPU
     order = random.Random(seed)
     # Tracing left on: one recorder for the whole run, its hook installed for the traced
     # blocks only. Each block's records are flushed inside its time, so untraced blocks never
@@ -139,11 +140,12 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
         for mode in modes:
             if mode == "inlib":
                 set_tracer(recorder, binary=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             run()
             if mode == "inlib":
                 lcache.trace.flush()  # writing the records is part of what they cost
             out[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.thread_time() - c0)
             if mode == "inlib":
                 set_tracer(None)
     set_tracer(recorder, binary=True)
@@ -163,7 +165,7 @@ def _workload(kind: str, directory: str, reads: int, seed: int, blocks: int,
         lcache.trace.enable(trace)
         lcache.trace.disable()
         starts.append(time.perf_counter() - t0)
-    print(json.dumps({**out, "events_per_read": events / reads / blocks,
+    print(json.dumps({**out, "cpu": cpu, "events_per_read": events / reads / blocks,
                       "enable_disable_s": statistics.median(starts)}))
 
 
@@ -384,6 +386,7 @@ def main() -> None:
             _child(kind, args.dir, args.block_reads, 0, args.blocks), env=env,
             capture_output=True, text=True, timeout=900), f"inlib/{kind}")
         base, inlib = _med(blocks["base"]), _med(blocks["inlib"])
+        cpu = blocks["cpu"]
         result["workloads"][kind] = {
             "inlib": {"block_median_s": {m: round(_med(blocks[m]), 5) for m in BLOCK_MODES},
                       "raw_s": {m: [round(x, 5) for x in blocks[m]] for m in BLOCK_MODES},
@@ -393,6 +396,10 @@ def main() -> None:
                       "overhead_min": round(min(blocks["inlib"]) / min(blocks["base"]) - 1, 4),
                       # untraced blocks again: what the harness reads where nothing differs
                       "control": round(_med(blocks["control"]) / base - 1, 4),
+                      # The reading thread's CPU time: blind to the time other jobs hold the
+                      # core (the wall clock's noise here), not to what the records cost.
+                      "cpu_overhead": round(_med(cpu["inlib"]) / _med(cpu["base"]) - 1, 4),
+                      "cpu_control": round(_med(cpu["control"]) / _med(cpu["base"]) - 1, 4),
                       "us_per_event": round((inlib - base) / args.block_reads * 1e6, 3),
                       "enable_disable_ms": round(blocks["enable_disable_s"] * 1e3, 3)}}
     for kind in KINDS:
@@ -429,6 +436,8 @@ def main() -> None:
         "inlib_overhead_min": w["samples"]["inlib"]["overhead_min"],
         "inlib_overhead_store_min": w["store"]["inlib"]["overhead_min"],
         "inlib_control": {k: w[k]["inlib"]["control"] for k in ("samples", "store")},
+        "inlib_cpu_overhead": {k: w[k]["inlib"]["cpu_overhead"] for k in ("samples", "store")},
+        "inlib_cpu_control": {k: w[k]["inlib"]["cpu_control"] for k in ("samples", "store")},
         "sampling_control": {k: w[k]["sampling"]["control"] for k in KINDS},
         "sampling_overhead": max(w[k]["sampling"]["overhead"] for k in KINDS),
         "sampling_overhead_min": max(w[k]["sampling"]["overhead_min"] for k in KINDS),
@@ -454,7 +463,9 @@ def main() -> None:
                  f"{r['sampling']['control']:+.1%})")
         if "inlib" in r:
             line += (f", inlib {r['inlib']['overhead']:+.1%} ({r['inlib']['us_per_event']} "
-                     f"us/event; control {r['inlib']['control']:+.1%})")
+                     f"us/event; control {r['inlib']['control']:+.1%}; thread CPU "
+                     f"{r['inlib']['cpu_overhead']:+.1%}, control "
+                     f"{r['inlib']['cpu_control']:+.1%})")
         print(line)
     print(f"inlib_overhead {result['inlib_overhead']:+.1%}, sampling_overhead "
           f"{result['sampling_overhead']:+.1%} (sampler CPU {result['sampling_cpu_fraction']:.3%}"
