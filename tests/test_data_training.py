@@ -770,3 +770,22 @@ def test_epochs_and_states_a_sampler_cannot_take_are_refused(tmp_path: Path,
     bad = {**sampler.state_dict(consumed=0), "epoch": 10**9}
     with pytest.raises(ConfigError, match="epoch"):
         sampler.load_state_dict(bad)
+    array_seed = {**sampler.state_dict(consumed=0), "seed": np.array([3, 3])}
+    with pytest.raises(ConfigError, match="sampler state has seed="):  # "truth value" before
+        sampler.load_state_dict(array_seed)
+
+
+def test_a_state_taken_after_set_epoch_starts_that_epoch(tmp_path: Path,
+                                                        small_data: Path) -> None:
+    """Regression: set_epoch(e + 1) kept the count of epoch e, so a state taken before
+    iterating the new epoch resumed it as consumed, and the whole epoch was skipped."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, num_replicas=1, rank=0, prefetch=False)
+    first = [a.sample for a in sampler]
+    sampler.set_epoch(1)
+    state = sampler.state_dict()
+    assert (state["epoch"], state["consumed"]) == (1, 0)
+    again = SeedAwareSampler(ds, num_replicas=1, rank=0, prefetch=False)
+    again.load_state_dict(state)
+    again.set_epoch(1)
+    assert_once_each([a.sample for a in again], len(first))

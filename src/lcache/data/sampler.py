@@ -143,8 +143,8 @@ class SeedAwareSampler:
             epoch = whole_number(epoch, "epoch", 0, MAX_EPOCH)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (the epoch, not the step)") from None
-        if epoch != self.epoch:
-            self._start = 0
+        if epoch != self.epoch:  # a state_dict taken now is at the new epoch's start
+            self._start = self._yielded = 0
         self.epoch = epoch
 
     def node_sequence(self, epoch: int) -> npt.NDArray[np.int64]:
@@ -247,7 +247,12 @@ class SeedAwareSampler:
         for key, mine in (("seed", self.seed), ("samples", self.n), ("world", self.world),
                           ("shuffle", self.shuffle), ("drop_last", self.drop_last),
                           ("shard_window", self.shard_window)):
-            if state.get(key, 0 if key == "shard_window" else None) != mine:
+            given = state.get(key, 0 if key == "shard_window" else None)
+            try:
+                same = bool(given == mine)
+            except (ValueError, TypeError):  # an array or a tensor: no one truth value
+                same = False
+            if not same:
                 raise ConfigError(f"sampler state has {key}={state.get(key)!r}, this sampler "
                                   f"{mine!r}; resume with the same settings")
         consumed = whole_number(state["consumed"], "the sampler state's consumed", 0)
