@@ -313,3 +313,21 @@ def test_a_missing_directory_or_a_class_that_is_no_optimizer_is_refused(
     with pytest.raises(ConfigError, match="torch optimizer class"):
         OffloadedOptimizer(params, int, dir=tmp_path / "swap")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_swap_file_cut_short_is_an_error_not_other_bytes(tmp_path: Path) -> None:
+    """Regression: a short read of the swap file was ignored, and the buffer's old bytes (of
+    another sub-group) became parameters and moments."""
+    from lcache.errors import CorruptionError
+
+    p = torch.nn.Parameter(torch.randn(1 << 20, dtype=torch.bfloat16))
+    with OffloadedOptimizer([p], dir=tmp_path, host_budget="4MB", lr=0.0,
+                            weight_decay=0.0) as opt:
+        p.grad = torch.ones_like(p)
+        opt.step()
+        os.truncate(opt.swap_path, 4096)
+        p.grad = torch.ones_like(p)
+        with pytest.raises(CorruptionError, match="swap file was cut short"):
+            opt.step()
+        with pytest.raises(CorruptionError, match="swap file was cut short"):
+            opt.state_dict()

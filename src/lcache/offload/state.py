@@ -53,8 +53,10 @@ def _reader(fd: int, ranges: list[tuple[int, int, int]]) -> Any:
         end = offset + len(buf)
         for start, at, n in ranges:
             lo, hi = max(start, offset), min(start + n, end)
-            if lo < hi:
-                pread_full(fd, at + lo - start, buf[lo - offset : hi - offset], IO_READ)
+            if lo < hi and pread_full(fd, at + lo - start, buf[lo - offset : hi - offset],
+                                      IO_READ) != hi - lo:
+                raise CorruptionError(f"the optimizer's swap file was cut short: no bytes "
+                                      f"at offset {at + hi - start}")
 
     return read_into
 

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from lcache.errors import ConfigError, DiskFullError
+from lcache.errors import ConfigError, CorruptionError, DiskFullError
 from lcache.io import (
     Pending,
     atomic_write,
@@ -140,10 +140,14 @@ class SwapFile:
                 raise
 
     # --- I/O -----------------------------------------------------------------------------
-    def read(self, offset: int, buf: memoryview) -> list[Pending]:
-        """Start reading ``len(buf)`` bytes at ``offset`` (both aligned) into ``buf``."""
+    def read(self, offset: int, buf: memoryview) -> list[Any]:
+        """Start reading ``len(buf)`` bytes at ``offset`` (both aligned) into ``buf``; each
+        handle's ``wait()`` raises ``CorruptionError`` if fewer came (the file was cut short:
+        the buffer would keep another sub-group's bytes)."""
         engine = default_engine()
-        return [engine.submit_read(self.fd, offset + at, buf[at : at + CHUNK], IO_READ)
+        return [_WholeRead(engine.submit_read(self.fd, offset + at, buf[at : at + CHUNK],
+                                              IO_READ), min(CHUNK, len(buf) - at),
+                           offset + at, self.path)
                 for at in range(0, len(buf), CHUNK)]
 
     def write(self, offset: int, buf: memoryview) -> list[Pending]:
@@ -165,7 +169,26 @@ class SwapFile:
         self.fd = self.plain_fd = -1
 
 
-def wait_all(pending: list[Pending]) -> None:
+class _WholeRead:
+    """A read of the swap file that must come back whole."""
+
+    __slots__ = ("offset", "path", "pending", "size")
+
+    def __init__(self, pending: Pending, size: int, offset: int, path: str) -> None:
+        self.pending, self.size, self.offset, self.path = pending, size, offset, path
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        got = self.pending.wait(timeout)
+        if got != self.size:
+            raise CorruptionError(f"{self.path}: {got} of {self.size} bytes at offset "
+                                  f"{self.offset}: the swap file was cut short while in use")
+        return got
+
+
+def wait_all(pending: list[Any]) -> None:
     """Wait for every handle; raise the first error after all are done (a buffer must not be
     reused while an operation on it is still running)."""
     first: BaseException | None = None
