@@ -90,7 +90,22 @@ def step_bf16_and_master(model: torch.nn.Module, opt: OffloadedOptimizer,
         assert torch.equal(p, m.to(torch.bfloat16))
 
 
-def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: Path) -> None:
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], how: str) -> None:
+    """``load_state_dict``, or writes torch does not count: ``p.data.copy_`` and
+    ``p.data = w`` (older training scripts load weights that way)."""
+    if how == "load_state_dict":
+        model.load_state_dict(weights)
+        return
+    for name, p in model.named_parameters():
+        if how == "data.copy_":
+            p.data.copy_(weights[name])
+        else:
+            p.data = weights[name].clone()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "data.copy_", "data ="])
+def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: Path,
+                                                                     how: str) -> None:
     """A model loaded after its optimizer was made (a pretrained checkpoint, a broadcast) is
     trained from the loaded weights, not overwritten by the old masters at the next step."""
     model = make_model(dtype=torch.bfloat16)
@@ -100,7 +115,7 @@ def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: P
     with OffloadedOptimizer(model.named_parameters(), lr=3e-3, dir=tmp_path, **SMALL) as opt:
         for s in range(6):
             if s == 3:
-                model.load_state_dict(loaded)
+                load_weights(model, loaded, how)
                 with torch.no_grad():
                     for m, p in zip(master.parameters(), model.parameters(), strict=True):
                         m.copy_(p.float())
@@ -108,6 +123,19 @@ def test_bf16_weights_loaded_between_steps_become_the_master_weights(tmp_path: P
                 for name, p in model.named_parameters():
                     assert torch.equal(saved[name]["master"].view(p.shape), p.float()), name
             step_bf16_and_master(model, opt, master, ref, s)
+
+
+@pytest.mark.parametrize("how", ["data.copy_", "data ="])
+def test_fp32_weights_written_behind_torchs_back_are_what_a_checkpoint_saves(
+        tmp_path: Path, how: str) -> None:
+    model = make_model()
+    loaded = make_model(seed=1).state_dict()
+    with OffloadedOptimizer(model.named_parameters(), lr=3e-3, dir=tmp_path, **SMALL) as opt:
+        train(model, opt, range(2))
+        load_weights(model, loaded, how)
+        saved = opt.state_dict()["state"]
+        for name, p in model.named_parameters():
+            assert torch.equal(saved[name]["master"].view(p.shape), loaded[name]), name
 
 
 def test_accumulation_zero_grad_and_params_without_grads(tmp_path: Path) -> None:

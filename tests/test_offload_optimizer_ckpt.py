@@ -164,3 +164,45 @@ def test_loading_an_earlier_checkpoint_into_the_trained_optimizer_rewinds_it(
         model.load_state_dict(state["model"])
         train(model, opt, range(3, 8))
     assert same(model, reference(8))
+
+
+def test_a_failed_save_does_not_leave_the_next_step_waiting(tmp_path: Path) -> None:
+    """A save pins the slots it reads; one that fails before streaming a byte (an option
+    that cannot be saved) must unpin them, or the next step waits for it forever."""
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=tmp_path / "swap",
+                            **SMALL) as opt:
+        train(model, opt, range(1))
+        opt.param_groups[0]["callback"] = object()
+        with pytest.raises(checkpoint.UnsupportedValueError, match="callback"):
+            checkpoint.save({"optimizer": opt}, tmp_path / "ckpt")
+        del opt.param_groups[0]["callback"]
+        stepper = threading.Thread(target=train, args=(model, opt, range(1, 3)), daemon=True)
+        stepper.start()
+        stepper.join(60)
+        assert not stepper.is_alive(), "the step waits for a save that failed"
+
+
+@pytest.mark.parametrize("tamper", ["step is text", "step missing", "betas of one",
+                                    "lr is text"])
+def test_a_tampered_state_is_refused_at_load_and_changes_nothing(
+        tmp_path: Path, tamper: str) -> None:
+    """Not a bare TypeError or KeyError in the middle of the next step, nor moments silently
+    started again (a state without its ``step``)."""
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        train(model, opt, range(3))
+        saved = opt.state_dict()
+        entry, group = saved["state"]["head.weight"], saved["param_groups"][0]
+        if tamper == "step is text":
+            entry["step"] = "abc"
+        elif tamper == "step missing":
+            del entry["step"]
+        elif tamper == "betas of one":
+            group["betas"] = (0.5,)
+        else:
+            group["lr"] = "fast"
+        with pytest.raises(CorruptionError, match=r"step|betas|lr"):
+            opt.load_state_dict(saved)
+        train(model, opt, range(3, 6))
+    assert same(model, reference(6))

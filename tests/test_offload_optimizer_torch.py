@@ -4,6 +4,7 @@ state_dict() work with it as with torch's own, to the bit (issue 12)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests._offload_model import (  # one_thread: an autouse fixture
     make_model,
     one_thread,  # noqa: F401
     same,
+    train,
 )
 
 STEPS = 30
@@ -171,3 +173,53 @@ def test_state_dict_round_trips_through_torch_save_and_load_state_dict(
         with pytest.raises(ConfigError, match="not an OffloadedOptimizer's state"):
             opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     assert same(model, reference(STEPS))
+
+
+@pytest.mark.parametrize(("optimizer_class", "options"), [
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "foreach": False}),
+    (torch.optim.RMSprop, {"lr": 1e-3}),
+    (torch.optim.Adagrad, {"lr": 1e-2}),
+], ids=["sgd-momentum", "sgd-nesterov", "rmsprop", "adagrad"])
+def test_other_elementwise_optimizers_match_torch_through_a_resume(
+        tmp_path: Path, optimizer_class: type, options: dict[str, Any]) -> None:
+    """SGD keeps no ``step``: its momentum was dropped at every step, which then ran as the
+    first (plain SGD). Resumed half-way from ``state_dict()``, as a restart would."""
+    ref_model, model = make_model(), make_model()
+    # the offload's default: torch's fused path where the optimizer has one
+    fused = {"fused": True} if "foreach" not in options and \
+        "fused" in inspect.signature(optimizer_class).parameters else {}
+    ref = optimizer_class(ref_model.parameters(), **options, **fused)
+    train(ref_model, ref, range(8))
+    with OffloadedOptimizer(model.named_parameters(), optimizer_class, dir=tmp_path / "a",
+                            **SMALL, **options) as opt:
+        train(model, opt, range(4))
+        saved = opt.state_dict()
+    with OffloadedOptimizer(model.named_parameters(), optimizer_class, dir=tmp_path / "b",
+                            **SMALL, **options) as opt:
+        opt.load_state_dict(saved)
+        train(model, opt, range(4, 8))
+    assert same(ref_model, model)
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps by the gradient over its norm: each element's update depends on all others."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adafactor, NormalizedSGD])
+def test_an_optimizer_that_is_not_elementwise_is_refused(
+        tmp_path: Path, optimizer_class: type) -> None:
+    """Run a sub-group at a time, it would train to other weights than in memory."""
+    with pytest.raises(ConfigError, match="not an elementwise optimizer"):
+        OffloadedOptimizer(make_model().parameters(), optimizer_class, dir=tmp_path, **SMALL)
+    assert list(tmp_path.iterdir()) == []

@@ -190,6 +190,18 @@ def _is_torch_tensor(value: Any) -> bool:
     return mod.startswith("torch") and hasattr(value, "untyped_storage")
 
 
+def _release_streamed_in(tree: Any) -> None:
+    """Release every ``StreamedArray`` in ``tree`` (releasing twice is harmless)."""
+    if isinstance(tree, StreamedArray):
+        tree.release()
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _release_streamed_in(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _release_streamed_in(v)
+
+
 def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "", depth: int = 0) -> Any:
     """The JSON form of ``value``; arrays are appended to ``arrays`` (offsets set later).
 
@@ -228,7 +240,12 @@ def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "", depth: int =
         return {"t": "array", "i": len(arrays) - 1}
     checkpoint_state = getattr(type(value), "__lcache_checkpoint__", None)
     if checkpoint_state is not None:  # e.g. an OffloadedOptimizer: its state, streamed
-        return encode_tree(checkpoint_state(value), arrays, path, depth)
+        saved = checkpoint_state(value)
+        try:
+            return encode_tree(saved, arrays, path, depth)
+        except BaseException:
+            _release_streamed_in(saved)  # its owner must not wait for a save that failed
+            raise
     if isinstance(value, dict):
         keys: list[Any] = []
         items: list[Any] = []

@@ -149,7 +149,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if "fused" in accepted and "fused" not in options and "foreach" not in options:
             options["fused"] = True
         # the wrapped optimizer's full defaults, as schedulers look for "betas" or "momentum"
-        self.state_names, defaults = self._probe(options)
+        self.state_names, self._scalar_kinds, defaults = self._probe(options)
         self._members = [g.pop("params") for g in groups]  # parameter indices per group
         self._laid_out = False  # add_param_group is torch's until the swap is laid out
         try:
@@ -180,7 +180,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._inner = [self.optimizer_class([torch.zeros(1)], **{
             k: v for k, v in self._options(g).items() if k in accepted})
             for g in range(len(self.param_groups))]
-        self._scalars: list[dict[str, Any]] = [{} for _ in self._params]  # e.g. "step"
+        # each parameter's non-array state ("step"), None until its first update: SGD keeps
+        # none, and its momentum must still be carried from step to step
+        self._scalars: list[dict[str, Any] | None] = [None for _ in self._params]
         self._slot_of = [0] * len(self.sub_groups)
         self._pins = _Pins()
         rank, world = rank_and_world()
@@ -218,21 +220,63 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                               "parameter without a gradient is not updated")
         super().add_param_group(param_group)
 
-    def _probe(self, options: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-        """(names of the optimizer's per-element state tensors, its defaults with
-        ``options``), from one step on a dummy."""
-        dummy = torch.zeros(2, requires_grad=True)
-        dummy.grad = torch.ones(2)
+    def _probe(self, options: dict[str, Any]
+               ) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+        """(names of the optimizer's per-element state tensors, its other state (``step``)
+        as examples a loaded state is checked against, its defaults with ``options``), from
+        steps on a small 2-D dummy, once whole and once as the swap holds
+        it: flat pieces whose state is carried from step to step by this wrapper. The two
+        must agree to the bit, so an optimizer whose update of an element depends on other
+        elements (Adafactor's factored moments, a norm over the tensor) is refused, not run
+        to other results."""
+        name = self.optimizer_class.__name__
+        values = torch.linspace(-1.0, 1.0, 12).view(3, 4)
+        grads = [torch.sin(torch.arange(12.0) * (s + 1)).view(3, 4) for s in range(3)]
+        whole = values.clone().requires_grad_()
         try:
-            probe = self.optimizer_class([dummy], **options)
-            probe.step()
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"{self.optimizer_class.__name__}({options}) cannot run: "
-                              f"{exc}") from exc
-        state = probe.state[dummy]
-        return (sorted(k for k, v in state.items()
-                       if isinstance(v, torch.Tensor) and v.shape == dummy.shape),
-                dict(probe.defaults))
+            probe = self.optimizer_class([whole], **options)
+            for grad in grads:
+                whole.grad = grad.clone()
+                probe.step()
+            state = probe.state[whole]
+            names = sorted(k for k, v in state.items()
+                           if isinstance(v, torch.Tensor) and v.shape == whole.shape)
+            pieces = self._probe_in_pieces(values, grads, options)
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as exc:
+            raise ConfigError(f"{name}({options}) cannot run offloaded: {exc}") from exc
+        shared = [k for k, v in state.items() if isinstance(v, torch.Tensor)
+                  and k not in names and v.numel() != 1]
+        if shared or not torch.equal(pieces, whole.detach().view(-1)):
+            raise ConfigError(f"{name} is not an elementwise optimizer (its update of an "
+                              "element depends on others"
+                              + (f": state {shared} is not one value per element" if shared
+                                 else "") + "), so it cannot be run a sub-group at a time; "
+                              "use AdamW, Adam, SGD or another elementwise optimizer")
+        return names, {k: v for k, v in state.items() if k not in names}, dict(probe.defaults)
+
+    def _probe_in_pieces(self, values: Any, grads: list[Any], options: dict[str, Any]
+                         ) -> Any:
+        """``values`` after the steps of ``grads``, run as ``_update`` runs them: on flat
+        pieces, each a fresh tensor every step, handed the state the last step left."""
+        flat = values.clone().view(-1)
+        bounds = [(0, 5), (5, 12)]
+        states: list[dict[str, Any] | None] = [None, None]
+        inner = self.optimizer_class([torch.zeros(1)], **options)
+        for grad in grads:
+            proxies = []
+            for i, (lo, hi) in enumerate(bounds):
+                proxy = flat[lo:hi]
+                proxy.grad = grad.view(-1)[lo:hi].clone()
+                if states[i] is not None:
+                    inner.state[proxy] = dict(states[i] or {})
+                proxies.append(proxy)
+            inner.param_groups[0]["params"] = proxies
+            inner.step()
+            for i, proxy in enumerate(proxies):
+                states[i] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                             for k, v in inner.state[proxy].items()}
+            inner.state.clear()
+        return flat
 
     def _manifest(self, world: int) -> dict[str, Any]:
         return {"world": world, "optimizer": self.optimizer_class.__name__,
@@ -273,21 +317,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._io(self._swap.write(self._offset(sg, 0), self._view(buf)[: sg.nbytes]),
                      sg.nbytes, write=True)
 
-    def _param_versions(self) -> list[int]:
-        """Each parameter's in-place version counter (torch bumps it at every write)."""
-        return [p._version for p in self._params]
+    def _param_versions(self) -> list[tuple[int, int]]:
+        """Each parameter's in-place version counter (torch bumps it at every write) and
+        address (``p.data = other`` changes it)."""
+        return [(p._version, p.data_ptr()) for p in self._params]
 
-    def _adopt_changed_params(self) -> None:
+    def _adopt_changed_params(self, also: set[int] | None = None) -> None:
         """Make the parameters written since this optimizer last set them (weights loaded
-        into the model after the optimizer was made, a broadcast from rank 0) the committed
-        master weights of their sub-groups, as a torch optimizer takes whatever its
-        parameters hold. Without it a step updated the stale masters and wrote them over the
-        loaded weights (bf16), and a failed step rolled back to them (fp32).
+        into the model after the optimizer was made, a broadcast from rank 0), and those in
+        ``also``, the committed master weights of their sub-groups, as a torch optimizer
+        takes whatever its parameters hold. Without it a step updated the stale masters and
+        wrote them over the loaded weights (bf16), and a failed step rolled back to them
+        (fp32).
 
         Each changed sub-group's block is written to its other slot, which is committed only
         once written: an error leaves every sub-group consistent, and it is tried again."""
         changed = {i for i, (p, seen) in enumerate(zip(self._params, self._versions,
-                                                       strict=True)) if p._version != seen}
+                                                       strict=True))
+                   if (p._version, p.data_ptr()) != seen} | (also or set())
         if not changed:
             return
         self._resident = {}  # buffers[0] is overwritten, and the committed slots change
@@ -300,13 +347,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._io(self._swap.read(self._offset(sg, slot), view), sg.nbytes, write=False)
             for piece in sg.pieces:
                 if piece.param in changed:
-                    src = self._flat(self._params[piece.param])[piece.start : piece.stop]
-                    self._f32(buf, piece.at, piece.numel).copy_(src)
+                    self._take_written(piece, self._f32(buf, piece.at, piece.numel), True)
             self._pins.wait_free(sg.index, 1 - slot)
             self._io(self._swap.write(self._offset(sg, 1 - slot), view), sg.nbytes,
                      write=True)
             self._slot_of[sg.index] = 1 - slot
         self._versions = self._param_versions()
+
+    def _take_written(self, piece: Any, master: Any, always: bool = False) -> None:
+        """Set ``master`` (fp32, on the host) to ``piece``'s parameter if it was written
+        since (``always``, or it is no longer ``master``'s rounding)."""
+        current = self._flat(self._params[piece.param])[piece.start : piece.stop]
+        if always or not torch.equal(current, master.to(current.device, current.dtype)):
+            master.copy_(current)
 
     # --- helpers -------------------------------------------------------------------------
     def _flat(self, tensor: Any) -> Any:
@@ -431,8 +484,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             at, count = piece.at, piece.numel
-            proxy = (param.detach().view(-1)[piece.start : piece.stop] if in_place
-                     else self._f32(buf, at, count))
+            if in_place:
+                proxy = param.detach().view(-1)[piece.start : piece.stop]
+            else:  # a write torch did not count (``p.data.copy_(w)``) is taken here
+                proxy = self._f32(buf, at, count)
+                self._take_written(piece, proxy)
             grad = self._flat(param.grad)[piece.start : piece.stop]
             if grad.dtype != torch.float32 or grad.device.type != "cpu":
                 if not self._grad_room:
@@ -442,7 +498,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 grad = self._f32(buf, sg.nbytes // F32 + at, count).copy_(grad)
             proxy.grad = grad
             known = self._scalars[piece.param]
-            if known:
+            if known is not None:
                 state = {k: v.clone() if isinstance(v, torch.Tensor) else v
                          for k, v in known.items()}
                 for a, name in enumerate(self.state_names, start=1):

@@ -19,12 +19,13 @@ memory, as torch's optimizers give it), and ``load_state_dict()`` takes either f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lcache.checkpoint.format import StoredArray, StreamedArray, torch_dtype
+from lcache.checkpoint.format import StoredArray, StreamedArray, torch_dtype, torch_dtype_name
 from lcache.errors import ConfigError, CorruptionError
 from lcache.io import pread_full, pwrite_full
 from lcache.offload.plan import F32
@@ -61,9 +62,26 @@ def _reader(fd: int, ranges: list[tuple[int, int, int]]) -> Any:
     return read_into
 
 
+def _master_differs(opt: OffloadedOptimizer, param: int) -> bool:
+    """Whether parameter ``param`` is no longer its committed master weights' rounding (read
+    ``CHUNK`` at a time: a parameter may be larger than the host budget)."""
+    flat = opt._flat(opt._params[param])
+    read_into = _reader(opt._swap.plain_fd, _ranges(opt, param, 0, opt._slot_of))
+    master = torch.empty(min(flat.numel(), CHUNK // F32), dtype=torch.float32)
+    for at in range(0, flat.numel(), master.numel()):
+        part = master[: flat.numel() - at]
+        read_into(at * F32, part.numpy().data.cast("B"))
+        current = flat[at : at + part.numel()]
+        if not torch.equal(current, part.to(current.device, current.dtype)):
+            return True
+    return False
+
+
 def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
     """The optimizer's state for ``lcache.checkpoint``, its arrays streamed from the swap."""
-    opt._adopt_changed_params()  # weights loaded since the last step are what is saved
+    # weights loaded since the last step are what is saved, even written behind torch's
+    # back (``p.data.copy_(w)``)
+    opt._adopt_changed_params({i for i in range(len(opt._params)) if _master_differs(opt, i)})
     slots = list(opt._slot_of)
     release = opt._pins.pin(slots)
     arrays = [MASTER, *opt.state_names]
@@ -73,12 +91,12 @@ def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
         scalars = opt._scalars[i]
         entry: dict[str, Any] = {}
         for a, array in enumerate(arrays):
-            if a and not scalars:
+            if a and scalars is None:
                 break  # never updated: its states do not exist yet
             entry[array] = StreamedArray("float32", list(param.shape), param.numel() * F32,
                                          _reader(opt._swap.plain_fd, _ranges(opt, i, a, slots)),
                                          release)
-        for key, value in scalars.items():
+        for key, value in (scalars or {}).items():
             entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
         state[name] = entry
     groups = [{**opt._options(g), "params": [opt.names[p] for p in members]}
@@ -132,7 +150,55 @@ def _check(opt: OffloadedOptimizer, saved: Any) -> dict[str, Any]:
             if not ok:
                 raise CorruptionError(f"checkpoint state {name!r}/{array}: a float32 array of "
                                       f"{numel} elements was expected")
+        for key, like in opt._scalar_kinds.items() if has_states else ():
+            if key not in entry or not _same_kind(entry[key], like):
+                got = f"not {_kind(entry[key])}" if key in entry else "it is missing"
+                raise CorruptionError(f"checkpoint state {name!r}/{key}: {_kind(like)} was "
+                                      f"expected; {got}")
+    for group, saved_group in zip(opt.param_groups, groups, strict=True):
+        if not isinstance(saved_group, dict):
+            raise CorruptionError("a param group of the checkpoint is not a dict")
+        for key, value in saved_group.items():
+            if key in group and key not in ("params", "param_names") \
+                    and not _same_kind(value, group[key]):
+                raise CorruptionError(f"checkpoint param group option {key!r}: "
+                                      f"{_kind(group[key])} was expected, not {_kind(value)}")
     return state
+
+
+def _same_kind(got: Any, like: Any) -> bool:
+    """Whether a loaded scalar state or option ``got`` can stand where ``like`` stands: a
+    tampered ``step`` or ``betas`` is refused at load, not found in the middle of a step."""
+    if isinstance(like, torch.Tensor):
+        if isinstance(got, StoredArray):
+            return got.dtype == torch_dtype_name(like.dtype) and list(got.shape) == \
+                list(like.shape)
+        if isinstance(got, torch.Tensor):
+            return got.dtype == like.dtype and got.shape == like.shape
+        return like.numel() == 1 and _is_number(got)  # a tensor lr set back to a float
+    if isinstance(like, bool) or like is None:
+        return got is None or isinstance(got, bool)
+    if _is_number(like):
+        return _is_number(got) or (isinstance(got, (torch.Tensor, StoredArray))
+                                   and math.prod(got.shape) == 1)
+    if isinstance(like, (tuple, list)):
+        return isinstance(got, (tuple, list)) and len(got) == len(like) and \
+            all(_same_kind(g, v) for g, v in zip(got, like, strict=True))
+    return type(got) is type(like)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {torch_dtype_name(value.dtype)} tensor of shape {list(value.shape)}"
+    if isinstance(value, StoredArray):
+        return f"a {value.dtype:.20} tensor of shape {list(value.shape)[:8]}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"{type(value).__name__} {value!r:.40}" if value is not None else "None"
 
 
 def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
@@ -142,7 +208,7 @@ def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
     for sg in opt.sub_groups:
         opt._pins.wait_free(sg.index, target[sg.index])
     arrays = [MASTER, *opt.state_names]
-    scalars: list[dict[str, Any]] = []
+    scalars: list[dict[str, Any] | None] = []
     for i, name in enumerate(opt.names):
         entry = state[name]
         for a, array in enumerate(arrays):
@@ -154,7 +220,7 @@ def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
                 _write_ranges(opt._swap.plain_fd, ranges, offset, chunk)
                 offset += len(chunk)
         scalars.append({k: _small(v) for k, v in entry.items() if k not in arrays}
-                       if any(k in entry for k in arrays[1:]) else {})
+                       if any(k in entry for k in arrays[1:]) else None)
     opt._slot_of = target  # every checksum matched: commit
     opt._scalars = scalars
     for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):
