@@ -54,6 +54,10 @@ def test_missing_truncated_and_foreign_files(tmp_path: Path) -> None:
     foreign.write_text('{"ph": "X", "pid": 1, "ts": 1}\n{"hello": "world"}\n')
     with pytest.raises(TraceFormatError, match=r"foreign\.jsonl: line 2: not a Chrome trace"):
         summarize(foreign)
+    odd_args = tmp_path / "odd-args.trace"
+    odd_args.write_text('{"name": "r", "ph": "X", "pid": 1, "ts": 1, "args": [1]}\n')
+    with pytest.raises(TraceFormatError, match=r"odd-args\.trace: line 1: .*'args' is not"):
+        summarize(odd_args)
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n1,2\n")
     with pytest.raises(TraceFormatError, match=r"data\.csv: line 1: not a JSON object"):

@@ -326,6 +326,8 @@ def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | No
     if not isinstance(obj, dict) or "ph" not in obj or "pid" not in obj:
         raise TraceFormatError(f"{path}: line {lineno}: not a Chrome trace event (an object "
                                "with 'ph' and 'pid'); is this a trace written by lcache?")
+    if not isinstance(obj.get("args", {}), dict):
+        raise TraceFormatError(f"{path}: line {lineno}: the event's 'args' is not an object")
     return obj
 
 
