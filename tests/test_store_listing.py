@@ -87,3 +87,30 @@ def test_a_forked_child_lists_for_itself(tmp_path: Path) -> None:
         check(parent, root)
     finally:
         parent.close()
+
+
+def test_a_segment_file_id_past_32_bits_is_not_taken_for_a_segment(tmp_path: Path) -> None:
+    """An index location holds the segment id in 32 bits: a planted ``4294967296.log`` was
+    listed, its records indexed, and the next delete's journal entry failed to pack
+    (struct.error from ``lcache fsck --repair``). Such names are not lcache's."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    store = Store.open(root, **CONFIG)
+    fill(store, 0, 60)
+    store.close()
+    sealed, _ = on_disk(root)
+    for suffix in (log_path, sum_path):
+        shutil.copy(suffix(str(root), sealed[-1]), suffix(str(root), (1 << 32) + sealed[-1]))
+    assert on_disk(root)[0] == sealed
+    store = Store.open(root, **CONFIG)
+    try:
+        store.delete(59)
+        fill(store, 60, 10)
+    finally:
+        store.close()
+    run = subprocess.run([sys.executable, "-m", "lcache", "fsck", "--repair", str(root)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr

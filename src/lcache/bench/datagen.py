@@ -177,7 +177,7 @@ def sweep_stale_temps(folder: str) -> int:
     removed = 0
     for entry in os.scandir(folder):
         head, sep, pid = entry.name.rpartition(".tmp")
-        if not sep or not head or not pid.isdigit() or not entry.is_file():
+        if not sep or not head or not (pid.isascii() and pid.isdigit()) or not entry.is_file():
             continue
         try:
             os.kill(int(pid), 0)

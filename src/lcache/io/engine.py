@@ -551,7 +551,7 @@ def _queue_depth_from_env() -> int:
     raw = os.environ.get(_DEPTH_ENV, "").strip()
     if not raw:
         return DEFAULT_QUEUE_DEPTH
-    if not raw.isdigit() or not 1 <= int(raw) <= 1024:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1024:
         raise ConfigError(f"{_DEPTH_ENV}={raw!r} is not a queue depth; "
                           "set a whole number from 1 to 1024, or unset it")
     return int(raw)

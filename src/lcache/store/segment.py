@@ -75,12 +75,15 @@ def sum_path(root: str, seg: int) -> str:
 
 
 def list_segments(root: str) -> tuple[list[int], set[int]]:
-    """(ids of every ``.log`` sorted, ids that have a ``.sum``)."""
+    """(ids of every ``.log`` sorted, ids that have a ``.sum``). Other names are not
+    lcache's and are passed over, as are ids of 2**32 and beyond: an index location holds
+    the segment id in 32 bits, so lcache never writes them, and one would have been read as
+    another segment's."""
     logs: list[int] = []
     sums: set[int] = set()
     for name in os.listdir(segments_dir(root)):
         stem, _, ext = name.partition(".")
-        if not stem.isdigit():
+        if not (stem.isascii() and stem.isdigit() and int(stem) < 1 << 32):
             continue
         if ext == "log":
             logs.append(int(stem))
