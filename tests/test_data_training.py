@@ -753,6 +753,22 @@ def test_sampler_arguments_that_are_not_whole_numbers_are_named(
         SeedAwareSampler(ds, **kwargs)
 
 
+@pytest.mark.parametrize(("env", "word"), [
+    ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0'"), ({"RANK": "x"}, "RANK='x'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "not below WORLD_SIZE"),
+    ({"WORLD_SIZE": "1" * 30}, "WORLD_SIZE='1111"),
+])
+def test_a_launch_environment_that_is_not_whole_numbers_is_named(
+        tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch,
+        env: dict[str, str], word: str) -> None:
+    """Were a ZeroDivisionError and bare ValueErrors from int()."""
+    ds = open_dataset(str(small_data), tmp_path / "cache", CAPACITY)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=word):
+        SeedAwareSampler(ds)
+
+
 def test_epochs_and_states_a_sampler_cannot_take_are_refused(tmp_path: Path,
                                                             small_data: Path) -> None:
     """A step number given as the epoch would plan every epoch from 0 up to it (hours);

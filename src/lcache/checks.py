@@ -31,3 +31,25 @@ def path_argument(value: Any, name: str) -> str:
         if isinstance(path, str) and path.strip():
             return path
     raise ConfigError(f"{name}={value!r}: give a path")
+
+
+def env_number(name: str, default: int, low: int, high: int | None = None) -> int:
+    """Environment variable ``name`` as a whole number in [low, high], ``default`` when it
+    is unset or empty, or a ConfigError naming it (not a bare ValueError from ``int()``)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or int(raw) < low or \
+            (high is not None and int(raw) > high):
+        span = f"from {low:,} to {high:,}" if high is not None else f"of at least {low}"
+        raise ConfigError(f"{name}={raw!r:.40} in the environment: set a whole number "
+                          f"{span}, or unset it")
+    return int(raw)
+
+
+def launch_rank_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun sets them in the environment; (0, 1) when unset."""
+    rank, world = env_number("RANK", 0, 0), env_number("WORLD_SIZE", 1, 1)
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world} in the environment")
+    return rank, world

@@ -3,9 +3,9 @@ nothing to do alone (``WORLD_SIZE`` unset or 1)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from lcache.checks import launch_rank_world
 from lcache.errors import ConfigError
 
 
@@ -13,8 +13,7 @@ class Comm:
     """Rank, world size, a barrier and an all-ranks check; gloo under torchrun, a no-op alone."""
 
     def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank, self.world = launch_rank_world()
         self._dist: Any = None
         if self.world > 1:
             try:

@@ -25,6 +25,7 @@ from typing import Any
 from lcache.bench.config import Workload
 from lcache.bench.run import BenchOptions, run_workload
 from lcache.bench.traffic import StepIO
+from lcache.checks import launch_rank_world
 from lcache.errors import ConfigError
 
 _STEP_CLASSES = ("data-read", "optimizer-offload", "activation-offload")
@@ -147,7 +148,7 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     from lcache.model import config_from_preset, predict
 
     pred = predict(config_from_preset(preset, **overrides)).to_dict()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_rank_world()[1]
     p = plan(pred, duration, steps, world, max_step_bytes, restart, name=preset)
     # One folder per dataset shape: files kept from a run with other steps or another scale
     # would be read with their own sample count and sizes, not the ones this run needs.

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from lcache.checks import launch_rank_world
 from lcache.cli.checks import Folder
 from lcache.errors import ConfigError
 
@@ -136,7 +137,7 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
 
         settings = _parse_settings(model_settings, "--model-set")
         pred = predict(config_from_preset(offload_preset, **settings)).to_dict()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = launch_rank_world()[1]
         opts.step_io, offload = offload_step_io(pred, w.computation_time, world,
                                                 parse_size(max_step_bytes))
         offload["preset"] = offload_preset

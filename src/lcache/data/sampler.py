@@ -9,7 +9,6 @@ iterates, a prefetcher in this process fetches the rank's upcoming misses.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.checks import whole_number
+from lcache.checks import env_number, launch_rank_world, whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
 from lcache.data.plan import PlanResult, belady
@@ -43,7 +42,7 @@ def _distributed() -> tuple[int, int]:
             return dist.get_rank(), dist.get_world_size()
     except ImportError:
         pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return launch_rank_world()
 
 
 class SeedAwareSampler:
@@ -90,7 +89,7 @@ class SeedAwareSampler:
                                  (loader_workers, "loader_workers", 0)):
             whole_number(value, name, low)
         local = whole_number(local_world_size, "local_world_size", 1) if local_world_size else \
-            int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            env_number("LOCAL_WORLD_SIZE", self.world, 1)
         node = self.rank // local
         self.node_ranks = range(node * local, min((node + 1) * local, self.world))
         self.n = len(self.cache.source)

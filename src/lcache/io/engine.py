@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lcache.checks import env_number
 from lcache.errors import ConfigError, DiskFullError, LCacheError
 from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _tracing
@@ -548,13 +549,7 @@ def default_engine() -> IOEngine:
 
 
 def _queue_depth_from_env() -> int:
-    raw = os.environ.get(_DEPTH_ENV, "").strip()
-    if not raw:
-        return DEFAULT_QUEUE_DEPTH
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1024:
-        raise ConfigError(f"{_DEPTH_ENV}={raw!r} is not a queue depth; "
-                          "set a whole number from 1 to 1024, or unset it")
-    return int(raw)
+    return env_number(_DEPTH_ENV, DEFAULT_QUEUE_DEPTH, 1, 1024)
 
 
 def _after_fork_in_child() -> None:
