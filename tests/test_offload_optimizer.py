@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -341,6 +342,28 @@ def test_a_missing_directory_or_a_class_that_is_no_optimizer_is_refused(
     with pytest.raises(ConfigError, match="torch optimizer class"):
         OffloadedOptimizer(params, int, dir=tmp_path / "swap")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("make", "word"), [
+    (lambda: torch.randn(4, 6).t(), "not contiguous"),
+    (lambda: torch.empty(10, device="meta"), "no dense storage"),
+    (lambda: torch.randn(10).to_sparse(), "no dense storage"),
+], ids=["transposed", "meta", "sparse"])
+def test_parameters_the_swap_cannot_hold_are_refused_up_front(
+        tmp_path: Path, make: Any, word: str) -> None:
+    """They were RuntimeErrors in the middle of the first step."""
+    with pytest.raises(ConfigError, match=word):
+        OffloadedOptimizer([torch.nn.Parameter(make())], dir=tmp_path, **SMALL)
+
+
+def test_a_parameter_replaced_by_one_of_another_size_is_refused_at_the_step(
+        tmp_path: Path) -> None:
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    with OffloadedOptimizer([param], dir=tmp_path, **SMALL) as opt:
+        param.data = torch.randn(5)
+        param.grad = torch.ones(5)
+        with pytest.raises(ConfigError, match="now has 5 elements, not the 24"):
+            opt.step()
 
 
 def test_a_swap_file_cut_short_is_an_error_not_other_bytes(tmp_path: Path) -> None:

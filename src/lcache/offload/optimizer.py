@@ -65,6 +65,7 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dic
             name, tensor = item if isinstance(item, tuple) else (f"{g}.{i}", item)
             if not getattr(tensor, "is_floating_point", lambda: False)():
                 raise ConfigError(f"parameter {name!r} is not a floating-point tensor")
+            _check_layout(str(name), tensor)
             group["params"].append(len(tensors))
             names.append(str(name))
             tensors.append(tensor)
@@ -75,6 +76,21 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dic
     if len({id(t) for t in tensors}) != len(tensors):
         raise ConfigError("a parameter appears twice in the parameter list")
     return names, tensors, groups
+
+
+def _check_layout(name: str, tensor: Any, numel: int | None = None) -> None:
+    """A parameter the swap can hold and the steps can write: dense, contiguous, with
+    storage (of ``numel`` elements, once laid out)."""
+    if tensor.is_meta or tensor.layout != torch.strided:
+        raise ConfigError(f"parameter {name!r} has no dense storage ({tensor.device.type} "
+                          f"device, {tensor.layout} layout); materialize the model (dense, "
+                          "on the CPU or a GPU) before making its optimizer")
+    if not tensor.is_contiguous():
+        raise ConfigError(f"parameter {name!r} is not contiguous; make it so before making "
+                          "its optimizer (p.data = p.data.contiguous())")
+    if numel is not None and tensor.numel() != numel:
+        raise ConfigError(f"parameter {name!r} now has {tensor.numel()} elements, not the "
+                          f"{numel} the swap file was laid out for")
 
 
 class _Pins:
@@ -161,7 +177,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._laid_out = True
         self.arrays = 1 + len(self.state_names)
         self.host_budget = parse_size(host_budget)
-        sizes = [[(p, self._params[p].numel()) for p in members] for members in self._members]
+        self._numels = [p.numel() for p in self._params]
+        sizes = [[(p, self._numels[p]) for p in members] for members in self._members]
         # room in the buffers for gradients to copy, unless every one is fp32 on the CPU
         self._grad_room = any(p.dtype != torch.float32 or p.device.type != "cpu"
                               for p in self._params)
@@ -337,6 +354,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                    if (p._version, p.data_ptr()) != seen} | (also or set())
         if not changed:
             return
+        for i in changed:  # replaced by ``p.data = other``: still one the swap holds?
+            _check_layout(self.names[i], self._params[i], self._numels[i])
         self._resident = {}  # buffers[0] is overwritten, and the committed slots change
         buf = self._buffers[0]
         for sg in self.sub_groups:
