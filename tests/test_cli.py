@@ -122,6 +122,7 @@ def test_demo_json(tmp_path: Path) -> None:
     # the dataset is larger than the cache: some samples were evicted, the rest hit
     assert figures["evictions"] > 0
     assert 0.3 < figures["hit_ratio"] < 1.0
+    assert os.listdir(tmp_path) == ["store"]  # the crashed writer's progress file is gone
 
 
 def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> None:

@@ -82,9 +82,9 @@ def _flushed_up_to(marks: str) -> int:
         return 0
 
 
-def _kill_mid_write(root: str, first_key: int, size: int, batches: int) -> int:
-    """Run a writer until it flushed ``batches`` batches, kill -9 it; returns keys flushed."""
-    marks = os.path.join(root, "..", "crash-writer.marks")
+def _kill_mid_write(root: str, first_key: int, size: int, batches: int, marks: str) -> int:
+    """Run a writer until it flushed ``batches`` batches, kill -9 it; returns keys flushed.
+    The writer records its progress in the file ``marks``."""
     child = _start_crash_writer(root, first_key, size, marks)
     try:
         deadline = time.monotonic() + 120
@@ -169,7 +169,10 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
         # less the batch it is killed in.
         sure = capacity - SEGMENT_SIZE * (MAX_WRITERS + 1)
         batches = max(1, min(4, sure // (BATCH * size) - 1))
-        flushed_to = _kill_mid_write(root, samples, size, batches)
+        # the writer's progress file goes in the private temporary folder, removed at the
+        # end, even when the store is in the caller's --dir
+        flushed_to = _kill_mid_write(root, samples, size, batches,
+                                     os.path.join(tmp, "crash-writer.marks"))
         t0 = time.perf_counter()
         store = Store.open(root)
         recovery_s = time.perf_counter() - t0
