@@ -271,3 +271,18 @@ def test_dataset_or_checkpoints_larger_than_the_disk_are_refused(tmp_path: Path)
                                               r"8\.0 MiB in .*ck, which has"):
             run_workload(parse_workload(ck), BenchOptions(show_progress=False))
         assert list((fs / "ck").iterdir()) == []
+
+
+@pytest.mark.parametrize(("sections", "words"), [
+    ({"reader": {"batch_size": 5}}, r"4 files x 1 samples make no full batch of 5"),
+    ({"workflow": {"evaluation": True},
+      "dataset": {"num_files_eval": 1}, "reader": {"batch_size_eval": 2}},
+     r"1 evaluation files make no full batch of 2"),
+])
+def test_files_that_make_no_full_batch_are_refused_before_any_is_generated(
+        tmp_path: Path, sections: dict[str, Any], words: str) -> None:
+    """The check ran after generating the whole dataset (minutes for a large one)."""
+    w = parse_workload(tiny(tmp_path, **sections))
+    with pytest.raises(ConfigError, match=words):
+        run_workload(w, BenchOptions(show_progress=False))
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*.npz"))

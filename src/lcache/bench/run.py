@@ -144,6 +144,22 @@ def _enable_trace(output: str, rank: int) -> tuple[Any, str]:
     return trace_mod, path
 
 
+def _check_batches(w: Workload, world: int, num_files: int) -> None:
+    """Training files (and evaluation, when on) that make at least one full batch per rank.
+
+    Raises:
+        ConfigError: they make none.
+    """
+    if steps_per_epoch(w, world, num_files) < 1:
+        raise ConfigError(f"{w.source}: {num_files} files x {w.num_samples_per_file} "
+                          f"samples make no full batch of {w.batch_size} per rank for "
+                          f"{world} rank(s); add files or lower reader.batch_size")
+    if w.do_eval and eval_steps(w, world) < 1:
+        raise ConfigError(f"{w.source}: {w.num_files_eval} evaluation files make no full "
+                          f"batch of {w.batch_size_eval} per rank for {world} rank(s); add "
+                          "files or lower reader.batch_size_eval")
+
+
 def run_workload(w: Workload, opts: BenchOptions | None = None) -> dict[str, Any]:
     """Execute ``w`` on real storage and return the summary (rank 0's; others get theirs).
 
@@ -194,6 +210,8 @@ class _Run:
         if self.generate and not w.on_s3:
             _owned_dir(self.data_dir, "data")
         _check_room(w, comm.world, self.data_dir, self.ck_dir, self.generate)
+        if self.generate and w.do_train:  # before minutes of generating, not after
+            _check_batches(w, comm.world, w.num_files_train)
         start = _now()
         trace_mod, trace_path = _enable_trace(self.output, comm.rank) if opts.trace \
             else (None, "")
@@ -272,10 +290,7 @@ class _Run:
         w, comm, opts = self.w, self.comm, self.opts
         files = datagen.list_files(w, self.data_dir)
         steps = steps_per_epoch(w, comm.world, len(files))
-        if steps < 1:
-            raise ConfigError(f"{w.source}: {len(files)} files x {w.num_samples_per_file} "
-                              f"samples make no full batch of {w.batch_size} per rank for "
-                              f"{comm.world} rank(s); add files or lower reader.batch_size")
+        _check_batches(w, comm.world, len(files))
         if w.total_training_steps > max_steps(w, comm.world, len(files)):
             self.notes.append(f"train.total_training_steps = {w.total_training_steps} is more "
                               f"than the {steps} steps the dataset holds per epoch: ran "
@@ -284,11 +299,6 @@ class _Run:
         eval_reader = None
         if w.do_eval:
             eval_files = datagen.list_files(w, self.data_dir, "valid")
-            if eval_steps(w, comm.world) < 1:
-                raise ConfigError(f"{w.source}: {len(eval_files)} evaluation files make no "
-                                  f"full batch of {w.batch_size_eval} per rank for "
-                                  f"{comm.world} rank(s); add files or lower "
-                                  "reader.batch_size_eval")
             eval_reader = self._reader(eval_files)
         traffic = StepTraffic(self.ck_dir, comm.rank, opts.step_io) if opts.step_io else None
         rng = np.random.default_rng([w.seed, comm.rank])
