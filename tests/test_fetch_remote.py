@@ -218,6 +218,19 @@ def test_a_coalesced_answer_of_the_wrong_length_is_refused(tmp_path: Path, big: 
         assert server.paths["/big.bin"] == 1  # a wrong length is not a transient error
 
 
+def test_a_server_that_gzips_what_it_sends_still_gives_the_stored_bytes(
+        tmp_path: Path, objects: list[bytes], big: bytes) -> None:
+    """nginx's gzip compresses a response (and drops Range) for a client that accepts it,
+    and aiohttp inflated it: a range of a shard came back as the whole file, refused."""
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "gzip") as server:
+        src = FileSource(server.url + "/d/")  # sizes from HEAD, then whole objects
+        assert src.fetch_many(range(40)) == objects
+        offsets, lengths = _ranges(3, 10, len(big), gap=0)
+        ranges = RangeSource(server.url, "big.bin", offsets, lengths)
+        assert ranges.fetch_many(range(10)) == [big[o:o + n] for o, n in zip(offsets, lengths,
+                                                                               strict=True)]
+
+
 def test_short_answer_names_the_first_sample_cut(tmp_path: Path, big: bytes) -> None:
     offsets, lengths = [0, 1000, 2000, 3000], [1000] * 4
     with ThrottledServer(str(tmp_path), fault=lambda path, nth: "short") as server:

@@ -35,6 +35,11 @@ def filesystem_of(url: str, storage_options: dict[str, Any] | None = None) -> tu
         from fsspec.implementations.local import LocalFileSystem
 
         return LocalFileSystem(**options), os.path.abspath(url.removeprefix("file://"))
+    if url.lower().startswith(("http://", "https://")):
+        # the bytes as stored: a server that gzips what it sends (nginx's gzip, which also
+        # drops Range) would have them inflated by aiohttp to another size than the listed
+        options = {**options, "headers": {"Accept-Encoding": "identity",
+                                          **(options.get("headers") or {})}}
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:

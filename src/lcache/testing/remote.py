@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import gzip
 import html
 import json
 import os
@@ -38,6 +39,8 @@ FAULTS = {
     "short": "answer honestly with half the asked bytes (a truncated object)",
     "ignore-range": "send the whole file with 200, as a server without Range support",
     "stall": "wait stall_seconds (30) before closing without an answer (a client timeout)",
+    "gzip": "to a client that accepts gzip, send the whole file gzipped with 200 (as nginx's "
+            "gzip does, dropping Range)",
 }
 REASONS = {200: "OK", 206: "Partial Content", 301: "Moved Permanently", 403: "Forbidden",
            404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
@@ -219,6 +222,10 @@ class ThrottledServer:
                 meta["ETag"] = f'"{size:x}-{st.st_mtime_ns:x}"'
             if not body:
                 self._send(writer, 200, meta, b"", length=size)
+                return
+            if fault == "gzip" and "gzip" in headers.get("accept-encoding", ""):
+                packed = gzip.compress(f.read())
+                self._send(writer, 200, {**meta, "Content-Encoding": "gzip"}, packed)
                 return
             start, end, status = 0, size, 200
             rng = headers.get("range", "")
