@@ -36,7 +36,7 @@ from lcache.checkpoint.dist import rank_and_world
 from lcache.checks import path_argument
 from lcache.errors import ConfigError
 from lcache.io import Pending, aligned_buffer
-from lcache.offload.plan import ALIGN, F32, SubGroup, buffer_bytes, choose_numel, plan
+from lcache.offload.plan import ALIGN, CUT, F32, SubGroup, buffer_bytes, choose_numel, plan
 from lcache.offload.swap import SwapFile, wait_all
 from lcache.store.layout import parse_size
 
@@ -133,7 +133,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         dir: directory of the swap files (one per rank, removed by ``close()``).
         host_budget: host memory for the pipeline's buffers, an int or a size such as
             ``"2GB"``; it sets the sub-group size.
-        sub_group_size: elements per sub-group, instead of the largest the budget allows.
+        sub_group_size: elements per sub-group (at least 64), instead of the largest the
+            budget allows.
         buffers: host buffers in the pipeline (3: read i+1, update i, write i-1).
         direct: O_DIRECT I/O where the filesystem allows it.
         preallocate: reserve the swap file's blocks at construction (a full device is then
@@ -247,8 +248,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         elements (Adafactor's factored moments, a norm over the tensor) is refused, not run
         to other results."""
         name = self.optimizer_class.__name__
-        values = torch.linspace(-1.0, 1.0, 12).view(3, 4)
-        grads = [torch.sin(torch.arange(12.0) * (s + 1)).view(3, 4) for s in range(3)]
+        values = torch.linspace(-1.0, 1.0, 150).view(3, 50)
+        grads = [torch.sin(torch.arange(150.0) * (s + 1)).view(3, 50) for s in range(3)]
         whole = values.clone().requires_grad_()
         try:
             probe = self.optimizer_class([whole], **options)
@@ -276,7 +277,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """``values`` after the steps of ``grads``, run as ``_update`` runs them: on flat
         pieces, each a fresh tensor every step, handed the state the last step left."""
         flat = values.clone().view(-1)
-        bounds = [(0, 5), (5, 12)]
+        bounds = [(0, CUT), (CUT, flat.numel())]  # cut as plan() cuts a parameter
         states: list[dict[str, Any] | None] = [None, None]
         inner = self.optimizer_class([torch.zeros(1)], **options)
         for grad in grads:

@@ -1,8 +1,11 @@
 """How the optimizer state is cut into sub-groups and laid out in the swap file.
 
 The parameters of each param group are seen as one flat run of elements, cut into sub-groups
-of at most ``numel`` elements (a parameter may span several; an elementwise optimizer gives the
-same bits either way). A sub-group's *block* holds its arrays one after another, each
+of at most ``numel`` elements. A parameter may span several, cut only at multiples of ``CUT``
+elements: torch's fused CPU kernels compute a tensor's last, partial vector in another way than
+its full vectors, so each piece must start where a vector of the whole parameter starts for
+the bits to be the same as on the whole (a cut anywhere else changed 62,769 of 301,000
+elements in 20 steps of fused AdamW). A sub-group's *block* holds its arrays one after another, each
 ``numel`` fp32 elements: the master weights first, then each per-element state of the optimizer
 (AdamW: ``exp_avg``, ``exp_avg_sq``). Blocks start at ``ALIGN`` boundaries, so a whole block is
 one aligned read or write. The file holds two slots of blocks: a step reads a block from its
@@ -22,6 +25,9 @@ F32 = 4
 #: hold ``buffers`` sub-groups of this many elements (or of the largest param group, if
 #: smaller) is refused.
 MIN_SUB_GROUP = 1 << 16
+#: A parameter is cut into pieces at multiples of this many elements (a whole number of the
+#: widest CPU vectors, 512 bits of fp32, four times over).
+CUT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +84,7 @@ def choose_numel(budget: int, buffers: int, arrays: int, largest_group: int,
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ConfigError(f"sub_group_size={requested!r} is not a number of elements >= 1")
-        numel = min(requested, max(largest_group, 1))
+        numel = min(max(requested, CUT), max(largest_group, 1))
     else:
         numel = min(max(largest_group, 1), MIN_SUB_GROUP)
     need = buffers * buffer_bytes(numel, arrays, grads)
@@ -108,6 +114,12 @@ def plan(groups: list[list[tuple[int, int]]], numel: int, arrays: int) -> list[S
             start = 0
             while start < count:
                 take = min(count - start, numel - fill)
+                if start + take < count:  # cut inside the parameter: at a multiple of CUT
+                    take -= take % CUT
+                if take == 0:  # under CUT elements of room left: the next sub-group
+                    offset = _close(out, g, pieces, fill, offset, arrays)
+                    pieces, fill = [], 0
+                    continue
                 pieces.append(Piece(param, start, start + take, fill))
                 start += take
                 fill += take
