@@ -223,3 +223,25 @@ def test_an_optimizer_that_is_not_elementwise_is_refused(
     with pytest.raises(ConfigError, match="not an elementwise optimizer"):
         OffloadedOptimizer(make_model().parameters(), optimizer_class, dir=tmp_path, **SMALL)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_groups_own_implementation_choice_is_kept_and_bad_options_are_config_errors(
+        tmp_path: Path) -> None:
+    """``fused=True`` was added beside a group's ``foreach=True`` (a bare RuntimeError), and
+    an option the optimizer asserts on (capturable on the CPU) was a bare AssertionError."""
+    ref_model, model = make_model(), make_model()
+    head = ["head.weight"]
+
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+        return [{"params": [p for n, p in m.named_parameters() if n not in head]},
+                {"params": [p for n, p in m.named_parameters() if n in head],
+                 "foreach": True}]
+
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2)
+    with OffloadedOptimizer(groups(model), lr=1e-2, dir=tmp_path / "a", **SMALL) as opt:
+        train(ref_model, ref, range(5))
+        train(model, opt, range(5))
+    assert same(ref_model, model)
+    with pytest.raises(ConfigError, match="capturable"):
+        OffloadedOptimizer(model.parameters(), capturable=True, fused=False,
+                           dir=tmp_path / "b", **SMALL)

@@ -163,10 +163,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"buffers={buffers!r}: the pipeline needs at least 2 buffers")
         self.names, self._params, groups = _named_groups(params)
         accepted = inspect.signature(self.optimizer_class).parameters
-        if "fused" in accepted and "fused" not in options and "foreach" not in options:
+        chosen = {"fused", "foreach"} & {k for d in (options, *groups) for k in d}
+        if "fused" in accepted and not chosen:  # a group's own choice is kept too
             options["fused"] = True
         # the wrapped optimizer's full defaults, as schedulers look for "betas" or "momentum"
         self.state_names, self._scalar_kinds, defaults = self._probe(options)
+        layouts = {}  # per group with options of its own: the state it keeps
+        for g, group in enumerate(groups):
+            own = {k: v for k, v in group.items() if k in accepted and k != "params"}
+            if own:
+                names, kinds, _ = self._probe({**options, **own})
+                layouts[g] = (names, kinds)
+        if layouts and len(layouts) == len(groups):  # e.g. amsgrad given to every group
+            self.state_names, self._scalar_kinds = layouts[0]
+        for g, (names, kinds) in layouts.items():  # the swap holds one layout for all
+            if names != self.state_names or set(kinds) != set(self._scalar_kinds):
+                raise ConfigError(
+                    f"param group {g}'s options make {names} the optimizer's per-element "
+                    f"state, where another group keeps {self.state_names}; the swap holds "
+                    "one layout for all groups: give options such as amsgrad to every group "
+                    "(or as an argument), not to some")
         self._members = [g.pop("params") for g in groups]  # parameter indices per group
         self._laid_out = False  # add_param_group is torch's until the swap is laid out
         try:
@@ -195,9 +211,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for piece in sg.pieces:
                 self._pieces_of[piece.param].append((sg, piece))
         # one per group, made with the options its constructor takes; a step sets them all
-        self._inner = [self.optimizer_class([torch.zeros(1)], **{
-            k: v for k, v in self._options(g).items() if k in accepted})
-            for g in range(len(self.param_groups))]
+        try:
+            self._inner = [self.optimizer_class([torch.zeros(1)], **{
+                k: v for k, v in self._options(g).items() if k in accepted})
+                for g in range(len(self.param_groups))]
+        except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
+            raise ConfigError(f"OffloadedOptimizer: a param group's options: {exc}") from exc
         # each parameter's non-array state ("step"), None until its first update: SGD keeps
         # none, and its momentum must still be carried from step to step
         self._scalars: list[dict[str, Any] | None] = [None for _ in self._params]
@@ -260,7 +279,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             names = sorted(k for k, v in state.items()
                            if isinstance(v, torch.Tensor) and v.shape == whole.shape)
             pieces = self._probe_in_pieces(values, grads, options)
-        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as exc:
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError,
+                AssertionError) as exc:
             raise ConfigError(f"{name}({options}) cannot run offloaded: {exc}") from exc
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor)
                   and k not in names and v.numel() != 1]
