@@ -206,3 +206,61 @@ def test_a_tampered_state_is_refused_at_load_and_changes_nothing(
             opt.load_state_dict(saved)
         train(model, opt, range(3, 6))
     assert same(model, reference(6))
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_an_optimizer_closed_or_dropped_while_a_save_streams_it_is_saved_whole(
+        tmp_path: Path, how: str) -> None:
+    """close() closed the swap under a streaming async_save (EBADF, or another file's bytes
+    published once its descriptor number was reused); an optimizer collected when the function
+    that made it returned its save's handle lost the checkpoint the same way."""
+    import gc
+
+    model = make_model()
+    opt = OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=tmp_path / "swap", **SMALL)
+    train(model, opt, range(3))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    slow = threading.Event()
+
+    def slow_save(event: IOEvent) -> None:  # the save's first swap read lasts 0.5 s
+        if threading.current_thread().name.startswith("lcache-ckpt") and not slow.is_set():
+            slow.set()
+            time.sleep(0.5)
+
+    previous = set_tracer(slow_save)
+    try:
+        handle = checkpoint.async_save({"optimizer": opt}, tmp_path / "ckpt" / "step-3")
+        if how == "close":
+            opt.close()  # waits for the save
+        del opt
+        gc.collect()
+        handle.wait()
+    finally:
+        set_tracer(previous)
+    assert slow.is_set()
+    saved = checkpoint.load(tmp_path / "ckpt" / "step-3")["optimizer"]["state"]
+    for name, w in weights.items():
+        assert torch.equal(saved[name]["master"].view(w.shape), w), name
+    del handle
+    gc.collect()
+    assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_a_closed_optimizer_and_zero_size_parameters(tmp_path: Path) -> None:
+    """state_dict(), saves and loads of a closed optimizer were EBADF; a parameter of no
+    elements made a checkpoint's weight check a bare ValueError."""
+    empty = torch.nn.Parameter(torch.zeros(0))
+    model = make_model()
+    opt = OffloadedOptimizer([("empty", empty), *model.named_parameters()], lr=1e-2,
+                             dir=tmp_path / "swap", **SMALL)
+    empty.grad = torch.zeros(0)
+    train(model, opt, range(2))
+    saved = opt.state_dict()
+    assert saved["state"]["empty"]["master"].numel() == 0
+    checkpoint.save({"optimizer": opt}, tmp_path / "ckpt")
+    opt.close()
+    for call in (opt.state_dict, lambda: opt.load_state_dict(saved),
+                 lambda: checkpoint.save({"optimizer": opt}, tmp_path / "again"),
+                 opt.step):
+        with pytest.raises(ConfigError, match="closed"):
+            call()

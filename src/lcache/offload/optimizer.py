@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import mmap
 import threading
 import weakref
@@ -39,6 +40,8 @@ from lcache.io import Pending, aligned_buffer
 from lcache.offload.plan import ALIGN, CUT, F32, SubGroup, buffer_bytes, choose_numel, plan
 from lcache.offload.swap import SwapFile, wait_all
 from lcache.store.layout import parse_size
+
+log = logging.getLogger("lcache")
 
 
 def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dict[str, Any]]]:
@@ -117,6 +120,13 @@ class _Pins:
     def wait_free(self, sub_group: int, slot: int) -> None:
         with self.cond:
             self.cond.wait_for(lambda: all(s[sub_group] != slot for s in self.live.values()))
+
+    def wait_none(self) -> None:
+        """Until no checkpoint reads the swap (a save streams it for as long as it takes)."""
+        with self.cond:
+            while not self.cond.wait_for(lambda: not self.live, timeout=30):
+                log.warning("lcache: closing an OffloadedOptimizer waits for a checkpoint "
+                               "save that still reads its state")
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -427,8 +437,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._swap.fd < 0:
-            raise ConfigError("this OffloadedOptimizer is closed")
+        self._check_open()
         with torch.no_grad():
             self._step()
         return loss
@@ -646,8 +655,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state (master weights and per-element states) in the swap."""
         return int(sum(p.numel() for p in self._params)) * self.arrays * F32
 
+    def _check_open(self) -> None:
+        if self._swap.fd < 0:
+            raise ConfigError("this OffloadedOptimizer is closed")
+
     def close(self) -> None:
-        """Remove the swap file and its manifest, and free the host buffers."""
+        """Remove the swap file and its manifest, and free the host buffers, once no
+        checkpoint save still reads them (an ``async_save`` of it waits to be streamed)."""
+        self._pins.wait_none()
         self._closer()
         self._buffers = []
         self._resident = {}

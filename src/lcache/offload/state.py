@@ -49,13 +49,16 @@ def _ranges(opt: OffloadedOptimizer, param: int, array: int, slots: list[int]
     return out
 
 
-def _reader(fd: int, ranges: list[tuple[int, int, int]]) -> Any:
+def _reader(opt: OffloadedOptimizer, ranges: list[tuple[int, int, int]]) -> Any:
+    """``read_into`` of a parameter's array. It holds ``opt``: a save streaming it keeps the
+    optimizer, and so its swap file, from being collected before the save is done."""
     def read_into(offset: int, buf: memoryview) -> None:
+        opt._check_open()
         end = offset + len(buf)
         for start, at, n in ranges:
             lo, hi = max(start, offset), min(start + n, end)
-            if lo < hi and pread_full(fd, at + lo - start, buf[lo - offset : hi - offset],
-                                      IO_READ) != hi - lo:
+            if lo < hi and pread_full(opt._swap.plain_fd, at + lo - start,
+                                      buf[lo - offset : hi - offset], IO_READ) != hi - lo:
                 raise CorruptionError(f"the optimizer's swap file was cut short: no bytes "
                                       f"at offset {at + hi - start}")
 
@@ -66,7 +69,9 @@ def _master_differs(opt: OffloadedOptimizer, param: int) -> bool:
     """Whether parameter ``param`` is no longer its committed master weights' rounding (read
     ``CHUNK`` at a time: a parameter may be larger than the host budget)."""
     flat = opt._flat(opt._params[param])
-    read_into = _reader(opt._swap.plain_fd, _ranges(opt, param, 0, opt._slot_of))
+    if not flat.numel():
+        return False
+    read_into = _reader(opt, _ranges(opt, param, 0, opt._slot_of))
     master = torch.empty(min(flat.numel(), CHUNK // F32), dtype=torch.float32)
     for at in range(0, flat.numel(), master.numel()):
         part = master[: flat.numel() - at]
@@ -79,6 +84,7 @@ def _master_differs(opt: OffloadedOptimizer, param: int) -> bool:
 
 def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
     """The optimizer's state for ``lcache.checkpoint``, its arrays streamed from the swap."""
+    opt._check_open()
     # weights loaded since the last step are what is saved, even written behind torch's
     # back (``p.data.copy_(w)``)
     opt._adopt_changed_params({i for i in range(len(opt._params)) if _master_differs(opt, i)})
@@ -94,7 +100,7 @@ def checkpoint_state(opt: OffloadedOptimizer) -> dict[str, Any]:
             if a and scalars is None:
                 break  # never updated: its states do not exist yet
             entry[array] = StreamedArray("float32", list(param.shape), param.numel() * F32,
-                                         _reader(opt._swap.plain_fd, _ranges(opt, i, a, slots)),
+                                         _reader(opt, _ranges(opt, i, a, slots)),
                                          release)
         for key, value in (scalars or {}).items():
             entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -203,6 +209,7 @@ def _kind(value: Any) -> str:
 
 def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
     """Stream a saved state into the swap, then make it the optimizer's (see module doc)."""
+    opt._check_open()
     state = _check(opt, saved)
     target = [1 - s for s in opt._slot_of]
     for sg in opt.sub_groups:
