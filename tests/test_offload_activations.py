@@ -367,6 +367,13 @@ def test_bad_depths_are_config_errors(tmp_path: Path, kw: dict[str, Any]) -> Non
         activations(tmp_path, **kw)
 
 
+@pytest.mark.parametrize("bad", [None, "", "/tmp/a\0b"])
+def test_a_directory_that_is_no_path_is_a_config_error(bad: Any) -> None:
+    """Were a TypeError and a bare ValueError ("embedded null byte") when entered."""
+    with pytest.raises(ConfigError, match="dir="):
+        activations(bad)
+
+
 def test_a_directory_that_cannot_be_written_is_one_line_error(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "ro", "1m") as ro:
         subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lcache.checks import path_argument, whole_number
 from lcache.errors import (
     ConfigError,
     CorruptionError,
@@ -115,15 +116,9 @@ def activations(dir: str | os.PathLike[str], min_bytes: int | str = "1MiB", *,
         write_behind: spills being written at once before the forward pass waits.
 
     Raises:
-        ConfigError: a bad ``min_bytes``, ``read_ahead`` or ``write_behind``.
+        ConfigError: a bad ``dir``, ``min_bytes``, ``read_ahead`` or ``write_behind``.
     """
     return ActivationOffload(dir, min_bytes, read_ahead, write_behind)
-
-
-def _count(name: str, value: object, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name}={value!r}: give a whole number, at least {least}")
-    return value
 
 
 class ActivationOffload:
@@ -135,9 +130,9 @@ class ActivationOffload:
             self.min_bytes = parse_size(min_bytes)
         except ConfigError as exc:
             raise ConfigError(f"min_bytes={min_bytes!r}: {exc}") from None
-        self.read_ahead = _count("read_ahead", read_ahead, 0)
-        self.write_behind = _count("write_behind", write_behind, 1)
-        self.dir = os.fspath(dir)
+        self.read_ahead = whole_number(read_ahead, "read_ahead", 0)
+        self.write_behind = whole_number(write_behind, "write_behind", 1)
+        self.dir = path_argument(dir, "dir")
         self.stats = ActivationStats()
         self._session: _Session | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
