@@ -453,6 +453,47 @@ def test_load_into_checks_before_writing(tmp_path: Path) -> None:
         ck.load(tmp_path / "c" / "s", into=True)
 
 
+@pytest.mark.parametrize(("dest", "why"), [
+    (5, "a: like= holds int, not a tensor"),
+    (torch.zeros(1).expand(4), "a: like= holds an expanded tensor"),
+], ids=["int", "expanded"])
+def test_load_into_a_destination_that_cannot_take_the_array_writes_nothing(
+        tmp_path: Path, dest: Any, why: str) -> None:
+    """Were an AttributeError and a RuntimeError after other keys had been written."""
+    ck.save({"a": torch.ones(4), "b": torch.ones(5)}, tmp_path / "c" / "s")
+    like = {"b": torch.zeros(5), "a": dest}
+    with pytest.raises(ck.StateMismatchError, match=why):
+        ck.load(tmp_path / "c" / "s", like=like, into=True)
+    assert not like["b"].any()
+
+
+def test_load_into_a_read_only_array_returns_a_new_one(tmp_path: Path) -> None:
+    ck.save({"n": np.arange(3.0)}, tmp_path / "c" / "s")
+    frozen = np.zeros(3)
+    frozen.setflags(write=False)
+    out = ck.load(tmp_path / "c" / "s", like={"n": frozen}, into=True)
+    assert out["n"].tolist() == [0.0, 1.0, 2.0] and not frozen.any()
+
+
+@pytest.mark.parametrize("what", ["a file", "a folder of other files", "a name too long"])
+def test_a_save_onto_what_cannot_become_a_checkpoint_is_refused_before_writing(
+        tmp_path: Path, what: str) -> None:
+    """Were a bare NotADirectoryError, ENOTEMPTY after the whole persist, and
+    ENAMETOOLONG."""
+    path = tmp_path / "c" / ("x" * 250 if what == "a name too long" else "step-1")
+    path.parent.mkdir()
+    if what == "a file":
+        path.write_text("notes")
+    elif what == "a folder of other files":
+        path.mkdir()
+        (path / "notes.txt").write_text("notes")
+    with pytest.raises(ConfigError, match=r"not a directory|neither a checkpoint nor empty|"
+                                          r"too long"):
+        ck.save({"w": torch.ones(10)}, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == \
+        ([] if what == "a name too long" else ["step-1"])
+
+
 def test_load_into_detects_a_flipped_byte(tmp_path: Path) -> None:
     path = Path(ck.save({"w": torch.arange(100_000.0)}, tmp_path / "c" / "s"))
     with open(path / "rank00000.data", "r+b") as f:
@@ -480,9 +521,17 @@ def test_bad_options_and_paths_are_refused_before_any_work(tmp_path: Path,
         with pytest.raises(ConfigError, match="current directory"):
             ck.save({"w": torch.zeros(2)}, path)
     assert here.is_dir() and os.listdir(here) == []
-    for path in (None, ""):
+    for path in (None, "", str(tmp_path / "n\0ul")):
         with pytest.raises(ConfigError, match="path"):
             ck.load(path)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="NUL"):  # was a bare ValueError
+        ck.save({"w": torch.zeros(2)}, tmp_path / "n\0ul")
+    done = ck.async_save({"w": torch.zeros(2)}, tmp_path / "s2")
+    with pytest.raises(ConfigError, match="timeout=nan"):  # was a bare ValueError
+        done.wait(timeout=float("nan"))
+    assert done.wait() == str(tmp_path / "s2")
+    with pytest.raises(ConfigError, match="rank='0'"):  # was a TypeError
+        ck.load(tmp_path / "s2", rank="0")  # type: ignore[arg-type]
 
 
 def test_an_upload_target_that_cannot_be_written_is_named(tmp_path: Path) -> None:

@@ -28,9 +28,10 @@ def path_argument(value: Any, name: str) -> str:
     directory), or a ConfigError naming ``name``."""
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
-        if isinstance(path, str) and path.strip():
+        if isinstance(path, str) and path.strip() and "\0" not in path:
             return path
-    raise ConfigError(f"{name}={value!r}: give a path")
+    raise ConfigError(f"{name}={value!r:.200}: give a path" + (
+        " (without a NUL character)" if "\0" in str(value) else ""))
 
 
 def env_number(name: str, default: int, low: int, high: int | None = None) -> int:

@@ -97,6 +97,9 @@ class CheckpointHandle:
             DiskFullError, OSError, LCacheError: what failed this checkpoint (on this rank,
                 or ``CheckpointFailedError`` naming the rank that failed).
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):  # NaN too
+            raise ConfigError(f"timeout={timeout!r}: give seconds (a number >= 0) or None")
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -62,6 +62,9 @@ def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
         # this process works in
         raise ConfigError(f"checkpoint path {os.fspath(path)!r} is the current directory or "
                           "holds it; give a path below it, e.g. ckpts/step-100")
+    if len(os.fsencode(PARTIAL + name)) > 255:  # the staging directory's name must fit
+        raise ConfigError(f"checkpoint name {name[:40]!r}... is too long: at most "
+                          f"{255 - len(PARTIAL)} bytes")
     return root, name
 
 
@@ -89,6 +92,13 @@ def open_staging(root: str, name: str) -> tuple[str, int]:
         raise CheckpointExistsError(f"a checkpoint named {name!r} already exists in {root}; "
                                     "checkpoints are never overwritten: pick a new name "
                                     "(e.g. with the step number) or delete it first")
+    final = os.path.join(root, name)
+    if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
+        raise ConfigError(f"{final} exists and is not a directory: a checkpoint would be "
+                          "published there as one; pick another name or move it away")
+    if os.path.isdir(final) and os.listdir(final):
+        raise ConfigError(f"{final} exists and is neither a checkpoint nor empty: pick "
+                          "another name or move it away")
     stage = staging_dir(root, name)
     for _ in range(10):
         os.makedirs(stage, mode=0o700, exist_ok=True)

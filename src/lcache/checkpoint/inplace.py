@@ -54,6 +54,21 @@ def _pair(skeleton: Any, like: Any, dests: list[Any]) -> None:
             _pair(v, w, dests)
 
 
+def _unfit(ref: ArrayRef, dest: Any) -> str:
+    """Why ``dest`` cannot take array ``ref`` in place ("" if it can)."""
+    if ref.kind == "torch":
+        import torch
+
+        if not isinstance(dest, torch.Tensor):
+            return f"{ref.key}: like= holds {type(dest).__name__}, not a tensor"
+        if any(st == 0 and n > 1 for st, n in zip(dest.stride(), dest.shape, strict=True)):
+            return (f"{ref.key}: like= holds an expanded tensor (its elements share memory); "
+                    "give a tensor of its own")
+    elif ref.kind == "numpy" and not isinstance(dest, np.ndarray):
+        return f"{ref.key}: like= holds {type(dest).__name__}, not a numpy array"
+    return ""
+
+
 class _Target:
     """Where one array's bytes go: straight into the destination's memory when it is one
     contiguous, writable host block; otherwise into a staging array copied over at the end."""
@@ -96,6 +111,8 @@ class _Target:
                 self.dest.copy_(self.stage)
         elif ref.kind == "npscalar":
             self.result = self.stage[()]
+        elif not self.dest.flags.writeable:  # it cannot be written: the result is new
+            self.result = self.stage
         else:
             np.copyto(self.dest, self.stage)
 
@@ -141,6 +158,11 @@ def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like:
                                  f"key(s):\n  {shown}")
     dests: list[Any] = [None] * len(refs)
     _pair(skeleton, like, dests)
+    unfit = [why for why in map(_unfit, refs, dests) if why]
+    if unfit:  # before any byte of like= is written
+        shown = "\n  ".join(unfit[:20])
+        raise StateMismatchError(f"like= cannot take the checkpoint's arrays at {len(unfit)} "
+                                 f"key(s):\n  {shown}")
     targets = [_Target(r, d) for r, d in zip(refs, dests, strict=True)]
     _stream(data_path, nbytes, targets, verify, direct, queue_depth)
     return decode_tree(tree, [t.result for t in targets], where)

@@ -43,7 +43,7 @@ from lcache.checkpoint.persist import (
     read_data_file,
     read_small_file,
 )
-from lcache.checks import path_argument
+from lcache.checks import path_argument, whole_number
 from lcache.errors import LCacheError
 from lcache.io import aligned_buffer, close_file, pread_full
 
@@ -123,7 +123,8 @@ def _pick_shard(body: dict[str, Any], path: str, rank: int | None) -> dict[str, 
                                   f"with {world} ranks, or pass rank= to read one shard")
             raise ConfigError(f"{path} was saved by {world} ranks, this run has {my_world}; "
                               "resharding is not supported: load with the same world size")
-    if not 0 <= rank < world:
+    rank = whole_number(rank, "rank", 0)
+    if not rank < world:
         raise ConfigError(f"rank {rank} is not in [0, {world}) for {path}")
     for shard in body["shards"]:
         if shard["rank"] == rank:
