@@ -140,6 +140,8 @@ def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> 
     ["demo", "--workers", "-1"], ["store-demo", "--samples", "0"],
     ["store-demo", "--samples", "1", "--sample-size", "5GB"],
     ["warm", "src", "--cache", "c", "--capacity", "1MB", "--threads", "0"],
+    ["warm", "src", "--cache", "c", "--capacity", "1MB", "-o", "=x"],
+    ["warm", "src", "--cache", "c", "--capacity", "1MB", "-o", "a=1", "-o", "a=2"],
 ])
 def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     """What click refuses (a missing argument, a value out of range) is one line naming the

@@ -180,8 +180,10 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
     storage_options = {}
     for item in options:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key.strip():
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--option")
+        if key in storage_options:
+            raise click.BadParameter(f"{key!r} is given twice", param_hint="--option")
         storage_options[key] = value
     figures = warm_cache(source, cache_dir, capacity, threads=threads,
                          storage_options=storage_options, show_progress=not as_json)
