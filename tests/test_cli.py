@@ -140,8 +140,6 @@ def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> 
     ["demo", "--workers", "-1"], ["store-demo", "--samples", "0"],
     ["store-demo", "--samples", "1", "--sample-size", "5GB"],
     ["warm", "src", "--cache", "c", "--capacity", "1MB", "--threads", "0"],
-    ["warm", "src", "--cache", "c", "--capacity", "1MB", "-o", "=x"],
-    ["warm", "src", "--cache", "c", "--capacity", "1MB", "-o", "a=1", "-o", "a=2"],
 ])
 def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     """What click refuses (a missing argument, a value out of range) is one line naming the
@@ -151,6 +149,17 @@ def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
     assert "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(("options", "words"), [(["-o", "=x"], "is not KEY=VALUE"),
+                                                (["-o", "a=1", "-o", "a=2"], "given twice")])
+def test_warm_options_without_a_key_or_twice_are_refused(
+        tmp_path: Path, options: list[str], words: str) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    out = run("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"), "--capacity",
+              "64MB", *options)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe garbage", b'{"format":2,', b"[1]", b"{}"])
