@@ -7,6 +7,9 @@ import json
 import logging
 import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ from lcache.data import CachedDataset, RangeSource
 from lcache.data.identity import PROBES, probe_indices
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.testing.remote import ThrottledServer
+
+from .conftest import subprocess_env
 
 CAPACITY = "16MiB"
 
@@ -126,6 +131,100 @@ def test_files_added_before_the_others_shift_every_index(tmp_path: Path) -> None
     (data / "s0009.bin").unlink()
     again = CachedDataset(str(data), cache, CAPACITY)
     assert [again[i] for i in range(10)] == [b"first", *files[:9]]
+
+
+def _halves(data: Path, files: list[bytes]) -> tuple[list[str], list[str]]:
+    names = sorted(p.name for p in data.iterdir())
+    half = len(names) // 2
+    return names[:half], names[half:]
+
+
+def test_two_splits_open_at_once_are_refused_while_the_other_is_open(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    a = CachedDataset(str(data), cache, CAPACITY, files=train)
+    assert [a[i] for i in range(10)] == files[:10]
+    with pytest.raises(ConfigError, match=r"is open for .* close that first"):
+        CachedDataset(str(data), cache, CAPACITY, files=val)
+    assert [a[i] for i in range(10)] == files[:10]  # the open handle is unharmed
+    a.cache.close()
+    b = CachedDataset(str(data), cache, CAPACITY, files=val)
+    assert [b[i] for i in range(10)] == files[10:]
+    b.cache.close()
+    same = CachedDataset(str(data), cache, CAPACITY, files=val)
+    other = CachedDataset(str(data), cache, CAPACITY, files=val)  # one listing: both welcome
+    assert other[3] == same[3] == files[13]
+
+
+def test_a_split_open_in_another_process_is_refused(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom lcache.data import CachedDataset\n"
+         f"ds = CachedDataset({str(data)!r}, {str(cache)!r}, {CAPACITY!r}, files={train!r})\n"
+         "print(len(ds[0]), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "1000\n"
+        with pytest.raises(ConfigError, match="is open for"):
+            CachedDataset(str(data), cache, CAPACITY, files=val)
+    finally:
+        holder.kill()  # as kill -9 would: its hold ends with it
+        holder.wait()
+    b = CachedDataset(str(data), cache, CAPACITY, files=val)
+    assert [b[i] for i in range(10)] == files[10:]
+
+
+def test_check_off_still_drops_samples_of_another_split(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    a = CachedDataset(str(data), cache, CAPACITY, files=train, check=False)
+    assert [a[i] for i in range(10)] == files[:10]
+    a.cache.close()
+    b = CachedDataset(str(data), cache, CAPACITY, files=val, check=False)
+    assert [b[i] for i in range(10)] == files[10:] and b.cache.invalidated == 10
+
+
+def test_check_off_still_drops_ranges_that_moved(tmp_path: Path) -> None:
+    big = tmp_path / "tokens.bin"
+    data = random.Random(2).randbytes(4000)
+    big.write_bytes(data)
+    cache = tmp_path / "cache"
+    first = CachedDataset(RangeSource(str(tmp_path), "tokens.bin", [0, 100], [100, 100]),
+                          cache, CAPACITY, check=False)
+    assert first[1] == data[100:200]
+    first.cache.close()
+    moved = CachedDataset(RangeSource(str(tmp_path), "tokens.bin", [0, 300], [100, 100]),
+                          cache, CAPACITY, check=False)
+    assert moved[1] == data[300:400]
+
+
+def test_staging_on_disk_left_by_a_killed_run_is_not_served_after_a_change(
+        tmp_path: Path) -> None:
+    """staging_bytes beyond /dev/shm puts staging in the cache dir; a run killed there
+    leaves staged samples, which must not answer for the samples a new listing numbers so."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 10)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys\nfrom lcache.data import CachedDataset\n"
+         f"ds = CachedDataset({str(data)!r}, {str(cache)!r}, {CAPACITY!r}, "
+         "staging_bytes='100TB')\n"
+         "assert ds.cache._on_ssd\n"
+         "ds.cache.staging().put_many(list(range(10)), [ds.cache.source.fetch(i) "
+         "for i in range(10)])\n"
+         "ds.cache.staging().flush()\nprint('staged', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert killed.stdout is not None and killed.stdout.readline() == "staged\n"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    (data / "a-first.bin").write_bytes(b"first")  # every index now names another file
+    again = CachedDataset(str(data), cache, CAPACITY, staging_bytes="100TB")
+    assert [again[i] for i in range(11)] == [b"first", *files]
+    assert [p.name for p in cache.iterdir() if p.name.startswith("staging")] == \
+        [os.path.basename(again.cache.staging_dir)]  # the killed run's is gone
 
 
 def test_check_off_trusts_the_cached_listing(tmp_path: Path) -> None:

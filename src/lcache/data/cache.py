@@ -89,16 +89,37 @@ def _remove_orphaned_staging() -> None:
                 close_file(fd)
             if _cache_id(origin) == cache_id:
                 continue  # its cache still exists
-            fd = open_regular(os.path.join(path, "users"), os.O_RDWR)
         except (OSError, UnicodeDecodeError):
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
-        finally:
-            close_file(fd)
+        _remove_if_unused(path)
+
+
+def _remove_stale_staging(cache_dir: str, keep: str) -> None:
+    """Remove the staging dirs in the cache dir of other cache ids that no process uses."""
+    for name in os.listdir(cache_dir):
+        path = os.path.join(cache_dir, name)
+        with contextlib.suppress(FileNotFoundError):
+            if name.partition("-")[0] == "staging" and path != keep and \
+                    stat.S_ISDIR(os.lstat(path).st_mode):
+                _remove_if_unused(path)
+
+
+def _remove_if_unused(path: str) -> None:
+    """Remove staging dir ``path`` unless a process holds its users lock."""
+    try:
+        fd = open_regular(os.path.join(path, "users"), os.O_RDWR)
+    except FileNotFoundError:  # left by a killed process before it made the lock
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+    finally:
+        close_file(fd)
 
 
 @atexit.register
@@ -291,8 +312,13 @@ class SampleCache:
                             "unknown", store_dir)
                 shutil.rmtree(store_dir)
             self.cache_id = opened.cache_id
-            self.store()  # create it now, so configuration errors surface here
-            self.invalidated = self._drop(opened.changed)
+            self._open_lock = opened.users
+            try:
+                self.store()  # create it now, so configuration errors surface here
+                self.invalidated = self._drop(opened.changed)
+            except BaseException:
+                close_file(self._open_lock)
+                raise
 
     def _drop(self, changed: np.ndarray) -> int:
         """Delete the cached copies of samples whose object changed at the source."""
@@ -310,8 +336,10 @@ class SampleCache:
 
     @property
     def staging_dir(self) -> str:
+        """Named by the cache id, which changes whenever cached samples may have changed:
+        a staging area left by a killed run then holds old bytes under the same keys."""
         if self._on_ssd:
-            return os.path.join(self.cache_dir, "staging")
+            return os.path.join(self.cache_dir, f"staging-{self.cache_id}")
         key = xxhash.xxh3_64_hexdigest(f"{self.cache_dir}#{self.cache_id}".encode())
         return os.path.join(SHM, f"lcache-{key}")
 
@@ -342,7 +370,9 @@ class SampleCache:
         with _OPENING:
             if self._store is not None:
                 return
-            if not self._on_ssd:
+            if self._on_ssd:
+                _remove_stale_staging(self.cache_dir, self.staging_dir)
+            else:
                 _remove_orphaned_staging()
             private_dir(self.staging_dir, "staging directory")
             atomic_write(os.path.join(self.staging_dir, "origin"),
@@ -383,6 +413,7 @@ class SampleCache:
         self._staging.close()
         self._store = self._staging = None
         _OPEN_CACHES.discard(self)
+        close_file(self._open_lock)
         try:
             fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(self.staging_dir, ignore_errors=True)

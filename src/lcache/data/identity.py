@@ -6,7 +6,13 @@ full bytes of a fixed pseudo-random probe of its items. Opening the directory fo
 that differs in any of these is refused. ``DIR/listing.bin`` holds one fingerprint per sample
 of a source with a listing (path, size, ETag or modification time): samples whose
 fingerprint changed since they were cached are dropped when the cache is opened, and the
-log says which.
+log says which; with ``check=False`` (versions trusted) samples whose index now names another
+object or range still are.
+
+Every open handle holds ``DIR/users.lock`` shared, and the samples' meaning changes (a new
+cache id) only under an exclusive hold of it: a handle opened for another listing (another
+split with ``files=``, a file added in between) is refused while one for the old listing is
+open anywhere, since that one would go on caching its own samples under the same numbers.
 """
 
 from __future__ import annotations
@@ -89,7 +95,11 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
     if listing is None:
         content = getattr(source, "content", None)
         doc["content"] = content if isinstance(content, str) else probe_contents(source)[0]
-    elif not source.versioned() and fingerprint is None:
+        return Identity(doc, listing)
+    # What each index names, versions aside: compared even with check=False.
+    doc["layout"] = xxhash.xxh3_128_hexdigest(
+        source.fingerprints(versions=False).astype("<u8").tobytes())
+    if not source.versioned() and fingerprint is None:
         # With a fingerprint the user names the version; without, say what is at stake.
         log.warning("lcache: %s gives neither ETags nor modification times (an HTTP server "
                     "without them, or files= with sizes): an object rewritten with the same "
@@ -131,6 +141,7 @@ class Opened:
     cache_id: str
     reset: bool  # the store's contents are of unknown origin: drop them all
     changed: npt.NDArray[np.int64]
+    users: int = -1  # the descriptor holding DIR/users.lock shared, for the handle to keep
 
 
 class DirectoryIdentity:
@@ -147,6 +158,7 @@ class DirectoryIdentity:
         yielded ``Opened`` says, then the new identity is published (all under a lock that
         every rank and process opening the directory takes, so one of them does it)."""
         fd = open_owned(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
+        users = -1
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             stored = self._load()
@@ -154,18 +166,43 @@ class DirectoryIdentity:
                 opened = Opened(os.urandom(8).hex(), True, np.zeros(0, np.int64))
             else:
                 self._refuse_other_source(stored, ident.doc)
+                if stored.get("layout") != ident.doc.get("layout"):
+                    check_listing = True  # indices name other samples: trust no version
                 changed = self._changed(ident.listing) if check_listing else np.zeros(0, np.int64)
-                # A new id when samples change: the staging area (in /dev/shm, named by the
-                # id) of an earlier run may still hold their old bytes.
+                # A new id when samples change: the staging area (named by the id) of an
+                # earlier run may still hold their old bytes.
                 cache_id = os.urandom(8).hex() if len(changed) else str(stored["id"])
                 opened = Opened(cache_id, False, changed)
+            users = open_owned(os.path.join(self.cache_dir, "users.lock"),
+                               os.O_RDWR | os.O_CREAT)
+            if opened.reset or len(opened.changed):
+                self._refuse_if_open(users, stored, ident.doc, len(opened.changed))
+            fcntl.flock(users, fcntl.LOCK_SH)
+            opened.users = users
             yield opened
             if opened.reset or len(opened.changed) or stored is None or (
                     ident.listing is not None and not check_listing and
                     not os.path.exists(self.listing_path)):
                 self._publish(ident, opened.cache_id)
+        except BaseException:
+            if users >= 0:
+                close_file(users)
+            raise
         finally:
             close_file(fd)
+
+    def _refuse_if_open(self, users: int, stored: dict[str, Any] | None, doc: dict[str, Any],
+                        changed: int) -> None:
+        """Refuse to change what the cached samples mean while a handle uses them."""
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            what = (f"{changed} of its samples changed or name other objects since it was "
+                    "opened there" if stored is not None else "its cache.json is gone")
+            raise ConfigError(
+                f"{self.cache_dir} is open for {_describe(stored or doc)} (in another process, "
+                f"or a handle of this one not closed), and {what}: close that first "
+                "(cache.close()), or use one cache directory per dataset and split") from None
 
     def _load(self) -> dict[str, Any] | None:
         """The stored identity, or None if there is none this version can trust."""

@@ -155,9 +155,10 @@ class FileSource:
         root = self._remote.fs()[1].rstrip("/")
         return path[len(root) + 1:] if path.startswith(root + "/") else path
 
-    def fingerprints(self) -> npt.NDArray[np.uint64]:
-        """Per sample: its path, size and version (ETag or modification time)."""
-        return np.array([fingerprint(p, int(n), v) for p, n, v in
+    def fingerprints(self, versions: bool = True) -> npt.NDArray[np.uint64]:
+        """Per sample: its path, size and version (ETag or modification time), or without
+        the version: what the sample's index names."""
+        return np.array([fingerprint(p, int(n), v if versions else "") for p, n, v in
                          zip(self.paths, self._sizes, self._versions, strict=True)], np.uint64)
 
     def versioned(self) -> bool:
@@ -229,8 +230,8 @@ class ImageFolderSource(FileSource):
 
         return sorted(paths, key=key)
 
-    def fingerprints(self) -> npt.NDArray[np.uint64]:
-        return np.array([fingerprint(p, int(n), v, int(c)) for p, n, v, c in
+    def fingerprints(self, versions: bool = True) -> npt.NDArray[np.uint64]:
+        return np.array([fingerprint(p, int(n), v if versions else "", int(c)) for p, n, v, c in
                          zip(self.paths, self._sizes, self._versions, self.labels,
                              strict=True)], np.uint64)
 
@@ -302,15 +303,20 @@ class RangeSource:
                               f"of {self._files[self._file_of[i]]} ({file_sizes[self._file_of[i]]}"
                               f" bytes); {len(beyond)} samples do")
         self._versions = [object_version(info) for info in infos]
-        self._file_fps = np.array([fingerprint(f, int(n), v) for f, n, v in
-                                   zip(self._files, file_sizes, self._versions, strict=True)],
-                                  np.uint64)
+        self._file_sizes = [int(n) for n in file_sizes]
+        self._file_fps = np.array([fingerprint(f, n, v) for f, n, v in
+                                   zip(self._files, self._file_sizes, self._versions,
+                                       strict=True)], np.uint64)
 
-    def fingerprints(self) -> npt.NDArray[np.uint64]:
-        """Per sample: its file's path, size and version, mixed with its offset and length."""
+    def fingerprints(self, versions: bool = True) -> npt.NDArray[np.uint64]:
+        """Per sample: its file's path, size and version (unless ``versions`` is False),
+        mixed with its offset and length."""
         mix = (self.offsets.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
                ^ self.lengths.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
-        fps: npt.NDArray[np.uint64] = self._file_fps[self._file_of] ^ mix
+        files = self._file_fps if versions else np.array(
+            [fingerprint(f, n, "") for f, n in zip(self._files, self._file_sizes, strict=True)],
+            np.uint64)
+        fps: npt.NDArray[np.uint64] = files[self._file_of] ^ mix
         return fps
 
     def versioned(self) -> bool:
