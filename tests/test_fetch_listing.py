@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lcache.data import CachedDataset, FileSource, SourceError
+from lcache.data import CachedDataset, FileSource, ImageFolderSource, SourceError
 from lcache.data import listing as listing_mod
 from lcache.errors import ConfigError
 from lcache.testing.remote import ThrottledServer
@@ -228,7 +228,8 @@ def test_a_wrong_size_in_files_is_an_error_not_cached_bytes(tmp_path: Path) -> N
 # ------------------------------------------------------------------------ not regular files
 def _special_tree(root: Path) -> dict[str, bytes]:
     """Two real samples ("a", and "b", a link to "a"), and what is not a sample: a FIFO, a
-    link to /dev/zero, a dangling link, and a link to a directory."""
+    link to /dev/zero, a dangling link, and a link to a folder above it (a loop); a link to
+    an empty folder is followed, and holds nothing."""
     data = _tree(root, ["a"])
     os.symlink(root / "a", root / "b")
     os.mkfifo(root / "p")
@@ -236,6 +237,7 @@ def _special_tree(root: Path) -> dict[str, bytes]:
     os.symlink(root / "missing", root / "dangling")
     (root / "sub").mkdir()
     os.symlink(root / "sub", root / "to-dir")
+    os.symlink(root, root / "sub" / "loop")
     return data
 
 
@@ -251,7 +253,69 @@ def test_a_local_listing_holds_only_regular_files(tmp_path: Path,
     assert src.fetch_many([0, 1]) == [data["a"]] * 2
     warnings = [r.getMessage() for r in caplog.records if "not regular files" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
-    assert "4 entries" in warnings[0] and str(src_dir / "dangling") in warnings[0]
+    # the loop is seen through sub/ and through to-dir/
+    assert "5 entries" in warnings[0] and str(src_dir / "dangling") in warnings[0]
+
+
+def test_a_link_to_a_folder_is_followed_and_a_linked_sample_is_versioned_by_its_target(
+        tmp_path: Path) -> None:
+    """The findings: a linked folder held no samples (torchvision's ImageFolder follows
+    links, so its classes shifted against ours); a linked sample's target rewritten with the
+    same size was not seen, since the listing gave the link's own modification time."""
+    real, root, cache = tmp_path / "real", tmp_path / "root", tmp_path / "cache"
+    (real / "cat").mkdir(parents=True)
+    (real / "cat" / "1.jpg").write_bytes(b"c" * 100)
+    (root / "bird").mkdir(parents=True)
+    (root / "bird" / "1.jpg").write_bytes(b"b" * 100)
+    os.symlink(real / "cat", root / "cat")
+    os.symlink(real / "cat" / "1.jpg", root / "bird" / "2.jpg")
+    ds = CachedDataset(ImageFolderSource(str(root)), cache, "16MiB")
+    assert ds.cache.source.classes == ["bird", "cat"]
+    assert [ds[i] for i in range(3)] == [(b"b" * 100, 0), (b"c" * 100, 0), (b"c" * 100, 1)]
+    ds.cache.close()
+    target = real / "cat" / "1.jpg"
+    st = target.stat()
+    target.write_bytes(b"d" * 100)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = CachedDataset(ImageFolderSource(str(root)), cache, "16MiB")
+    assert [again[i] for i in range(3)] == [(b"b" * 100, 0), (b"d" * 100, 0), (b"d" * 100, 1)]
+    assert again.cache.invalidated == 2
+
+
+def test_a_fifo_swapped_in_after_the_listing_or_as_an_index_is_an_error_not_a_hang(
+        tmp_path: Path) -> None:
+    """The findings: a sample replaced by a FIFO after the listing, an MDS index.json or a
+    table that is a FIFO, blocked the read forever (and /dev/zero read without end). In a
+    child, so a hang fails the test."""
+    src_dir = tmp_path / "s"
+    src_dir.mkdir()
+    _tree(src_dir, ["a", "b"])
+    for name in ("mds", "table"):
+        (tmp_path / name).mkdir()
+    os.mkfifo(tmp_path / "mds" / "index.json")
+    os.mkfifo(tmp_path / "table" / "t.csv")
+    os.symlink("/dev/zero", tmp_path / "table" / "z.csv")
+    code = ("import os, sys; from lcache.data import CachedDataset, FileSource, MDSSource, "
+            "TableSource, SourceError\n"
+            f"root = {str(tmp_path)!r}\n"
+            "ds = CachedDataset(FileSource(root + '/s'), root + '/c', '16MB')\n"
+            "os.unlink(root + '/s/b'); os.mkfifo(root + '/s/b')\n"
+            "attempts = [lambda: ds[1], lambda: MDSSource(root + '/mds'),\n"
+            "            lambda: TableSource(root + '/table', 't.csv'),\n"
+            "            lambda: TableSource(root + '/table', 'z.csv')]\n"
+            "for attempt in attempts:\n"
+            "    try:\n"
+            "        attempt()\n"
+            "    except SourceError as exc:\n"
+            "        print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4, done.stdout
+    assert "is a FIFO, not a regular file" in lines[0] and "s/b" in lines[0]
+    assert "index.json is a FIFO" in lines[1] and "t.csv is a FIFO" in lines[2]
+    assert "z.csv is a character device" in lines[3]
 
 
 def test_files_naming_a_fifo_are_refused(tmp_path: Path) -> None:

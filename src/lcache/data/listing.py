@@ -162,6 +162,8 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
     try:
         if remote.is_async:
             found = remote.run(lambda: _walk(remote, root, bar))
+        elif _is_local(fs):
+            found = _find_local(remote, root, bar)
         else:
             try:
                 found = fs.find(root, detail=True)
@@ -169,8 +171,7 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
                 raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: "
                                   f"{exc}") from exc
             bar.update(files=len(found))
-        objects = _samples_only(remote, [p for p, info in found.items()
-                                         if info.get("type") != "directory"], found)
+        objects = [p for p, info in found.items() if info.get("type") != "directory"]
         infos = {p: found[p] for p in objects if keep(p)}
         # e.g. HTTP listings carry neither sizes nor versions: ask each object (HEAD)
         bare = [p for p, info in infos.items() if not info.get("size") or
@@ -194,31 +195,56 @@ def _is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _samples_only(remote: Remote, paths: list[str], found: Mapping[str, dict[str, Any]]
-                  ) -> list[str]:
-    """``paths`` less, on a local filesystem, what is not a regular file (FIFOs, sockets,
-    devices, links to them or to directories, dangling links): reading one would block
-    forever or never end. A link to a regular file is kept. Logs one warning if any."""
-    if not _is_local(remote.fs()[0]):
-        return paths
-    kept, skipped = [], []
-    for p in paths:
-        # fsspec's local listing calls a regular file "file", anything else (a link to a
-        # regular file included) "other": only those are looked at again, following links.
-        if found[p].get("type") != "file":
+def _find_local(remote: Remote, root: str, progress: Progress) -> dict[str, dict[str, Any]]:
+    """The regular files under local ``root``, following links as torchvision's ImageFolder
+    does (a class folder that is a link to another disk is a class), with the size and
+    version of what a link points to (fsspec's find gives the link's own, so a target
+    rewritten with the same size went unseen). Not samples, with one warning: FIFOs,
+    sockets, devices and dangling links (reading one would block forever or never end), and
+    a link back to a folder above it (a loop)."""
+    found: dict[str, dict[str, Any]] = {}
+    skipped: list[str] = []
+    root = root or "/"
+    stack: list[tuple[str, frozenset[tuple[int, int]]]] = [(root, frozenset())]
+    while stack:
+        folder, above = stack.pop()
+        try:
+            st = os.stat(folder)
+            if folder == root and not stat.S_ISDIR(st.st_mode):  # the URL names one file
+                return {root: _local_info(root, st)} if stat.S_ISREG(st.st_mode) else {}
+            names = sorted(os.listdir(folder))
+        except OSError as exc:
+            raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: {exc}") from exc
+        above = above | {(st.st_dev, st.st_ino)}
+        before = len(stack)
+        for name in names:
+            path = os.path.join(folder, name)
             try:
-                regular = stat.S_ISREG(os.stat(p).st_mode)
+                st = os.stat(path)
             except OSError:
-                regular = False
-            if not regular:
-                skipped.append(p)
+                skipped.append(path)
                 continue
-        kept.append(p)
+            if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in above:
+                    skipped.append(path)
+                else:
+                    stack.append((path, above))
+            elif stat.S_ISREG(st.st_mode):
+                found[path] = _local_info(path, st)
+            else:
+                skipped.append(path)
+        progress.update(files=len(names) - (len(stack) - before), directories=1)
     if skipped:
-        log.warning("lcache: %d entries under %s are not regular files (FIFOs, sockets, "
-                    "devices, links to them, or dangling links) and are not samples, e.g. %s",
-                    len(skipped), remote.url, sorted(skipped)[0])
-    return kept
+        log.warning("lcache: %d entries under %s are not regular files or folders (FIFOs, "
+                    "sockets, devices, dangling links, links to a folder above them) and are "
+                    "not samples, e.g. %s", len(skipped), remote.url, sorted(skipped)[0])
+    return found
+
+
+def _local_info(path: str, st: os.stat_result) -> dict[str, Any]:
+    """The fields of fsspec's local info that lcache uses, so a listing reads as it did."""
+    return {"name": path, "size": st.st_size, "type": "file", "created": st.st_ctime,
+            "mtime": st.st_mtime, "ino": st.st_ino}
 
 
 def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
