@@ -157,13 +157,12 @@ def fetch(remote: Remote, wants: Sequence[Want],
 
 def _read_here(remote: Remote, wants: Sequence[Want], req: Request) -> bytes:
     """One request to a non-async filesystem, in this thread (no event loop round trip)."""
-    fs, _ = remote.fs()
     url = remote.full_url(req.path)
     start, end = req.asked()
     size = 0 if end is None else end - (start or 0)
     t0 = time.perf_counter_ns() if _trace._active is not None else 0
     try:
-        data = bytes(fs.cat_file(req.path, start=start, end=end))
+        data = remote.read(req.path, start, end)
     except Exception as exc:
         trace_read(url, req.start or 0, size, t0, -errno.EIO)
         raise SourceError(f"{_describe(remote, wants, req)}: {type(exc).__name__}: "

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from lcache.errors import ConfigError, CorruptionError, LCacheError
+from lcache.io.files import close_file, open_regular
 from lcache.io.urls import filesystem_of
 from lcache.trace import recorder as _trace
 
@@ -297,20 +298,40 @@ class Remote:
             kw = self._whole_kw if start is None else {}
             return await self.attempt(
                 lambda: fs._cat_file(path, start=start, end=end, **kw), what, traced)
-        return await self.attempt(
-            lambda: self.in_thread(lambda: bytes(fs.cat_file(path, start=start, end=end))),
-            what, traced)
+        return await self.attempt(lambda: self.in_thread(lambda: self.read(path, start, end)),
+                                  what, traced)
+
+    def read(self, path: str, start: int | None, end: int | None) -> bytes:
+        """``path[start:end]`` on a non-async filesystem, in this thread. A local path is
+        opened as a regular file only (without blocking, then checked): a FIFO or a device
+        put under a sample's or an index's name would block the read forever or never end."""
+        fs, _ = self.fs()
+        if "file" not in _protocols(fs):
+            return bytes(fs.cat_file(path, start=start, end=end))
+        fd = open_regular(path, os.O_RDONLY, follow=True)
+        try:
+            size = os.fstat(fd).st_size
+            lo, hi, _ = slice(start, end).indices(size)
+            chunks = []
+            while lo < hi:
+                piece = os.pread(fd, min(hi - lo, 1 << 28), lo)
+                if not piece:
+                    break
+                chunks.append(piece)
+                lo += len(piece)
+            return b"".join(chunks)
+        finally:
+            close_file(fd)
 
     def get_many(self, parts: Sequence[tuple[str, int | None, int | None]],
                  what: Callable[[str], str]) -> list[bytes]:
         """Whole objects or ranges ``(path, start, end)`` that are not samples (an index, a
         shard's header), concurrently, each retried; errors start with ``what(url)``. The
         caller checks the lengths."""
-        fs, _ = self.fs()
         if not self.is_async and len(parts) == 1:
             path, start, end = parts[0]
             try:
-                return [bytes(fs.cat_file(path, start=start, end=end))]
+                return [self.read(path, start, end)]
             except Exception as exc:
                 raise SourceError(f"{what(self.full_url(path))}: {type(exc).__name__}: "
                                   f"{exc}") from exc

@@ -13,17 +13,20 @@ from lcache.io import tracer as _tracer
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
-def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
+def open_file(path: str, flags: int, direct: bool = False, mode: int = 0o600,
+              follow: bool = False) -> int:
     """``os.open`` with ``O_CLOEXEC`` and ``O_NOFOLLOW``, and ``O_DIRECT`` when ``direct`` is true.
 
-    Every file lcache opens lies in a directory of its own, where a symbolic link can only
-    be a plant: it is refused (``OSError`` ELOOP), never followed. The fd is given a file id
-    for the tracer (events name it without a system call); close it with :func:`close_file`.
+    Every file lcache keeps lies in a directory of its own, where a symbolic link can only
+    be a plant: it is refused (``OSError`` ELOOP), never followed. A user's file (a sample,
+    an index) is opened with ``follow=True``, as any reader of it would. The fd is given a
+    file id for the tracer (events name it without a system call); close it with
+    :func:`close_file`.
 
     Raises:
         ConfigError: O_DIRECT was asked for on a platform or filesystem without it.
     """
-    flags |= os.O_CLOEXEC | os.O_NOFOLLOW
+    flags |= os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     if direct:
         if not O_DIRECT:
             raise ConfigError("O_DIRECT is not available on this platform; use direct_io=False")
@@ -59,7 +62,8 @@ class NotRegularFile(OSError):
         self.kind = kind
 
 
-def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600) -> int:
+def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600,
+                 follow: bool = False) -> int:
     """:func:`open_file` of a regular file only. Opened with ``O_NONBLOCK``, so a FIFO under
     the name never blocks the open; the fd is checked (``fstat``) and the flag cleared.
 
@@ -67,7 +71,7 @@ def open_regular(path: str, flags: int, direct: bool = False, mode: int = 0o600)
         NotRegularFile: a FIFO, a device, a socket or a directory is there.
     """
     try:
-        fd = open_file(path, flags | os.O_NONBLOCK, direct, mode)
+        fd = open_file(path, flags | os.O_NONBLOCK, direct, mode, follow)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO opened for writing, with no reader
             raise NotRegularFile(path, "a FIFO") from exc
