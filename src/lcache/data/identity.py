@@ -9,10 +9,11 @@ fingerprint changed since they were cached are dropped when the cache is opened,
 log says which; with ``check=False`` (versions trusted) samples whose index now names another
 object or range still are.
 
-Every open handle holds ``DIR/users.lock`` shared, and the samples' meaning changes (a new
-cache id) only under an exclusive hold of it: a handle opened for another listing (another
-split with ``files=``, a file added in between) is refused while one for the old listing is
-open anywhere, since that one would go on caching its own samples under the same numbers.
+Every open handle holds ``DIR/users.lock`` shared, and cached samples change meaning only
+under an exclusive hold of it: a handle opened for a listing in which samples changed
+(another split with ``files=``, a file added in the middle) is refused while one for the old
+listing is open anywhere, since that one would go on caching its own samples under the same
+numbers. Samples appended at the end are not refused: no open handle asks for them.
 """
 
 from __future__ import annotations
@@ -168,14 +169,17 @@ class DirectoryIdentity:
                 self._refuse_other_source(stored, ident.doc)
                 if stored.get("layout") != ident.doc.get("layout"):
                     check_listing = True  # indices name other samples: trust no version
-                changed = self._changed(ident.listing) if check_listing else np.zeros(0, np.int64)
+                changed, known = self._changed(ident.listing) if check_listing else \
+                    (np.zeros(0, np.int64), 0)
                 # A new id when samples change: the staging area (named by the id) of an
                 # earlier run may still hold their old bytes.
                 cache_id = os.urandom(8).hex() if len(changed) else str(stored["id"])
                 opened = Opened(cache_id, False, changed)
             users = open_owned(os.path.join(self.cache_dir, "users.lock"),
                                os.O_RDWR | os.O_CREAT)
-            if opened.reset or len(opened.changed):
+            # Samples appended to the listing are safe from open handles: they never ask for
+            # them. Any other change is not.
+            if opened.reset or (opened.changed < known).any():
                 self._refuse_if_open(users, stored, ident.doc, len(opened.changed))
             fcntl.flock(users, fcntl.LOCK_SH)
             opened.users = users
@@ -231,10 +235,12 @@ class DirectoryIdentity:
             f"{self.cache_dir} caches {_describe(stored)}, not {_describe(doc)} ({why}); "
             "use another cache directory (one per dataset and split) or delete it")
 
-    def _changed(self, listing: npt.NDArray[np.uint64] | None) -> npt.NDArray[np.int64]:
-        """Samples whose fingerprint changed (or that were added or removed)."""
+    def _changed(self, listing: npt.NDArray[np.uint64] | None
+                 ) -> tuple[npt.NDArray[np.int64], int]:
+        """Samples whose fingerprint changed (or that were added or removed), and how many
+        samples the stored listing has (all of them, if it is unknown)."""
         if listing is None:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), 0
         try:
             fd = open_owned(self.listing_path, os.O_RDONLY)
             try:
@@ -245,11 +251,11 @@ class DirectoryIdentity:
         except FileNotFoundError:
             old = None
         if old is None:  # unknown: every cached sample is suspect
-            return np.arange(len(listing), dtype=np.int64)
+            return np.arange(len(listing), dtype=np.int64), len(listing)
         common = min(len(old), len(listing))
         changed = np.flatnonzero(old[:common] != listing[:common])
         tail = np.arange(common, max(len(old), len(listing)), dtype=np.int64)
-        return np.concatenate([changed, tail]).astype(np.int64)
+        return np.concatenate([changed, tail]).astype(np.int64), len(old)
 
     def _publish(self, ident: Identity, cache_id: str) -> None:
         # The listing first: cache.json is what makes the directory's contents trusted.
