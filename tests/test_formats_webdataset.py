@@ -16,7 +16,7 @@ import pytest
 from lcache.data import CachedDataset, SourceError
 from lcache.data.formats import WebDatasetSource, tar
 from lcache.data.formats.webdataset import split_name
-from lcache.errors import CorruptionError
+from lcache.errors import ConfigError, CorruptionError
 from lcache.testing.remote import ThrottledServer
 
 from .data.make_fixtures import LONG_KEY, payload
@@ -274,3 +274,17 @@ def test_a_negative_member_size_is_named_not_looped_on() -> None:
     shard[at + 148 : at + 156] = f"{sum(shard[at : at + 512]):06o}\0 ".encode()
     with pytest.raises(CorruptionError, match=r"^s-0\.tar at byte 1024: not a tar header"):
         _scan_in_time(bytes(shard))
+
+
+@pytest.mark.parametrize("pattern", ["s-{0..9999999999}.tar", "{0..2000}{0..2000}.tar",
+                                     "{" * 1200 + "0..1" + "}" * 1200])
+def test_shard_patterns_are_bounded(tmp_path: Path, pattern: str) -> None:
+    """The findings: a range of ten billion names ran out of memory, and 1,200 nested
+    braces were a RecursionError. Ranges are read once from the pattern as written, and a
+    pattern naming more than a million shards is refused before any is made."""
+    if pattern.startswith("{{"):
+        with pytest.raises(SourceError, match="cannot stat"):  # 2 odd names, not found
+            WebDatasetSource(str(tmp_path), shards=pattern)
+        return
+    with pytest.raises(ConfigError, match="names more than 1,000,000 shards"):
+        WebDatasetSource(str(tmp_path), shards=pattern)

@@ -4,7 +4,9 @@ per-shard offset tables into the sample table of a ``RangeSource``."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -16,22 +18,36 @@ from lcache.data.listing import list_objects, suffix_filter
 from lcache.data.remote import FetchOptions, Remote, SourceCorruptionError, SourceError
 from lcache.errors import ConfigError
 
-_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_BRACES = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
+MAX_SHARDS = 1_000_000  # names a pattern may expand to
 
 
 def expand_braces(pattern: str) -> list[str]:
     """``"shard-{000..002}.tar"`` -> the three names, zero-padded as written (WebDataset's
-    shard notation); several ranges multiply; a name without braces is itself."""
-    match = _BRACES.search(pattern)
-    if match is None:
-        return [pattern]
-    lo, hi = match.group(1), match.group(2)
-    if int(hi) < int(lo):
-        raise ConfigError(f"shard pattern {pattern!r}: {{{lo}..{hi}}} counts down")
-    width = len(lo) if lo.startswith("0") else 0
-    head, tail = pattern[:match.start()], pattern[match.end():]
-    return [name for i in range(int(lo), int(hi) + 1)
-            for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
+    shard notation); several ranges multiply; a name without braces is itself. The ranges
+    are those of the pattern as written (a name made by one range is not expanded again).
+
+    Raises:
+        ConfigError: a range counts down, or the pattern names more than ``MAX_SHARDS``.
+    """
+    literals, ranges = [], []
+    at = 0
+    for match in _BRACES.finditer(pattern):
+        lo, hi = match.group(1), match.group(2)
+        if int(hi) < int(lo):
+            raise ConfigError(f"shard pattern {pattern!r}: {{{lo}..{hi}}} counts down")
+        width = len(lo) if lo.startswith("0") else 0
+        literals.append(pattern[at:match.start()])
+        ranges.append([f"{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+                      if int(hi) - int(lo) < MAX_SHARDS else [])
+        count = math.prod(len(r) for r in ranges)
+        if count > MAX_SHARDS or not ranges[-1]:
+            raise ConfigError(f"shard pattern {pattern!r} names more than {MAX_SHARDS:,} "
+                              "shards; name them with a listing (leave shards= out) or a list")
+        at = match.end()
+    tail = pattern[at:]
+    return ["".join(part for pair in zip(literals, picks, strict=True) for part in pair) + tail
+            for picks in itertools.product(*ranges)]
 
 
 def make_remote(url: str, storage_options: dict[str, Any] | None,
