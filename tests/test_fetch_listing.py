@@ -19,6 +19,7 @@ from lcache.data import listing as listing_mod
 from lcache.errors import ConfigError
 from lcache.testing.remote import ThrottledServer
 
+from .conftest import run_lcache
 from .test_fetch_remote import InFlight
 
 
@@ -351,3 +352,21 @@ def test_a_fifo_in_the_source_does_not_hang_warm_or_a_dataset(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout == data["a"]
     assert b"not regular files" in done.stderr
+
+
+def test_file_names_that_are_not_utf8_are_samples(tmp_path: Path) -> None:
+    """The finding: a file named in Latin-1 (b"caf\\xe9.bin") was a UnicodeEncodeError when
+    its fingerprint was made, from a dataset and as a traceback from `lcache warm`."""
+    root = tmp_path / "d"
+    root.mkdir()
+    with open(os.path.join(os.fsencode(root), b"caf\xe9.bin"), "wb") as f:
+        f.write(b"x" * 100)
+    (root / "ok.bin").write_bytes(b"y" * 100)
+    ds = CachedDataset(str(root), tmp_path / "c", "16MiB")
+    assert [ds[0], ds[1]] == [b"x" * 100, b"y" * 100]
+    ds.cache.close()
+    again = CachedDataset(str(root), tmp_path / "c", "16MiB")
+    assert again[0] == b"x" * 100 and again.cache.invalidated == 0
+    done = run_lcache("warm", str(root), "--cache", str(tmp_path / "w"), "--capacity", "16MiB",
+                      "--json", cwd=tmp_path)
+    assert done.returncode == 0 and json.loads(done.stdout)["samples"] == 2, done.stderr

@@ -93,7 +93,9 @@ def object_version(info: dict[str, Any]) -> str:
 
 
 def fingerprint(*parts: object) -> int:
-    return int(xxhash.xxh3_64_intdigest("\0".join(map(str, parts)).encode()))
+    # surrogateescape: a local file name that is not UTF-8 comes as lone surrogates
+    text = "\0".join(map(str, parts))
+    return int(xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogateescape")))
 
 
 def is_transient(exc: BaseException) -> bool:
