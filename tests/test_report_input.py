@@ -172,3 +172,18 @@ def test_trace_refuses_an_output_directory_that_does_not_exist(tmp_path: Path) -
                      cwd=tmp_path)
     assert run.returncode == 2 and "does not exist" in run.stderr, run.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_names_that_are_not_utf8_are_drawn_as_their_bytes(tmp_path: Path) -> None:
+    """The finding: a traced file named in Latin-1 comes through JSON as a lone surrogate
+    ("caf\\udce9.bin"), and matplotlib's text drawing was a traceback from `lcache report`.
+    A lone surrogate that no file name decodes to is shown escaped too."""
+    good = _good(tmp_path / "good.trace").read_text()
+    odd = {"file": "/data/caf\udce9.bin", "off": 0, "size": 1, "ret": 1}
+    worse = {"file": "/data/\ud800.bin", "off": 0, "size": 1, "ret": 1}
+    (tmp_path / "odd.trace").write_text(good + _event(args=odd) + "\n" + _event(args=worse)
+                                        + "\n")
+    done = report(str(tmp_path / "odd.trace"), "-o", str(tmp_path / "r.html"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "r.html").read_text()
+    assert "caf\\xe9.bin" in page and "\\ud800.bin" in page

@@ -528,14 +528,25 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         pid=arr(0, np.int64), tid=arr(1, np.int64), op=arr(2, np.int32), cls=arr(3, np.int32),
         file=arr(4, np.int32), ts_us=arr(5, np.float64), dur_us=arr(6, np.float64),
         offset=arr(7, np.int64), size=arr(8, np.int64), result=arr(9, np.int64),
-        ops=list(b.ops), classes=list(b.classes), files=list(b.files),
-        process_names=b.process_names,
+        ops=[_printable(n) for n in b.ops], classes=[_printable(n) for n in b.classes],
+        files=[_printable(n) for n in b.files],
+        process_names={pid: _printable(n) for pid, n in b.process_names.items()},
         proc={pid: series(rows) for pid, rows in b.proc.items()},
-        disks={dev: series(rows) for dev, rows in b.disks.items()},
+        disks={_printable(dev): series(rows) for dev, rows in b.disks.items()},
         file_where=[b.where.get(name, {}) for name in b.files],
         paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored)
     _cache_in_memory_apart(trace)
     return trace
+
+
+def _printable(name: str) -> str:
+    """``name`` with lone surrogates shown as escapes: a file name that is not UTF-8 comes
+    through JSON as ``"caf\\udce9"``, which matplotlib and HTML cannot draw; shown as
+    ``caf\\xe9``, its bytes."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return name.encode("utf-8", "backslashreplace").decode()
 
 
 def in_memory(path: str, where: dict[str, str]) -> bool:
