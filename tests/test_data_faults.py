@@ -499,3 +499,48 @@ def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
         CachedDataset(str(src) if source == "SRC" else source, cache_dir, capacity)
     if cache_dir != "c":  # nothing made where an empty path would have pointed
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"name": object()}, "name=<object"),
+    ({"fingerprint": b"v1"}, "fingerprint=b'v1'"),
+    ({"fingerprint": float("nan")}, "fingerprint=nan"),
+    ({"suffixes": [1]}, "suffixes=\\[1\\]"),
+    ({"suffixes": b".bin"}, "suffixes=b'.bin'"),
+    ({"storage_options": "x"}, "storage_options='x'"),
+    ({"transform": 5}, "transform=5"),
+    ({"listing_ttl": "3600"}, "listing_ttl='3600'"),
+    ({"listing_ttl": None}, "listing_ttl=None"),
+    ({"listing_ttl": float("nan")}, "listing_ttl=nan"),
+    ({"files": "s0000.bin"}, "files='s0000.bin'"),
+    ({"files": ["../../etc/hostname"]}, "'../../etc/hostname' is not a name under"),
+])
+def test_arguments_of_the_wrong_kind_are_config_errors(tmp_path: Path, options: dict[str, object],
+                                                       words: str) -> None:
+    """The findings: each was a TypeError or a bare ValueError from deep inside, was taken
+    (fingerprint=nan, refused on the next open as another source; suffixes=b'.bin'; files=
+    naming ../../etc/hostname read and cached a file outside the source), or was iterated
+    letter by letter (files='s0000.bin')."""
+    src = _local_samples(tmp_path / "src")
+    with pytest.raises(ConfigError, match=words):
+        CachedDataset(str(src), tmp_path / "c", CAPACITY, **options)
+
+
+def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(bytes(100))
+    for offsets in ([2**63], ["a"], [0.5], [True]):
+        with pytest.raises(ConfigError, match="offsets"):
+            RangeSource(str(tmp_path), "a.bin", offsets, [1])
+    with pytest.raises(ConfigError, match="is not a name under"):
+        RangeSource(str(tmp_path / "sub"), "../a.bin", [0], [1])
+    with pytest.raises(ConfigError, match="without a NUL"):
+        CachedDataset(str(tmp_path) + "\0x", tmp_path / "c", CAPACITY)
+    ds = CachedDataset(RangeSource(str(tmp_path), "a.bin", [0, 50], [50, 50]), tmp_path / "c",
+                       CAPACITY)
+    for key in (1.5, "1", None):  # 1.5 was sample 1, "1" too
+        with pytest.raises(TypeError, match="give a whole number"):
+            ds[key]
+    mark = ds.stats()
+    for since in ([1], {**mark, "accesses": "x"}, ds.stats(since=mark)):
+        with pytest.raises(ConfigError, match="since= takes what an earlier stats"):
+            ds.stats(since=since)

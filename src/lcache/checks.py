@@ -23,6 +23,24 @@ def whole_number(value: Any, name: str, low: int, high: int | None = None) -> in
     return number
 
 
+def seconds(value: Any, name: str) -> float:
+    """``value`` as a duration in seconds: an int or float >= 0 (``inf`` allowed; not NaN,
+    bools or strings), or a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{name}={value!r:.200}: give seconds (a number >= 0)")
+    return float(value)
+
+
+def text_argument(value: Any, name: str) -> str | None:
+    """``value`` as a label (a str, an int made a str) or None, or a ConfigError naming
+    ``name``: what is stored in JSON and compared on the next open must read back equal."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{name}={value!r:.200}: give a string (or None)")
+
+
 def path_argument(value: Any, name: str) -> str:
     """``value`` as a path (a non-empty str or os.PathLike; "" would mean the current
     directory), or a ConfigError naming ``name``."""

@@ -32,7 +32,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
-from lcache.checks import whole_number
+from lcache.checks import seconds, whole_number
 from lcache.forksafe import fork_safe_lock
 from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
 
@@ -97,9 +97,8 @@ class CheckpointHandle:
             DiskFullError, OSError, LCacheError: what failed this checkpoint (on this rank,
                 or ``CheckpointFailedError`` naming the rank that failed).
         """
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or not timeout >= 0):  # NaN too
-            raise ConfigError(f"timeout={timeout!r}: give seconds (a number >= 0) or None")
+        if timeout is not None:
+            timeout = seconds(timeout, "timeout")
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

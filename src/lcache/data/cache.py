@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from lcache.checks import path_argument, text_argument
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
@@ -211,8 +212,9 @@ def check_locations(source: Any, cache_dir: Any) -> None:
     url = source if isinstance(source, str) else getattr(source, "url", None)
     if isinstance(url, str) and not url.strip():
         raise ConfigError("the source is an empty string; give a URL or a directory")
-    if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
-        raise ConfigError(f"cache_dir={cache_dir!r}: give the cache's directory")
+    if isinstance(url, str) and "\0" in url:
+        raise ConfigError(f"source {url!r:.200}: give a path or URL without a NUL character")
+    path_argument(cache_dir, "cache_dir")
     listed = isinstance(source, (str, FileSource))  # a table of ranges lists nothing
     if not listed or not isinstance(url, str) or ("://" in url and
                                                   not url.startswith("file://")):
@@ -250,6 +252,7 @@ class SampleCache:
                  on_error: str = "raise") -> None:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error={on_error!r}: use \"raise\" or \"skip\"")
+        name, fingerprint = text_argument(name, "name"), text_argument(fingerprint, "fingerprint")
         self.on_error = on_error
         check_locations(source, cache_dir)
         self.source: Source = as_source(source)
@@ -653,9 +656,11 @@ class SampleCache:
         """
         totals = self.counters.totals()
         if since is not None:
-            if since.get("interval"):
-                raise ValueError("since= takes a stats() taken without since=")
-            totals = {k: v - int(since.get(k, 0)) for k, v in totals.items()}
+            if not isinstance(since, dict) or since.get("interval") is not False or any(
+                    type(since.get(k, 0)) is not int for k in totals):
+                raise ConfigError("since= takes what an earlier stats() (without since=) "
+                                  "returned")
+            totals = {k: v - since.get(k, 0) for k, v in totals.items()}
         accesses = totals["accesses"]
         fetched = totals["fetches"] - totals["prefetched"]  # misses the reader waited for
         return {

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 from collections.abc import Callable
 from typing import Any
 
 from lcache.data.cache import DEFAULT_STAGING, SKIPPED, Access, SampleCache, check_locations
 from lcache.data.sources import SourceError, as_source
+from lcache.errors import ConfigError
 
 
 class CachedDataset:
@@ -44,6 +46,9 @@ class CachedDataset:
                  staging_bytes: int | str = DEFAULT_STAGING, name: str | None = None,
                  fingerprint: str | None = None, check: bool = True,
                  on_error: str = "raise", **source_options: Any) -> None:
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform={transform!r:.200}: give a function of a sample "
+                              "(or None)")
         check_locations(source, cache_dir)
         self.cache = SampleCache(as_source(source, cache_dir=cache_dir, **source_options),
                                  cache_dir, capacity,
@@ -77,7 +82,14 @@ class CachedDataset:
         indices: list[int] = []
         keeps: list[bool | None] = []
         for key in keys:
-            index, keep = (key.sample, key.keep) if isinstance(key, Access) else (int(key), None)
+            if isinstance(key, Access):
+                index, keep = key.sample, key.keep
+            else:
+                try:
+                    index, keep = operator.index(key), None
+                except TypeError:
+                    raise TypeError(f"sample {key!r:.100}: give a whole number (or the "
+                                    "Access items SeedAwareSampler yields)") from None
             if not 0 <= index < n:
                 raise IndexError(f"sample {index} is outside 0..{n - 1}")
             indices.append(index)

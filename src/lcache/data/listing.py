@@ -57,10 +57,14 @@ class Listing:
 
 def suffix_filter(suffixes: Sequence[str] | None) -> Callable[[str], bool]:
     """Whether a path ends with one of ``suffixes``, ignoring case (".jpg" keeps "x.JPG")."""
-    if not suffixes:
+    if suffixes is None or (isinstance(suffixes, (tuple, list)) and not suffixes):
         return lambda p: True
     if isinstance(suffixes, str):
         suffixes = (suffixes,)
+    if not isinstance(suffixes, (tuple, list)) or \
+            not all(isinstance(s, str) and s for s in suffixes):
+        raise ConfigError(f"suffixes={suffixes!r:.200}: give name endings as strings, e.g. "
+                          "(\".jpg\", \".png\")")
     ends = tuple(s.lower() for s in suffixes)
     return lambda p: p.lower().endswith(ends)
 
@@ -252,6 +256,9 @@ def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
     """The listing of ``files`` (names under the URL, in sample order): with sizes given
     (``{"a.jpg": 1234}`` or ``[("a.jpg", 1234)]``) nothing is asked; names alone are asked
     for their sizes and versions concurrently."""
+    if isinstance(files, (str, bytes)) or not isinstance(files, (Mapping, Sequence)):
+        raise ConfigError(f"files={files!r:.200}: give a list of names, of (name, size) pairs, "
+                          "or a name->size mapping")
     items = list(files.items()) if isinstance(files, Mapping) else list(files)
     if items and all(isinstance(f, str) for f in items):
         paths = [remote.path(str(f)) for f in items]

@@ -170,6 +170,12 @@ class Remote:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None,
                  options: FetchOptions | None = None) -> None:
+        if not isinstance(url, str) or not url.strip() or "\0" in url:
+            raise ConfigError(f"source {url!r:.200}: give a path or URL (a string, without "
+                              "a NUL character)")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options={storage_options!r:.200}: give a dict of "
+                              "fsspec options (or None)")
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.options = options or FetchOptions()
@@ -217,7 +223,16 @@ class Remote:
         return str(fs.unstrip_protocol(path))
 
     def path(self, relative: str) -> str:
-        """The filesystem path of ``relative`` (a name under ``url``)."""
+        """The filesystem path of ``relative`` (a name under ``url``).
+
+        Raises:
+            ConfigError: ``relative`` is not a name under the URL (``..``, a URL, a NUL):
+                ``files=["../../etc/x"]`` would have read and cached a file outside it.
+        """
+        if not isinstance(relative, str) or "\0" in relative or "://" in relative or \
+                ".." in relative.split("/"):
+            raise ConfigError(f"{relative!r:.200} is not a name under {self.url}: give names "
+                              "relative to it, without '..'")
         _, root = self.fs()
         return f"{root.rstrip('/')}/{relative.lstrip('/')}"
 

@@ -19,6 +19,7 @@ from urllib.parse import unquote
 import numpy as np
 import numpy.typing as npt
 
+from lcache.checks import seconds
 from lcache.data import codec
 from lcache.data.fetch import Want, fetch
 from lcache.data.identity import probe_contents
@@ -104,8 +105,10 @@ class FileSource:
                  storage_options: dict[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, listing_ttl: float = 0.0,
                  progress: bool | None = None, **fetch_options: Any) -> None:
-        self.url = url
         self._remote = Remote(url, storage_options, _fetch_options(fetch_options))
+        self.url = url
+        suffix_filter(suffixes)  # checks them before they are used
+        listing_ttl = seconds(listing_ttl, "listing_ttl")
         key = {"kind": type(self).__name__, "url": url, "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
@@ -249,6 +252,17 @@ class ImageFolderSource(FileSource):
 _LABEL = np.dtype("<u4")
 
 
+def _column(values: Any, name: str) -> npt.NDArray[np.int64]:
+    """A RangeSource's ``offsets`` or ``lengths`` as int64: whole numbers below 2**62 (a
+    float was cut to an int, a string was a bare ValueError, 2**63 an OverflowError)."""
+    column = np.asarray(values)
+    if column.ndim != 1 or (column.dtype.kind not in "iu" and len(column)):
+        raise ConfigError(f"{name}: give a list or array of whole numbers, one per sample")
+    if len(column) and int(column.max()) >= 1 << 62:
+        raise ConfigError(f"{name}: {int(column.max())} is beyond any file (2**62 bytes)")
+    return column.astype(np.int64)
+
+
 def _check_table(url: str, offsets: npt.NDArray[np.int64],
                  lengths: npt.NDArray[np.int64]) -> None:
     if len(offsets) == 0:
@@ -270,12 +284,12 @@ class RangeSource:
                  lengths: Sequence[int] | npt.NDArray[np.int64], *,
                  storage_options: dict[str, Any] | None = None, **fetch_options: Any) -> None:
         remote = Remote(url, storage_options, _fetch_options(fetch_options))
-        offsets = np.asarray(offsets, dtype=np.int64)
+        offsets, lengths = _column(offsets, "offsets"), _column(lengths, "lengths")
         n = len(offsets)
         names = [paths] * n if isinstance(paths, str) else list(paths)
         if len(names) != n or len(lengths) != n:
             raise ConfigError("paths, offsets and lengths must have one entry per sample")
-        _check_table(url, offsets, np.asarray(lengths, dtype=np.int64))
+        _check_table(url, offsets, lengths)
         files = sorted(set(names))
         lookup = {name: i for i, name in enumerate(files)}
         file_of = np.array([lookup[p] for p in names], dtype=np.int32)
