@@ -390,6 +390,29 @@ def test_disk_full_training_goes_on(small_tmpfs: Path, tmp_path: Path,
     assert "full" in message
 
 
+@pytest.mark.root
+def test_disk_full_prefetched_samples_are_staged_not_fetched_twice(
+        small_tmpfs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The findings: once the cache disk was full, prefetched samples the plan keeps were
+    fetched and dropped (and so were those staged in /dev/shm, which had room), then fetched
+    again by the reader: more fetches than accesses made the hit ratio negative."""
+    data = tmp_path / "data"
+    files = _make_files(data, 128, size=64 * KIB)  # 8 MiB: more than the 6 MiB device
+    caplog.set_level(logging.WARNING, logger="lcache")
+    ds = CachedDataset(str(data), small_tmpfs / "cache", "64MiB")
+    if not ds.cache.staging_dir.startswith("/dev/shm/"):
+        pytest.skip("staging is inside the cache directory here")
+    for start in range(0, 128, 16):
+        ds.cache.prefetch_many(list(range(start, start + 16)), [True] * 16)
+    assert [ds[i] for i in range(128)] == files
+    s = ds.stats()
+    assert s["fetches"] == 128 and s["admit_failures"] == 1, s
+    assert s["from_ram"] > 0 and s["from_ram"] + s["from_ssd"] == 128, s
+    assert s["hit_ratio"] == 0.0, s
+    warnings = [r for r in caplog.records if r.name == "lcache" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
 # ------------------------------------------------------------------------ killed readers
 READER = """
 import random, sys

@@ -69,6 +69,7 @@ _COUNTER_OF = {SSD: "from_ssd", RAM: "from_ram"}  # a fetched access counts as a
 # Sources whose ``decode`` copies what it is given: they may be handed the store's memory.
 _DECODE_COPIES = (FileSource, RangeSource)
 _OPENING = fork_safe_lock()  # prefetch threads race to open the stores of a new process
+_REFUSING = fork_safe_lock()
 _OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
 
 
@@ -304,7 +305,7 @@ class SampleCache:
         self._store: Store | None = None
         self._staging: Store | None = None
         self._pid = -1
-        self._admit = True
+        self._refused: set[Store] = set()  # stores that were full, in this process
         self._warned_large = False
         self._warn_skip = RateLimitedWarning()
         self._decode_copies = isinstance(self.source, _DECODE_COPIES)
@@ -367,7 +368,7 @@ class SampleCache:
         # (and close the inherited ones, which hold the parent's locks) on first use.
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._admit = True
+            self._refused = set()
         if self._store is not None:
             return
         with _OPENING:
@@ -401,6 +402,7 @@ class SampleCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = state["_staging"] = None  # each process opens its own
+        state["_refused"] = set()
         return state
 
     def __del__(self) -> None:
@@ -609,8 +611,11 @@ class SampleCache:
         they are there, being fetched, or no longer ``wanted(sample)`` once claimed (a reader
         got to it first). One ``fetch_many``. Returns the bytes fetched (0: nothing done)."""
         main, staging = self.store(), self.staging()
-        plan = {k: keep for k, keep in zip(indices, keeps, strict=True)
-                if k not in main and k not in staging}
+        if staging in self._refused:  # nothing fetched ahead could be kept until read
+            return 0
+        # Kept samples the main store refuses (disk full) are staged: read once, not lost.
+        plan = {k: keep and main not in self._refused for k, keep in
+                zip(indices, keeps, strict=True) if k not in main and k not in staging}
         if not plan:
             return 0
         with self.claims.hold_many(sorted(plan), blocking=False) as claimed:
@@ -618,17 +623,20 @@ class SampleCache:
             if not todo:
                 return 0
             fetched = dict(zip(todo, fetch_many(self.source, todo), strict=True))
-            for store, keep in ((main, True), (staging, False)):
-                keys = [k for k in todo if plan[k] is keep]
-                if keys:
-                    self._put_many(store, keys, [fetched[k] for k in keys])
+            kept = [k for k in todo if plan[k]]
+            refused = self._put_many(main, kept, [fetched[k] for k in kept]) if kept else []
+            staged = [k for k in todo if not plan[k]] + refused
+            if staged:
+                self._put_many(staging, staged, [fetched[k] for k in staged])
         total = sum(len(b) for b in fetched.values())
         self.counters.add(fetches=len(todo), remote_bytes=total, prefetched=len(todo))
         return total
 
-    def _put_many(self, store: Store, keys: list[int], values: list[bytes]) -> None:
-        if not self._admit:
-            return
+    def _put_many(self, store: Store, keys: list[int], values: list[bytes]) -> list[int]:
+        """Admit ``values`` under ``keys``; returns the keys a full store refused (none
+        once it has refused: this process stops admitting there, and warns once)."""
+        if store in self._refused:
+            return []
         room = store.config.segment_size - HEADER_SIZE
         fits = [j for j, v in enumerate(values) if len(v) <= room]
         if len(fits) < len(values) and not self._warned_large:
@@ -642,11 +650,18 @@ class SampleCache:
         try:
             store.put_many([keys[j] for j in fits], [values[j] for j in fits])
         except (DiskFullError, StoreFullError) as exc:
-            self._admit = False
-            self.counters.add(admit_failures=1)
-            log.warning("lcache: cannot add samples to %s (%s); training goes on reading "
-                        "from %s, without caching in this process", self.cache_dir, exc,
-                        self.source.url)
+            with _REFUSING:  # threads that meet the full disk together warn once
+                first = store not in self._refused
+                self._refused.add(store)
+            if first:
+                self.counters.add(admit_failures=1)
+                where = self.cache_dir if store is self._store else \
+                    f"the prefetch staging area {self.staging_dir}"
+                log.warning("lcache: cannot add samples to %s (%s); training goes on reading "
+                            "from %s, without caching there in this process", where, exc,
+                            self.source.url)
+            return [keys[j] for j in fits if keys[j] not in store]
+        return []
 
     # ------------------------------------------------------------------- figures
     def stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -670,7 +685,9 @@ class SampleCache:
             "dataset_bytes": self.dataset_bytes,
             "capacity": self.capacity,
             "interval": since is not None,
-            "hit_ratio": 1 - totals["fetches"] / accesses if accesses else 0.0,
+            # Fetches beyond the accesses (a prefetched sample evicted before its read and
+            # fetched again) cost more than misses: the ratio stops at 0.
+            "hit_ratio": max(0.0, 1 - totals["fetches"] / accesses) if accesses else 0.0,
             "demand_misses": fetched,
             **totals,
         }
