@@ -419,6 +419,36 @@ def test_codec_refuses_what_it_would_get_wrong_and_keeps_what_numpy_lacks(
     assert codec.decode(codec.encode(mapped)).tolist() == [1, 2, 3]
 
 
+def test_codec_keeps_numpy_scalar_types_and_refuses_subclasses_it_would_flatten() -> None:
+    """The findings: np.float32(1.5) came back a Python float (default_collate then makes
+    a float64 tensor of it), and a namedtuple, an OrderedDict, a defaultdict, an IntEnum or
+    a str subclass came back as the plain type, although what would not come back as given
+    is refused."""
+    import collections
+    import enum
+
+    for scalar in (np.float32(1.5), np.float64(2.5), np.int8(-3), np.uint64(2**64 - 1),
+                   np.bool_(True), np.str_("hi"), np.bytes_(b"ab"), np.complex64(1 + 2j)):
+        back = codec.decode(codec.encode({"x": [scalar]}))["x"][0]
+        assert type(back) is type(scalar) and back == scalar, (scalar, back)
+
+    class Label(enum.IntEnum):
+        CAT = 1
+
+    class Name(str):
+        pass
+
+    point = collections.namedtuple("point", "x y")
+    for item, words in [(point(1, 2), "a point would come back as a plain tuple"),
+                        (collections.OrderedDict(a=1), "plain dict"),
+                        (collections.defaultdict(int), "plain dict"),
+                        (Label.CAT, "a Label would come back as a plain int"),
+                        ([Name("x")], "plain str"),
+                        ({"k": True, "v": [point(1, 2)]}, r"x\._asdict\(\)")]:
+        with pytest.raises(CodecError, match=words):
+            codec.encode(item)
+
+
 def test_dataset_source_refuses_unencodable_items(tmp_path: Path) -> None:
     class Objects:
         def __len__(self) -> int:

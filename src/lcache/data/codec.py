@@ -33,24 +33,23 @@ def encode(item: Any) -> bytes:
         return [start, buf.nbytes]
 
     def walk(x: Any) -> Any:
-        if x is None or isinstance(x, (bool, int, float, str)):
+        kind = type(x)
+        if x is None or kind in (bool, int, float, str):
             return {"v": x}
+        if isinstance(x, np.generic):  # np.float32(1.5) comes back a np.float32, not a float
+            return {**_array(np.asarray(x), add), "scalar": True}
         if isinstance(x, (bytes, bytearray, memoryview)):
             return {"b": add(memoryview(x).cast("B"))}
-        if isinstance(x, np.ndarray) or type(x).__module__ == "torch":
+        if isinstance(x, np.ndarray) or kind.__module__ == "torch":
             return _array(x, add)
-        if isinstance(x, np.generic):
-            value = x.item()  # a Python number where there is one
-            if value is None or isinstance(value, (bool, int, float, str)):
-                return {"v": value}
-            return _array(np.asarray(x), add)  # complex, datetime64, bytes_: a 0-d array
-        if isinstance(x, (list, tuple)):
-            return {"t" if isinstance(x, tuple) else "l": [walk(v) for v in x]}
-        if isinstance(x, dict):
-            if not all(isinstance(k, str) for k in x):
+        if kind in (list, tuple):
+            return {"t" if kind is tuple else "l": [walk(v) for v in x]}
+        if kind is dict:
+            if not all(type(k) is str for k in x):
                 raise CodecError("dict keys must be str to be cached")
             return {"d": {k: walk(v) for k, v in x.items()}}
-        raise CodecError(f"cannot cache an item of type {type(x).__name__} without pickle; "
+        _refuse_plain_subclass(x)
+        raise CodecError(f"cannot cache an item of type {kind.__name__} without pickle; "
                          "return bytes, numpy arrays, tensors or numbers")
 
     try:
@@ -82,6 +81,17 @@ def _array(x: Any, add: Any) -> dict[str, Any]:
     if is_tensor:
         out["torch"] = torch_dtype
     return out
+
+
+def _refuse_plain_subclass(x: Any) -> None:
+    """A subclass of a plain type (a namedtuple, an OrderedDict, an IntEnum) would come
+    back as the plain type, its class lost: rebuilding a class by name is what pickle does."""
+    for base in (bool, int, float, str, tuple, list, dict):
+        if isinstance(x, base):
+            raise CodecError(f"a {type(x).__name__} would come back as a plain "
+                             f"{base.__name__} (rebuilding its class needs pickle); return "
+                             f"{base.__name__}(x)" + (" or x._asdict()" if hasattr(x, "_asdict")
+                                                      else ""))
 
 
 def _refuse_subclass(x: Any) -> None:
@@ -142,6 +152,8 @@ def _decode(view: memoryview) -> Any:
                 raise ValueError("bad array entry")
             arr = np.frombuffer(body[start : start + n], dtype=dtype)
             arr = arr.reshape(node["shape"])
+            if node.get("scalar"):
+                return arr[()]
             return _tensor(arr, node["torch"]) if "torch" in node else arr
         if "l" in node:
             return [walk(v) for v in node["l"]]
