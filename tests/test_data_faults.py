@@ -567,3 +567,21 @@ def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
     for since in ([1], {**mark, "accesses": "x"}, ds.stats(since=mark)):
         with pytest.raises(ConfigError, match="since= takes what an earlier stats"):
             ds.stats(since=since)
+
+
+def test_a_new_capacity_keeps_the_cache_and_a_new_segment_size_is_a_config_error(
+        tmp_path: Path) -> None:
+    """The findings: reopening with another capacity was refused as 'segment_size is fixed'
+    (the size was chosen from the capacity afresh), and an error while the store opened
+    closed the directory's lock twice (OSError EBADF instead of the error)."""
+    src = _local_samples(tmp_path / "src")
+    first = CachedDataset(str(src), tmp_path / "c", "64MiB")
+    data = first[3]
+    first.cache.close()
+    bigger = CachedDataset(str(src), tmp_path / "c", "256MiB")
+    assert bigger[3] == data and bigger.stats()["fetches"] == 1
+    bigger.cache.close()
+    with pytest.raises(ConfigError, match="segment_size is fixed"):
+        CachedDataset(str(src), tmp_path / "c", "256MiB", segment_size="1MiB")
+    again = CachedDataset(str(src), tmp_path / "c", "64MiB")  # the lock was let go
+    assert again[3] == data

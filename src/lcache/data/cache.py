@@ -52,6 +52,7 @@ from lcache.io import atomic_write, close_file, private_dir
 from lcache.io.files import open_owned, open_regular
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
+from lcache.store.layout import load_config
 from lcache.store.record import HEADER_SIZE
 
 log = logging.getLogger("lcache")
@@ -245,6 +246,19 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
     return size
 
 
+def _stored_segment_size(cache_dir: str, largest: int) -> int | None:
+    """The segment size of the cache in ``cache_dir``, if it has one that holds the
+    largest sample."""
+    store_dir = os.path.join(cache_dir, "store")
+    try:
+        config = None if os.path.islink(store_dir) else load_config(store_dir)
+    except (OSError, LCacheError):
+        return None  # damaged or unreadable: the store's own open says so
+    if config is None or largest + HEADER_SIZE > config.segment_size:
+        return None
+    return config.segment_size
+
+
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | float | str, *, segment_size: int | str | None = None,
@@ -262,7 +276,10 @@ class SampleCache:
         self.dataset_bytes = int(sizes.sum())
         self.capacity = cache_capacity(capacity, self.dataset_bytes)
         largest = int(sizes.max())
+        # Left out, the segment size of an existing cache is kept: sized from the capacity
+        # afresh, a new capacity was refused as a new segment size.
         self.segment_size = parse_size(segment_size) if segment_size else \
+            _stored_segment_size(self.cache_dir, largest) or \
             choose_segment_size(self.capacity, 512, largest)
         if largest + HEADER_SIZE > self.segment_size:
             raise ConfigError(
@@ -316,13 +333,9 @@ class SampleCache:
                             "unknown", store_dir)
                 shutil.rmtree(store_dir)
             self.cache_id = opened.cache_id
-            self._open_lock = opened.users
-            try:
-                self.store()  # create it now, so configuration errors surface here
-                self.invalidated = self._drop(opened.changed)
-            except BaseException:
-                close_file(self._open_lock)
-                raise
+            self._open_lock = opened.users  # closed by check() if this block fails
+            self.store()  # create it now, so configuration errors surface here
+            self.invalidated = self._drop(opened.changed)
 
     def _drop(self, changed: np.ndarray) -> int:
         """Delete the cached copies of samples whose object changed at the source."""
