@@ -151,8 +151,11 @@ def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     assert "Traceback" not in out.stderr + out.stdout
 
 
-@pytest.mark.parametrize(("options", "words"), [(["-o", "=x"], "is not KEY=VALUE"),
-                                                (["-o", "a=1", "-o", "a=2"], "given twice")])
+@pytest.mark.parametrize(("options", "words"), [
+    (["-o", "=x"], "is not KEY=VALUE"),
+    (["-o", "a=1", "-o", "a=2"], "given twice"),
+    # fsspec's local filesystem took it and ignored it
+    (["-o", "endpoint_url=http://127.0.0.1:9"], "mean nothing to the local path")])
 def test_warm_options_without_a_key_or_twice_are_refused(
         tmp_path: Path, options: list[str], words: str) -> None:
     (tmp_path / "src").mkdir()

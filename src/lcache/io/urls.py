@@ -34,14 +34,25 @@ def filesystem_of(url: str, storage_options: dict[str, Any] | None = None) -> tu
                               "folder, or give the URL without a chain")
         from fsspec.implementations.local import LocalFileSystem
 
+        _refuse_local_options(url, options)
         return LocalFileSystem(**options), os.path.abspath(url.removeprefix("file://"))
     if url.lower().startswith(("http://", "https://")):
         # the bytes as stored: a server that gzips what it sends (nginx's gzip, which also
         # drops Range) would have them inflated by aiohttp to another size than the listed
         options = {**options, "headers": {"Accept-Encoding": "identity",
                                           **(options.get("headers") or {})}}
+    if "://" not in url or url.lower().startswith("file://"):
+        _refuse_local_options(url, options)
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"cannot open {url}: {exc}") from exc
     return fs, str(path)
+
+
+def _refuse_local_options(url: str, options: dict[str, Any]) -> None:
+    """fsspec's local filesystem takes any option and ignores it: ``-o endpoint_url=...``
+    given with a local path would be silently dropped (a path meant as a bucket?)."""
+    if options:
+        raise ConfigError(f"storage options {sorted(options)} mean nothing to the local path "
+                          f"{url}; give them with a remote URL (s3://, gs://, http://...)")
