@@ -159,7 +159,7 @@ class DirectoryIdentity:
         yielded ``Opened`` says, then the new identity is published (all under a lock that
         every rank and process opening the directory takes, so one of them does it)."""
         fd = open_owned(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
-        users = -1
+        users, known = -1, 0
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             stored = self._load()
