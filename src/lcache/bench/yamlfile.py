@@ -12,13 +12,13 @@ as is a file that is not a regular file (a FIFO would block, ``/dev/zero`` never
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 import yaml
 
 from lcache.errors import ConfigError
 from lcache.io import close_file
+from lcache.io.files import NotRegularFile, open_regular
 
 MAX_FILE_BYTES = 1 << 20  # configuration files are a few KiB
 MAX_DEPTH = 16  # a workload is sections of keys, parallelism/transformer one level more
@@ -108,17 +108,16 @@ def read_file(path: str, what: str = "workload", hint: str = "") -> bytes:
         hint: appended to the "does not exist" and "is a directory" messages.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
+        fd = open_regular(path, os.O_RDONLY, follow=True)  # a FIFO must not block
     except FileNotFoundError:
         raise ConfigError(f"{what} file {path} does not exist{hint}") from None
+    except NotRegularFile as exc:
+        if exc.kind == "a directory":
+            raise ConfigError(f"{path} is a directory; give a {what} file{hint}") from None
+        raise ConfigError(f"{path} is not a regular file; give a {what} file") from None
     except OSError as exc:
         raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{path} is a directory; give a {what} file{hint}")
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path} is not a regular file; give a {what} file")
         chunks, total = [], 0
         while total <= MAX_FILE_BYTES:
             chunk = os.read(fd, MAX_FILE_BYTES + 1 - total)

@@ -12,7 +12,6 @@ import contextlib
 import gzip
 import json
 import os
-import stat
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.io import close_file
+from lcache.io.files import NotRegularFile, open_regular
 from lcache.trace import blocks
 from lcache.trace.mounts import MEMORY_FS
 from lcache.trace.sampler import DISK_FIELDS as DISK_FIELDS  # the loader's public names
@@ -81,19 +81,17 @@ def _open(path: str) -> BinaryIO:
     """The trace file, opened without blocking (a FIFO would wait for a writer) and only if it
     is a regular file (a device or a FIFO can be endless)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_regular(path, os.O_RDONLY, follow=True)
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such trace file; give the file that "
                                "`lcache trace -o` or LCACHE_TRACE wrote") from None
+    except NotRegularFile as exc:
+        kind = "a directory" if exc.kind == "a directory" else "not a regular file"
+        raise TraceFormatError(f"{path}: {kind}; give a trace file that `lcache trace -o` "
+                               "or LCACHE_TRACE wrote") from None
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read the trace: {exc.strerror}") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise TraceFormatError(f"{path}: {kind}; give a trace file that `lcache trace -o` "
-                                   "or LCACHE_TRACE wrote")
-        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         close_file(fd)
