@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from lcache import __version__
+from lcache import __version__, jsondoc
 from lcache.cli.advise import advise_cmd
 from lcache.cli.bench import bench
 from lcache.cli.checks import Folder, number_option
@@ -129,7 +129,7 @@ def _cache_identity(path: str, raw: bytes) -> dict[str, Any]:
     """The cache's identity (``raw``, read from ``path``), or a CorruptionError saying what
     is wrong with it."""
     try:
-        doc = json.loads(raw)
+        doc = jsondoc.loads(raw)
     except ValueError:
         doc = None
     if not (isinstance(doc, dict) and isinstance(doc.get("source"), str)

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
+from lcache import jsondoc
 from lcache.io import read_and_close
 from lcache.io.publish import atomic_write
 from lcache.store.files import open_in_store
@@ -44,7 +45,7 @@ class Counters:
 def read_totals(root: str) -> Counters:
     """Counters summed over every process that flushed or closed this store."""
     try:
-        raw = json.loads(read_and_close(open_in_store(os.path.join(root, STATS_NAME),
+        raw = jsondoc.loads(read_and_close(open_in_store(os.path.join(root, STATS_NAME),
                                                       os.O_RDONLY), 1 << 20))
         return Counters(**{f.name: int(raw.get(f.name, 0)) for f in fields(Counters)})
     except (OSError, ValueError, TypeError, AttributeError):  # advisory: a bad one reads as 0

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
 
+from lcache import jsondoc
 from lcache.errors import (
     ConfigError,
     CorruptionError,
@@ -224,7 +225,7 @@ def load_config(path: str) -> StoreConfig | None:
     except FileNotFoundError:
         return None
     try:
-        raw = json.loads(read_and_close(fd, 1 << 20))
+        raw = jsondoc.loads(read_and_close(fd, 1 << 20))
     except (OSError, ValueError) as exc:
         raise _config_error(cfg_path, f"is unreadable ({exc})") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -284,10 +285,10 @@ def salvage_config(root: str, largest_segment: int) -> StoreConfig:
     except (OSError, CorruptionError):
         text = ""
     try:
-        doc = json.loads(text)
+        doc = jsondoc.loads(text)
         found = doc if isinstance(doc, dict) else {}
     except ValueError:
-        found = {m.group(1): json.loads(m.group(2)) for m in _FIELD_RE.finditer(text)}
+        found = {m.group(1): jsondoc.loads(m.group(2)) for m in _FIELD_RE.finditer(text)}
     defaults = StoreConfig()
     kept: dict[str, Any] = {}
     for setting in fields(StoreConfig):

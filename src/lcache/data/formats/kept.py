@@ -13,6 +13,7 @@ import os
 from types import TracebackType
 from typing import Any
 
+from lcache import jsondoc
 from lcache.io import atomic_write, close_file, private_dir, read_and_close
 from lcache.io.files import open_owned
 
@@ -57,7 +58,7 @@ class KeptIndex:
             return {}
         raw = read_and_close(fd)
         try:
-            doc = json.loads(raw)
+            doc = jsondoc.loads(raw)
         except ValueError:
             return {}
         ok = isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(

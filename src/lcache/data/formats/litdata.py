@@ -12,13 +12,13 @@ default ``PyTreeLoader`` (token and temporal loaders, items kept only in an Arro
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from lcache import jsondoc
 from lcache.data.formats.shards import (
     checked_infos,
     make_remote,
@@ -110,7 +110,7 @@ def _spec(raw: Any, url: str) -> Any:
     if raw is None:
         return None
     try:
-        version, node = json.loads(raw)
+        version, node = jsondoc.loads(raw)
     except (TypeError, ValueError):
         raise SourceCorruptionError(f"{url}: config.data_spec is not a pytree spec") from None
     return node if version == 1 and _plain(node) else None
@@ -134,7 +134,7 @@ def _unflatten(node: dict[str, Any], leaves: Iterator[Any]) -> Any:
         return next(leaves)
     values = [_unflatten(c, leaves) for c in node["children_spec"]]
     if kind in ("builtins.dict", "collections.OrderedDict"):
-        return dict(zip(json.loads(node["context"]), values, strict=True))
+        return dict(zip(jsondoc.loads(node["context"]), values, strict=True))
     return tuple(values) if kind == "builtins.tuple" else values
 
 

@@ -14,12 +14,12 @@ to its length), not by a checksum.
 
 from __future__ import annotations
 
-import json
 from decimal import Decimal
 from typing import Any
 
 import numpy as np
 
+from lcache import jsondoc
 from lcache.data.formats.shards import (
     checked_infos,
     make_remote,
@@ -124,7 +124,7 @@ def _value(encoding: str, raw: memoryview) -> Any:
     if kind == "str_decimal":
         return Decimal(bytes(raw).decode())
     if kind == "json":
-        return json.loads(bytes(raw).decode("utf-8"))
+        return jsondoc.loads(bytes(raw).decode("utf-8"))
     if kind == "ndarray":
         return _ndarray(spec, raw)
     return bytes(raw)

@@ -5,7 +5,6 @@ per-shard offset tables into the sample table of a ``RangeSource``."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lcache import jsondoc
 from lcache.data.listing import list_objects, suffix_filter
 from lcache.data.remote import FetchOptions, Remote, SourceCorruptionError, SourceError
 from lcache.errors import ConfigError
@@ -87,11 +87,10 @@ def read_json(remote: Remote, name: str) -> Any:
     data = remote.get_many([(remote.path(name), None, None)],
                            lambda url: f"cannot read the index {url}")[0]
     try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." 100,000 deep
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        return jsondoc.loads(data)
+    except ValueError as exc:
         raise SourceCorruptionError(f"{remote.full_url(remote.path(name))} is not a JSON "
-                                    f"index: {why}") from None
+                                    f"index: {exc}") from None
 
 
 def under_url(name: Any, url: str, where: str) -> str:
