@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from lcache.data import CachedDataset, RangeSource
@@ -342,3 +344,105 @@ def test_dataset_item_larger_than_a_segment_is_served_uncached(
     small = probe_indices(400)[0]
     assert large not in ds.cache.store()
     assert ds[small] == items[small] and small in ds.cache.store()
+
+
+# ----------------------------------------------------------------------- round 6
+def _identity(item: bytes) -> bytes:
+    return item
+
+
+def test_a_closed_handle_cannot_be_used_again(tmp_path: Path) -> None:
+    """The finding: a closed handle reopened its stores on the next read, without the
+    directory's lock and without checking the listing: opened after it for another listing,
+    a dataset then served the closed one's samples."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    a = CachedDataset(str(data), cache, CAPACITY, files=train)
+    assert a[0] == files[0]
+    a.cache.close()
+    b = CachedDataset(str(data), cache, CAPACITY, files=val)
+    with pytest.raises(ConfigError, match="was closed"):
+        a[1]
+    assert [b[i] for i in range(10)] == files[10:]
+
+
+def test_a_spawned_worker_holds_the_directory_as_its_parent(tmp_path: Path) -> None:
+    """The finding: a DataLoader worker started with spawn (the dataset pickled) held no
+    lock, so once its parent closed the handle another listing was accepted while the
+    worker went on caching the old one's samples under the same numbers."""
+    from torch.utils.data import DataLoader
+
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    a = CachedDataset(str(data), cache, CAPACITY, files=train)
+    loader = DataLoader(a, batch_size=5, num_workers=1, multiprocessing_context="spawn",
+                        persistent_workers=True, collate_fn=_identity)
+    assert [x for batch in loader for x in batch] == files[:10]
+    a.cache.close()
+    with pytest.raises(ConfigError, match="is open for"):
+        CachedDataset(str(data), cache, CAPACITY, files=val)
+    del loader  # the worker exits, and its hold with it
+    b = CachedDataset(str(data), cache, CAPACITY, files=val)
+    assert [b[i] for i in range(10)] == files[10:]
+
+
+def test_a_listing_file_left_by_a_killed_publish_is_not_trusted(tmp_path: Path) -> None:
+    """The finding: a run killed between writing listing.bin and cache.json left the new
+    listing beside the old identity; a check=False open then cached the old listing's
+    samples, and the next open of the new listing compared with listing.bin, found nothing
+    changed, and served them."""
+    from lcache.data import FileSource
+
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 8)
+    names = sorted(p.name for p in data.iterdir())
+    first = CachedDataset(str(data), cache, CAPACITY, files=names)
+    assert [first[i] for i in range(8)] == files
+    first.cache.close()
+    # What the killed run left: listing.bin of the reversed listing, cache.json as it was.
+    flipped = FileSource(str(data), files=names[::-1]).fingerprints()
+    (cache / "listing.bin").write_bytes(flipped.astype("<u8").tobytes())
+    trusting = CachedDataset(str(data), cache, CAPACITY, files=names, check=False)
+    assert [trusting[i] for i in range(8)] == files
+    trusting.cache.close()
+    checking = CachedDataset(str(data), cache, CAPACITY, files=names[::-1])
+    assert [checking[i] for i in range(8)] == files[::-1]
+
+
+def test_a_source_whose_fingerprints_take_no_versions(tmp_path: Path) -> None:
+    """The finding: a source of one's own with ``fingerprints()`` (as the protocol said)
+    was a TypeError once versions= was asked for."""
+    class Mine:
+        url = "mine:"
+
+        def __len__(self) -> int:
+            return 3
+
+        def sizes(self) -> Any:
+            return np.full(3, 4, np.int64)
+
+        def fetch(self, index: int) -> bytes:
+            return bytes([index]) * 4
+
+        def decode(self, data: Any) -> bytes:
+            return bytes(data)
+
+        def fingerprints(self) -> Any:
+            return np.arange(3, dtype=np.uint64)
+
+    ds = CachedDataset(Mine(), tmp_path / "c", CAPACITY)
+    assert ds[2] == b"\x02" * 4
+
+
+@pytest.mark.parametrize("victim", ["cache.json", "source-listing.json"])
+def test_json_nested_too_deeply_reads_as_damaged(tmp_path: Path, victim: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The finding: 100,000 nested objects (under 1 MiB) were a RecursionError traceback."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 4)
+    CachedDataset(str(data), cache, CAPACITY).cache.close()
+    (cache / victim).write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    again = CachedDataset(str(data), cache, CAPACITY)
+    assert again[3] == files[3]

@@ -19,6 +19,7 @@ numbers. Samples appended at the end are not refused: no open handle asks for th
 from __future__ import annotations
 
 import fcntl
+import inspect
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from lcache import jsondoc
 from lcache.errors import ConfigError
 from lcache.io import atomic_write, close_file
 from lcache.io.files import open_owned
@@ -97,16 +99,22 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
         content = getattr(source, "content", None)
         doc["content"] = content if isinstance(content, str) else probe_contents(source)[0]
         return Identity(doc, listing)
-    # What each index names, versions aside: compared even with check=False.
-    doc["layout"] = xxhash.xxh3_128_hexdigest(
-        source.fingerprints(versions=False).astype("<u8").tobytes())
-    if not source.versioned() and fingerprint is None:
+    # What each index names, versions aside: compared even with check=False. A source
+    # whose fingerprints cannot leave versions out gives them all: any change is compared.
+    takes = "versions" in inspect.signature(source.fingerprints).parameters
+    layout = source.fingerprints(versions=False) if takes else listing
+    doc["layout"] = _digest(np.asarray(layout, "<u8").tobytes())
+    if not getattr(source, "versioned", lambda: True)() and fingerprint is None:
         # With a fingerprint the user names the version; without, say what is at stake.
         log.warning("lcache: %s gives neither ETags nor modification times (an HTTP server "
                     "without them, or files= with sizes): an object rewritten with the same "
                     "size cannot be told from the cached one; pass fingerprint= (a dataset "
                     "version) to be safe", source.url)
     return Identity(doc, listing)
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def _describe(doc: dict[str, Any]) -> str:
@@ -169,7 +177,7 @@ class DirectoryIdentity:
                 self._refuse_other_source(stored, ident.doc)
                 if stored.get("layout") != ident.doc.get("layout"):
                     check_listing = True  # indices name other samples: trust no version
-                changed, known = self._changed(ident.listing) if check_listing else \
+                changed, known = self._changed(ident.listing, stored) if check_listing else \
                     (np.zeros(0, np.int64), 0)
                 # A new id when samples change: the staging area (named by the id) of an
                 # earlier run may still hold their old bytes.
@@ -195,6 +203,29 @@ class DirectoryIdentity:
         finally:
             close_file(fd)
 
+    def join(self, cache_id: str) -> int:
+        """For a handle unpickled in another process (a DataLoader worker started with
+        spawn): hold ``DIR/users.lock`` shared as its parent does, if the directory still
+        caches what the handle was opened for. Returns the descriptor.
+
+        Raises:
+            ConfigError: the directory was opened for another listing since.
+        """
+        fd = open_owned(os.path.join(self.cache_dir, "cache.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            stored = self._load()
+            if stored is None or stored.get("id") != cache_id:
+                raise ConfigError(
+                    f"{self.cache_dir} was opened for another listing since this handle was "
+                    "made (in the parent of this process); make the dataset again")
+            users = open_owned(os.path.join(self.cache_dir, "users.lock"),
+                               os.O_RDWR | os.O_CREAT)
+            fcntl.flock(users, fcntl.LOCK_SH)
+            return users
+        finally:
+            close_file(fd)
+
     def _refuse_if_open(self, users: int, stored: dict[str, Any] | None, doc: dict[str, Any],
                         changed: int) -> None:
         """Refuse to change what the cached samples mean while a handle uses them."""
@@ -214,7 +245,7 @@ class DirectoryIdentity:
         if raw is None:
             return None
         try:
-            doc = json.loads(raw)
+            doc = jsondoc.loads(raw)
         except ValueError:
             doc = None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or "id" not in doc:
@@ -235,7 +266,7 @@ class DirectoryIdentity:
             f"{self.cache_dir} caches {_describe(stored)}, not {_describe(doc)} ({why}); "
             "use another cache directory (one per dataset and split) or delete it")
 
-    def _changed(self, listing: npt.NDArray[np.uint64] | None
+    def _changed(self, listing: npt.NDArray[np.uint64] | None, stored: dict[str, Any]
                  ) -> tuple[npt.NDArray[np.int64], int]:
         """Samples whose fingerprint changed (or that were added or removed), and how many
         samples the stored listing has (all of them, if it is unknown)."""
@@ -245,11 +276,17 @@ class DirectoryIdentity:
             fd = open_owned(self.listing_path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
-                old = np.frombuffer(os.pread(fd, size, 0), "<u8") if size % 8 == 0 else None
+                raw = os.pread(fd, size, 0)
             finally:
                 close_file(fd)
         except FileNotFoundError:
-            old = None
+            raw = None
+        old = None
+        # cache.json names its listing.bin: a run killed between writing the two left a
+        # listing.bin of another listing than the one the cached samples were checked with.
+        if raw is not None and len(raw) % 8 == 0 and stored.get("listing", _digest(raw)) == \
+                _digest(raw):
+            old = np.frombuffer(raw, "<u8")
         if old is None:  # unknown: every cached sample is suspect
             return np.arange(len(listing), dtype=np.int64), len(listing)
         common = min(len(old), len(listing))
@@ -259,8 +296,9 @@ class DirectoryIdentity:
 
     def _publish(self, ident: Identity, cache_id: str) -> None:
         # The listing first: cache.json is what makes the directory's contents trusted.
-        if ident.listing is not None:
-            atomic_write(self.listing_path, ident.listing.astype("<u8").tobytes(),
-                         io_class="cache-meta")
         doc = {"format": FORMAT, "id": cache_id, **ident.doc}
+        if ident.listing is not None:
+            raw = ident.listing.astype("<u8").tobytes()
+            atomic_write(self.listing_path, raw, io_class="cache-meta")
+            doc["listing"] = _digest(raw)
         atomic_write(self.json_path, json.dumps(doc, indent=1).encode(), io_class="cache-meta")

@@ -49,10 +49,13 @@ class Source(Protocol):
 
     - ``fetch_many(indices)``: the bytes of several samples in one go (``fetch_many`` below
       falls back to one ``fetch`` each);
-    - ``fingerprints()``: one uint64 per sample that changes when the sample's object is
-      rewritten (from its listing: path, size, ETag or modification time), so a cache
-      notices changed samples; a source without it is identified by the contents of a probe
-      of its items (``lcache.data.identity``);
+    - ``fingerprints(versions=True)``: one uint64 per sample that changes when the sample's
+      object is rewritten (from its listing: path, size, ETag or modification time), so a
+      cache notices changed samples; with ``versions=False``, of what the index names alone
+      (path and size), compared even with ``check=False``. A source without it is
+      identified by the contents of a probe of its items (``lcache.data.identity``);
+    - ``versioned()``: whether its fingerprints see an object rewritten with the same size
+      (a warning says so when they do not);
     - ``path_of(index)``: where the sample lives (a URL, or a shard URL and key), for
       transforms and error messages.
     """
@@ -115,7 +118,8 @@ class FileSource:
         with kept_listing(None if cache_dir is None else os.fspath(cache_dir), key,
                           listing_ttl) as (listing, keep):
             if listing is None:
-                listing = self._list(files, suffixes, progress)
+                listing = self._list(files, suffixes, progress,
+                                     None if cache_dir is None else os.fspath(cache_dir))
                 keep(listing)
         self.paths = listing.paths
         self._sizes = listing.sizes
@@ -123,7 +127,8 @@ class FileSource:
         self._versions = listing.versions
 
     def _list(self, files: Sequence[Any] | Mapping[str, int] | None,
-              suffixes: Sequence[str] | None, progress: bool | None) -> Listing:
+              suffixes: Sequence[str] | None, progress: bool | None,
+              cache_dir: str | None) -> Listing:
         if files is not None:
             listing = given_files(self._remote, files)
             if not listing.paths:
@@ -131,7 +136,7 @@ class FileSource:
             return listing
         keep = suffix_filter(suffixes)
         infos, others = list_objects(self._remote, lambda p: keep(p) and self._accepts(p),
-                                     progress)
+                                     progress, cache_dir)
         paths = self._order(list(infos))
         if not paths:
             raise SourceError(self._nothing_found(suffixes, others))
