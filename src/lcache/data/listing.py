@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from lcache import jsondoc
 from lcache.data.remote import Remote, SourceError, object_version
 from lcache.errors import ConfigError
 from lcache.io import atomic_write, close_file, private_dir, read_and_close
@@ -156,10 +157,11 @@ def _params(fn: Any) -> Mapping[str, Any]:
         return {}
 
 
-def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | None = None
-                 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | None = None,
+                 avoid: str | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """fsspec infos of the objects under the remote's URL that ``keep`` accepts, each with a
-    size and (where the filesystem has one) a version; and the paths it did not accept."""
+    size and (where the filesystem has one) a version; and the paths it did not accept.
+    A local walk does not enter folder ``avoid`` (the cache directory)."""
     fs, root = remote.fs()
     root = root.rstrip("/")
     bar = Progress(f"listing {remote.url}", progress)
@@ -167,7 +169,7 @@ def list_objects(remote: Remote, keep: Callable[[str], bool], progress: bool | N
         if remote.is_async:
             found = remote.run(lambda: _walk(remote, root, bar))
         elif _is_local(fs):
-            found = _find_local(remote, root, bar)
+            found = _find_local(remote, root, bar, avoid)
         else:
             try:
                 found = fs.find(root, detail=True)
@@ -199,19 +201,23 @@ def _is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _find_local(remote: Remote, root: str, progress: Progress) -> dict[str, dict[str, Any]]:
+def _find_local(remote: Remote, root: str, progress: Progress,
+                avoid: str | None = None) -> dict[str, dict[str, Any]]:
     """The regular files under local ``root``, following links as torchvision's ImageFolder
     does (a class folder that is a link to another disk is a class), with the size and
     version of what a link points to (fsspec's find gives the link's own, so a target
-    rewritten with the same size went unseen). Not samples, with one warning: FIFOs,
-    sockets, devices and dangling links (reading one would block forever or never end), and
-    a link back to a folder above it (a loop)."""
+    rewritten with the same size went unseen). Folders are walked in name order, each once:
+    one reached again through a link (a loop, or links that branch and meet, which would
+    make the walk exponential) is skipped, and so are ``avoid`` (the cache directory, should
+    a link lead there) and the folders in it. Not samples, with one warning: FIFOs,
+    sockets, devices and dangling links (reading one would block forever or never end)."""
     found: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
+    walked = _folder_ids(avoid) if avoid else set()
     root = root or "/"
-    stack: list[tuple[str, frozenset[tuple[int, int]]]] = [(root, frozenset())]
+    stack = [root]
     while stack:
-        folder, above = stack.pop()
+        folder = stack.pop()
         try:
             st = os.stat(folder)
             if folder == root and not stat.S_ISDIR(st.st_mode):  # the URL names one file
@@ -219,8 +225,8 @@ def _find_local(remote: Remote, root: str, progress: Progress) -> dict[str, dict
             names = sorted(os.listdir(folder))
         except OSError as exc:
             raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: {exc}") from exc
-        above = above | {(st.st_dev, st.st_ino)}
-        before = len(stack)
+        walked.add((st.st_dev, st.st_ino))
+        below = []
         for name in names:
             path = os.path.join(folder, name)
             try:
@@ -229,20 +235,35 @@ def _find_local(remote: Remote, root: str, progress: Progress) -> dict[str, dict
                 skipped.append(path)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) in above:
+                if (st.st_dev, st.st_ino) in walked:
                     skipped.append(path)
                 else:
-                    stack.append((path, above))
+                    walked.add((st.st_dev, st.st_ino))
+                    below.append(path)
             elif stat.S_ISREG(st.st_mode):
                 found[path] = _local_info(path, st)
             else:
                 skipped.append(path)
-        progress.update(files=len(names) - (len(stack) - before), directories=1)
+        stack.extend(reversed(below))  # popped in name order
+        progress.update(files=len(names) - len(below), directories=1)
     if skipped:
-        log.warning("lcache: %d entries under %s are not regular files or folders (FIFOs, "
-                    "sockets, devices, dangling links, links to a folder above them) and are "
-                    "not samples, e.g. %s", len(skipped), remote.url, sorted(skipped)[0])
+        log.warning("lcache: %d entries under %s are not regular files or folders to walk "
+                    "(FIFOs, sockets, devices, dangling links, links to a folder walked "
+                    "already) and are not samples, e.g. %s", len(skipped), remote.url,
+                    sorted(skipped)[0])
     return found
+
+
+def _folder_ids(path: str) -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of folder ``path`` and the folders directly in it."""
+    ids = set()
+    try:
+        for where in [path, *(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))]:
+            st = os.stat(where)
+            ids.add((st.st_dev, st.st_ino))
+    except OSError:
+        pass  # not made yet
+    return ids
 
 
 def _local_info(path: str, st: os.stat_result) -> dict[str, Any]:
@@ -369,7 +390,7 @@ def _load(path: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(read_and_close(fd))
+        doc = jsondoc.loads(read_and_close(fd))
     except ValueError:
         return None
     ok = (isinstance(doc, dict) and doc.get("format") == LISTING_FORMAT
