@@ -585,3 +585,50 @@ def test_a_new_capacity_keeps_the_cache_and_a_new_segment_size_is_a_config_error
         CachedDataset(str(src), tmp_path / "c", "256MiB", segment_size="1MiB")
     again = CachedDataset(str(src), tmp_path / "c", "64MiB")  # the lock was let go
     assert again[3] == data
+
+
+def test_staging_left_with_other_segments_or_planted_as_a_link(tmp_path: Path) -> None:
+    """The findings: on-disk staging left by a killed run kept its cache id, and reopened
+    with another capacity its segment size was refused as 'segment_size is fixed'; a
+    staging folder replaced by a link was followed (another cache's staged records were
+    served)."""
+    src = _local_samples(tmp_path / "src")
+    code = ("import os, sys\nfrom lcache.data import CachedDataset\n"
+            "ds = CachedDataset(sys.argv[1], sys.argv[2], '64MiB', staging_bytes='100TB')\n"
+            "assert ds.cache._on_ssd\nprint(ds.cache.staging_dir, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    killed = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "c")],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    ds = CachedDataset(str(src), tmp_path / "c", "1GiB", staging_bytes="100TB")
+    assert ds.cache.staging_dir == killed.stdout.strip()  # the same id, the same folder
+    assert ds[3] == (src / "003.bin").read_bytes()
+    staging = ds.cache.staging_dir
+    ds.cache.close()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", staging)
+    with pytest.raises(StorePermissionError, match="is a symbolic link"):
+        CachedDataset(str(src), tmp_path / "c", "1GiB", staging_bytes="100TB")
+
+
+def _first(batch: list[bytes]) -> bytes:
+    return batch[0]
+
+
+def test_closing_while_persistent_workers_run_keeps_their_staging(tmp_path: Path) -> None:
+    """The finding: close() tested the staging lock on the descriptor forked workers share,
+    so it always looked unused, and the staging folder was removed under live workers; the
+    last worker to exit now removes it."""
+    from torch.utils.data import DataLoader
+
+    src = _local_samples(tmp_path / "src")
+    ds = CachedDataset(str(src), tmp_path / "c", CAPACITY)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                        collate_fn=_first)
+    assert len(list(loader)) == 5
+    staging = ds.cache.staging_dir
+    ds.cache.close()
+    assert os.path.isdir(staging)
+    assert len(list(loader)) == 5
+    loader._iterator._shutdown_workers()  # type: ignore[union-attr]
+    assert not os.path.exists(staging)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import json
 import logging
 import math
 import multiprocessing.util
@@ -28,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from lcache import jsondoc
 from lcache.checks import path_argument, text_argument
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.remote import SourceCorruptionError
@@ -166,7 +166,7 @@ def _shm_has_room(need: int) -> bool:
 def _cache_id(cache_dir: str) -> str | None:
     try:
         raw = read_cache_json(cache_dir)
-        return None if raw is None else str(json.loads(raw).get("id"))
+        return None if raw is None else str(jsondoc.loads(raw).get("id"))
     except (OSError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
 
@@ -246,10 +246,9 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
     return size
 
 
-def _stored_segment_size(cache_dir: str, largest: int) -> int | None:
-    """The segment size of the cache in ``cache_dir``, if it has one that holds the
+def _stored_segment_size(store_dir: str, largest: int) -> int | None:
+    """The segment size of the store in ``store_dir``, if there is one that holds the
     largest sample."""
-    store_dir = os.path.join(cache_dir, "store")
     try:
         config = None if os.path.islink(store_dir) else load_config(store_dir)
     except (OSError, LCacheError):
@@ -275,11 +274,11 @@ class SampleCache:
         sizes = self.source.sizes()
         self.dataset_bytes = int(sizes.sum())
         self.capacity = cache_capacity(capacity, self.dataset_bytes)
-        largest = int(sizes.max())
+        largest = self._largest = int(sizes.max())
         # Left out, the segment size of an existing cache is kept: sized from the capacity
         # afresh, a new capacity was refused as a new segment size.
         self.segment_size = parse_size(segment_size) if segment_size else \
-            _stored_segment_size(self.cache_dir, largest) or \
+            _stored_segment_size(os.path.join(self.cache_dir, "store"), largest) or \
             choose_segment_size(self.capacity, 512, largest)
         if largest + HEADER_SIZE > self.segment_size:
             raise ConfigError(
@@ -323,6 +322,7 @@ class SampleCache:
         self._staging: Store | None = None
         self._pid = -1
         self._refused: set[Store] = set()  # stores that were full, in this process
+        self._closed = False
         self._warned_large = False
         self._warn_skip = RateLimitedWarning()
         self._decode_copies = isinstance(self.source, _DECODE_COPIES)
@@ -384,13 +384,22 @@ class SampleCache:
             self._refused = set()
         if self._store is not None:
             return
+        if self._closed:
+            raise ConfigError(f"the cache in {self.cache_dir} was closed; make the dataset "
+                              "again to use it (the directory may cache another listing now)")
         with _OPENING:
             if self._store is not None:
                 return
+            if self._open_lock < 0:  # unpickled in a spawned process: hold it as the parent
+                self._open_lock = DirectoryIdentity(self.cache_dir).join(self.cache_id)
             if self._on_ssd:
                 _remove_stale_staging(self.cache_dir, self.staging_dir)
             else:
                 _remove_orphaned_staging()
+            if os.path.islink(self.staging_dir):
+                raise StorePermissionError(f"{self.staging_dir} is a symbolic link; a staging "
+                                           "directory never follows one: remove it")
+            self._staging_as_stored()
             private_dir(self.staging_dir, "staging directory")
             atomic_write(os.path.join(self.staging_dir, "origin"),
                          f"{self.cache_dir}\n{self.cache_id}".encode(), io_class="cache-meta",
@@ -412,10 +421,22 @@ class SampleCache:
                 max_writers=min(MAX_WRITERS, self.main_capacity // self.segment_size - 2),
                 sync="never", direct_writes=False)
 
+    def _staging_as_stored(self) -> None:
+        """A staging area left with other segments (by a killed run, or a process with
+        other settings): removed if unused (it is throw-away), else shared as it is."""
+        stored = _stored_segment_size(self.staging_dir, self._largest)
+        if stored in (None, self.staging_segment_size):
+            return
+        _remove_if_unused(self.staging_dir)
+        if os.path.isdir(self.staging_dir):
+            self.staging_segment_size = stored
+            self.staging_bytes = max(self.staging_bytes, (STAGING_WRITERS + 4) * stored)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = state["_staging"] = None  # each process opens its own
         state["_refused"] = set()
+        state["_open_lock"] = -1  # a descriptor number means nothing in another process
         return state
 
     def __del__(self) -> None:
@@ -424,28 +445,34 @@ class SampleCache:
             self.close()
 
     def close(self) -> None:
-        """Close the stores; remove the staging area if no other process uses it."""
+        """Close the stores; remove the staging area if no other process uses it. A closed
+        cache cannot be used again (its directory may be opened for another listing)."""
+        self._closed = True
         if self._store is None or self._staging is None or self._pid != os.getpid():
             return
         self._store.close()
         self._staging.close()
         self._store = self._staging = None
         _OPEN_CACHES.discard(self)
-        close_file(self._open_lock)
-        try:
-            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
-        except BlockingIOError:
-            pass  # another process still stages samples there
-        finally:
-            close_file(self._users)
+        if self._open_lock >= 0:
+            close_file(self._open_lock)
+            self._open_lock = -1
+        # Forked workers share our descriptor of the users lock, and with it our hold: only
+        # a descriptor of our own, once ours is closed, tells whether any of them still uses
+        # the staging area.
+        close_file(self._users)
+        _remove_if_unused(self.staging_dir)
 
     def close_stores_in_child(self) -> None:
         """At a forked child's exit: close the stores it used (sealing the segments it
-        wrote); the staging area and its users lock stay its parent's."""
+        wrote), and remove the staging area if it was the last process using it (its
+        parent closed the cache first, while persistent workers still ran)."""
         for store in (self._store, self._staging):
             if store is not None and store.opened_here:
                 store.close()
+        if self._store is not None and self._pid == os.getpid():
+            close_file(self._users)
+            _remove_if_unused(self.staging_dir)
 
     def plan_capacity(self, writers: int, early: int = 0) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
