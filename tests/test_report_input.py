@@ -57,6 +57,11 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     (tmp / "inf.trace").write_text(good + _event(dur=1e309) + "\n")
     (tmp / "negative.trace").write_text(good + _event(dur=-5) + "\n")
     (tmp / "span.trace").write_text(good + _event(ts=1e300) + "\n")
+    # three of them summed wrapped round the int64 totals; a negative size was taken
+    big = {"file": "/f", "off": 0, "size": 2**63 - 1, "ret": 1}
+    (tmp / "wrap.trace").write_text(good + _event(args=big) + "\n")
+    minus = {"file": "/f", "off": 0, "size": -5, "ret": 1}
+    (tmp / "minus.trace").write_text(good + _event(args=minus) + "\n")
     os.mkfifo(tmp / "fifo.trace")  # reading it would wait for a writer forever
     return tmp, good.count("\n") + 1
 
@@ -79,6 +84,8 @@ def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("inf.trace", ["inf.trace: line {n}: a 'X' event", "is not a time"]),
     ("negative.trace", ["negative.trace: line {n}: a 'X' event", "negative duration"]),
     ("span.trace", ["span.trace: line {n}: a 'X' event", "is not a time"]),
+    ("wrap.trace", ["wrap.trace: line {n}: a 'X' event", "size 9.22e+18 is not a byte count"]),
+    ("minus.trace", ["minus.trace: line {n}: a 'X' event", "size -5 is not a byte count"]),
 ])
 def test_bad_trace_is_one_line_with_file_and_line(bad: tuple[Path, int], name: str,
                                                   words: list[str]) -> None:

@@ -75,6 +75,7 @@ MAX_BLANK_LINES = 10_000  # in a row: a gzip of 10^8 newlines (100 KB) took minu
 #: Timestamps and durations are microseconds; beyond 2^53 (285 years) a float loses the
 #: microsecond and the time bins of the report would overflow.
 _MAX_US = float(1 << 53)
+_MAX_BYTES = 1 << 62
 
 
 def _open(path: str) -> BinaryIO:
@@ -296,11 +297,16 @@ def _block_columns(path: str, block: Block) -> list[npt.NDArray[np.int64]]:
     times that are times (end not before start)."""
     a = np.frombuffer(block.payload, dtype="<i8").reshape(-1, blocks.FIELDS)
     cols = [a[:, i].astype(np.int64) for i in range(blocks.FIELDS)]
-    code, t0, t1 = cols[0], cols[5], cols[6]
+    code, off, size, ret, t0, t1 = cols[0], cols[2], cols[3], cols[4], cols[5], cols[6]
     if len(code) and ((code < 0).any() or (code >> 32).any() or (t0 < 0).any()
                       or (t1 < t0).any() or int(t1.max()) // 1000 > 1 << 53):
         raise TraceFormatError(f"{path}: byte {block.at}: a binary block with an event code "
                                "or a time out of range; the trace is damaged")
+    if len(code) and ((size < 0).any() or int(size.max()) >= _MAX_BYTES
+                      or (off < -1).any() or int(off.max()) >= _MAX_BYTES
+                      or int(np.abs(ret).max()) >= _MAX_BYTES):
+        raise TraceFormatError(f"{path}: byte {block.at}: a binary block with a size, offset "
+                               "or result out of range; the trace is damaged")
     return cols
 
 
@@ -334,6 +340,15 @@ def _int(value: Any) -> int:
     n = int(value)
     if not -(1 << 63) <= n < 1 << 63:
         raise ValueError(f"{n:.3g} does not fit in 64 bits")
+    return n
+
+
+def _bytes(value: Any, name: str, low: int = 0) -> int:
+    """A size, offset or result: from ``low`` to below 2**62 bytes, so sums of millions
+    of them stay within the int64 columns (three sizes of 2**63 - 1 summed wrapped round)."""
+    n = int(value)
+    if not low <= n < _MAX_BYTES:
+        raise ValueError(f"{name} {n:.3g} is not a byte count from {low} to 2**62")
     return n
 
 
@@ -391,8 +406,8 @@ class _Builder:
                     pid, _int(ev.get("tid", pid)), self.index(self.ops, str(ev["name"])),
                     self.index(self.classes, str(ev.get("cat", "other"))),
                     self.index(self.files, name), _us(ev["ts"]), _dur(ev.get("dur", 0)),
-                    _int(args.get("off", -1)), _int(args.get("size", 0)),
-                    _int(args.get("ret", 0))))
+                    _bytes(args.get("off", -1), "offset", -1), _bytes(args.get("size", 0), "size"),
+                    _bytes(args.get("ret", 0), "result", 1 - _MAX_BYTES)))
             elif ph == "M" and ev.get("name") == "file_name":
                 name = str(args["name"])
                 self.fid_names[(source, pid, _int(args["fid"]))] = name
