@@ -93,8 +93,12 @@ def test_compressed_shards_are_refused() -> None:
      r"shard 0 is not an MDS shard entry"),
     (lambda d: d["shards"][0].update(column_sizes=[float("inf")] * 7),
      r"shard 0 is not an MDS shard entry"),
+    # Regression: int() cut 8.7 to 8 and read True as 1.
+    (lambda d: d["shards"][0].update(samples=3.5), r"shard 0 is not an MDS shard entry"),
+    (lambda d: d["shards"][0].update(column_sizes=[True] * 7),
+     r"shard 0 is not an MDS shard entry"),
 ], ids=["no-shards", "no-raw-data", "wrong-count", "wrong-size", "parent", "absolute",
-        "infinite-size", "infinite-column"])
+        "infinite-size", "infinite-column", "float-count", "bool-size"])
 def test_corrupt_index_is_named(shards: Path, damage: Any, why: str) -> None:
     index = json.loads((shards / "index.json").read_text())
     damage(index)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,9 @@ def test_over_http_coalesced_and_cached(tmp_path: Path, files: dict[str, bytes])
     # int64 with its length slipped past the end-of-file check.
     (f"path,offset,length\na.bin,{2**63},5\n", r"row 2: .*that end before 2\*\*62"),
     (f"path,offset,length\na.bin,{2**63 - 10},20\n", r"row 2: .*that end before 2\*\*62"),
+    # Regression: int() read "1_0" as 10 and Arabic-Indic digits as numbers.
+    ("path,offset,length\na.bin,1_0,5\n", r"row 2: \('a.bin', '1_0', '5'\)"),
+    ("path,offset,length\na.bin,\u0661,5\n", r"row 2:"),
 ])
 def test_bad_tables_are_named(tmp_path: Path, files: dict[str, bytes], body: str,
                               why: str) -> None:
@@ -82,6 +86,17 @@ def test_bad_tables_are_named(tmp_path: Path, files: dict[str, bytes], body: str
     with pytest.raises(CorruptionError, match=why) as info:
         TableSource(str(tmp_path / "data"), "t.csv")
     assert str(tmp_path / "data" / "t.csv") in str(info.value)
+
+
+@pytest.mark.parametrize("row", [{"path": "a.bin", "offset": 1.9, "length": 2.9},
+                                 {"path": "a.bin", "offset": True, "length": True}])
+def test_json_numbers_that_are_not_whole_are_refused(tmp_path: Path, files: dict[str, bytes],
+                                                     row: dict[str, Any]) -> None:
+    """The finding: a JSON table's 1.9 was cut to 1 and true read as 1 (RangeSource given
+    the same refuses them)."""
+    (tmp_path / "data" / "t.json").write_text(json.dumps([row]))
+    with pytest.raises(CorruptionError, match="row 1"):
+        TableSource(str(tmp_path / "data"), "t.json")
 
 
 def test_ranges_beyond_a_file_or_missing_files(tmp_path: Path, files: dict[str, bytes]) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from lcache import jsondoc
 from lcache.data.formats.shards import (
     checked_infos,
+    count,
     make_remote,
     read_json,
     read_offsets,
@@ -81,12 +82,12 @@ def _shards(index: Any, url: str) -> list[dict[str, Any]]:
         try:
             columns = (list(shard["column_names"]), list(shard["column_encodings"]),
                        list(shard["column_sizes"]))
-            basename, size = shard["raw_data"]["basename"], int(shard["raw_data"]["bytes"])
-            count = int(shard["samples"])
+            basename, size = shard["raw_data"]["basename"], count(shard["raw_data"]["bytes"])
+            samples = count(shard["samples"])
             ok = (shard.get("format") == "mds" and isinstance(basename, str) and size >= 0
-                  and count >= 0 and len(set(map(len, columns))) == 1
+                  and samples >= 0 and len(set(map(len, columns))) == 1
                   and all(isinstance(e, str) for e in columns[1])
-                  and all(n is None or int(n) >= 0 for n in columns[2]))
+                  and all(n is None or count(n) >= 0 for n in columns[2]))
         except (KeyError, TypeError, ValueError, OverflowError):  # int(Infinity): Overflow
             ok = False
         if not ok:

@@ -93,6 +93,17 @@ def read_json(remote: Remote, name: str) -> Any:
                                     f"index: {exc}") from None
 
 
+def count(value: Any) -> int:
+    """A count, size or offset an index gives: an integer >= 0, as JSON writes one, or a
+    string of ASCII digits, as a CSV cell holds one (int() would cut 8.7 to 8, take True as
+    1 and read "1_0" or Arabic-Indic digits). Raises ValueError."""
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        return int(value)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r:.40} is not a whole number >= 0")
+    return value
+
+
 def under_url(name: Any, url: str, where: str) -> str:
     """``name`` (a shard or file an index names) if it lies under the source's URL: a
     relative path without ``..``; an index that names ``../x`` or ``/etc/x`` would have lcache

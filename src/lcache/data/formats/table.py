@@ -13,7 +13,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from lcache.data.formats.shards import make_remote, read_json, under_url
+from lcache.data.formats.shards import count, make_remote, read_json, under_url
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.sources import RangeSource
 
@@ -53,7 +53,7 @@ Row = tuple[int, tuple[str, int, int]]
 
 def _row(line: int, path: Any, offset: Any, length: Any, where: str) -> Row:
     try:
-        off, n = int(offset), int(length)
+        off, n = count(offset), count(length)
         ok = isinstance(path, str) and bool(path) and off >= 0 and n > 0 and off + n < 1 << 62
     except (TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity)
         ok = False
