@@ -123,6 +123,25 @@ def test_corrupt_index_truncated_and_unreachable_chunks(chunks: Path) -> None:
             remote.fetch(1)
 
 
+@pytest.mark.parametrize("spec,why", [
+    ([1, {"type": "builtins.list", "context": "null", "children_spec": [{"type": None}]}],
+     "1 leaves for 4 formats"),
+    ([1, json.loads('{"type": "builtins.list", "context": "null", "children_spec": ['
+                    * 400 + '{"type": null}' + "]}" * 400)], "nested too deeply"),
+    ([1, {"type": "builtins.dict", "context": "[\"a\"]",
+          "children_spec": [{"type": None}] * 4}], "a dict without one key per child"),
+])
+def test_a_data_spec_that_cannot_be_its_items_is_refused(chunks: Path, spec: Any,
+                                                          why: str) -> None:
+    """The findings: a spec nested 400 deep was a bare RecursionError; one with fewer leaves
+    than formats dropped leaves, and one with a dict without keys failed only when decoding."""
+    index = json.loads((chunks / "index.json").read_text())
+    index["config"]["data_spec"] = json.dumps(spec)
+    (chunks / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptionError, match=why):
+        LitDataSource(str(chunks))
+
+
 def test_an_item_whose_sizes_do_not_add_up_is_refused(chunks: Path) -> None:
     src = LitDataSource(str(chunks))
     raw = bytearray((chunks / "chunk-0-1.bin").read_bytes())

@@ -21,6 +21,7 @@ import numpy as np
 from lcache import jsondoc
 from lcache.data.formats.shards import (
     checked_infos,
+    count,
     make_remote,
     read_json,
     read_offsets,
@@ -62,7 +63,10 @@ class LitDataSource(RangeSource):
             raise ConfigError(f"{index_url}: item {i} has no bytes in its chunk (items kept "
                               "only in an Arrow footer); lcache reads PyTreeLoader items")
         self.formats: list[str] = list(config["data_format"])
-        self._spec = _spec(config.get("data_spec"), index_url)
+        if not all(isinstance(f, str) for f in self.formats):
+            raise SourceCorruptionError(f"{index_url}: config.data_format is not a list of "
+                                        "format names")
+        self._spec = _spec(config.get("data_spec"), index_url, len(self.formats))
         self._setup(remote, names, infos, file_of, offsets, lengths)
 
     def _split(self, data: bytes | memoryview, where: str) -> list[memoryview]:
@@ -84,8 +88,8 @@ def _index(index: Any, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         chunks, config = index["chunks"], index["config"]
         ok = (isinstance(chunks, list) and chunks and isinstance(config, dict)
               and isinstance(config.get("data_format"), list)
-              and all(isinstance(c["filename"], str) and int(c["chunk_bytes"]) >= 0
-                      and int(c["chunk_size"]) >= 0 for c in chunks))
+              and all(isinstance(c["filename"], str) and count(c["chunk_bytes"]) >= 0
+                      and count(c["chunk_size"]) >= 0 for c in chunks))
     except (KeyError, TypeError, ValueError, OverflowError):  # int(Infinity): Overflow
         ok = False
     if not ok:
@@ -104,19 +108,29 @@ def _index(index: Any, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return chunks, config
 
 
-def _spec(raw: Any, url: str) -> Any:
+MAX_DEPTH = 64  # of an item's tree: litdata items are a few levels deep
+
+
+def _spec(raw: Any, url: str, leaves: int) -> Any:
     """The item's tree from litdata's ``data_spec`` (torch pytree JSON), or None to give
-    the leaves as a list (a tree of types other than dict, list and tuple)."""
+    the leaves as a list (a tree of types other than dict, list and tuple). A plain tree
+    must have one leaf per format, and dicts their keys."""
     if raw is None:
         return None
     try:
         version, node = jsondoc.loads(raw)
-    except (TypeError, ValueError):
-        raise SourceCorruptionError(f"{url}: config.data_spec is not a pytree spec") from None
-    return node if version == 1 and _plain(node) else None
+        plain = version == 1 and _plain(node, 0)
+        if plain and _count_leaves(node) != leaves:
+            raise ValueError(f"{_count_leaves(node)} leaves for {leaves} formats")
+    except (TypeError, ValueError) as exc:
+        raise SourceCorruptionError(f"{url}: config.data_spec is not a pytree spec of "
+                                    f"its items ({exc})") from None
+    return node if plain else None
 
 
-def _plain(node: Any) -> bool:
+def _plain(node: Any, depth: int) -> bool:
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
     if not isinstance(node, dict):
         return False
     kind, children = node.get("type"), node.get("children_spec")
@@ -125,7 +139,18 @@ def _plain(node: Any) -> bool:
     if kind not in ("builtins.dict", "builtins.list", "builtins.tuple",
                     "collections.OrderedDict") or not isinstance(children, list):
         return False
-    return all(_plain(c) for c in children)
+    if kind in ("builtins.dict", "collections.OrderedDict"):
+        keys = jsondoc.loads(str(node.get("context", "")))
+        if not isinstance(keys, list) or len(keys) != len(children) or \
+                not all(isinstance(k, (str, int)) for k in keys):
+            raise ValueError("a dict without one key per child")
+    return all(_plain(c, depth + 1) for c in children)
+
+
+def _count_leaves(node: dict[str, Any]) -> int:
+    if node["type"] is None:
+        return 1
+    return sum(_count_leaves(c) for c in node["children_spec"])
 
 
 def _unflatten(node: dict[str, Any], leaves: Iterator[Any]) -> Any:
