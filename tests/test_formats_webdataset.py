@@ -256,6 +256,21 @@ def test_a_pax_size_that_is_not_a_byte_count_is_named_not_looped_on(size: str) -
         _scan_in_time(_shard_with_pax_size(size))
 
 
+def test_sparse_members_and_dangling_pax_headers_are_refused() -> None:
+    """The findings: a GNU sparse member ('S', which tarfile and so WebDataset read) was
+    skipped, dropping its sample; a pax header before the end-of-archive block was
+    ignored."""
+    sparse = _header("a.txt", 5, b"S") + b"hello".ljust(512, b"\0") + bytes(1024)
+    with pytest.raises(CorruptionError, match=r"'a\.txt' is a GNU sparse file"):
+        _scan_in_time(sparse)
+    record = _pax_record("path", "b.txt")
+    dangling = (_header("a.txt", 5, b"0") + b"hello".ljust(512, b"\0")
+                + _header("././@PaxHeader", len(record), b"x") + record.ljust(512, b"\0")
+                + bytes(1024))
+    with pytest.raises(CorruptionError, match="byte 1024: extended headers of no member"):
+        _scan_in_time(dangling)
+
+
 def test_a_shard_with_a_bad_pax_size_is_named(tmp_path: Path) -> None:
     (tmp_path / "wds").mkdir()
     (tmp_path / "wds" / "s-0.tar").write_bytes(_shard_with_pax_size("abc"))

@@ -119,8 +119,11 @@ def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
                                         f"tar header: {cut}")
         block = read(pos, BLOCK)
         if bytes(block) == _ZERO:
-            if archive:
+            if archive and first is None:
                 return
+            if archive:
+                raise SourceCorruptionError(f"{where(first)}: extended headers of no member "
+                                            "before the end of the archive: corrupt bytes")
             raise SourceCorruptionError(f"{where(pos)}: an end-of-archive block: {cut}")
         name, kind, size = _header(block, partial(where, pos), verify, bad)
         if "size" in pax and kind not in (b"x", b"g", b"L", b"K"):  # the member's own size
@@ -140,6 +143,11 @@ def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
                 first = pos if first is None else first
             pos = nxt
             continue
+        if kind == b"S" or any(k.startswith("GNU.sparse") for k in pax):
+            # tarfile (which WebDataset reads with) rebuilds the holes; a byte range cannot
+            raise SourceCorruptionError(f"{where(pos)}: member {name!r} is a GNU sparse file, "
+                                        "which lcache does not read; write the shard without "
+                                        "sparse members (tar without --sparse)")
         yield Member(pax.get("path") or long_name or name, kind,
                      pos if first is None else first, data, size, nxt)
         first, long_name, pax = None, None, {}
