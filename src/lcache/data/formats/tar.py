@@ -119,11 +119,11 @@ def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
                                         f"tar header: {cut}")
         block = read(pos, BLOCK)
         if bytes(block) == _ZERO:
-            if archive and first is None:
-                return
-            if archive:
+            if archive and first is not None:
                 raise SourceCorruptionError(f"{where(first)}: extended headers of no member "
                                             "before the end of the archive: corrupt bytes")
+            if archive:
+                return
             raise SourceCorruptionError(f"{where(pos)}: an end-of-archive block: {cut}")
         name, kind, size = _header(block, partial(where, pos), verify, bad)
         if "size" in pax and kind not in (b"x", b"g", b"L", b"K"):  # the member's own size
