@@ -76,6 +76,7 @@ MAX_BLANK_LINES = 10_000  # in a row: a gzip of 10^8 newlines (100 KB) took minu
 #: microsecond and the time bins of the report would overflow.
 _MAX_US = float(1 << 53)
 _MAX_BYTES = 1 << 62
+MAX_CLASSES = 24  # shown apart in a report; the rest are one
 
 
 def _open(path: str) -> BinaryIO:
@@ -549,7 +550,24 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         file_where=[b.where.get(name, {}) for name in b.files],
         paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored)
     _cache_in_memory_apart(trace)
+    _fold_rare_classes(trace)
     return trace
+
+
+def _fold_rare_classes(trace: Trace) -> None:
+    """Past ``MAX_CLASSES`` classes (lcache records about ten; a trace's are free text),
+    those that moved the fewest bytes become one, ``other (N classes)``: every plot has a
+    line and a legend entry per class, and 1,000 classes took 35 s to draw."""
+    n = len(trace.classes)
+    if n <= MAX_CLASSES:
+        return
+    moved = np.bincount(trace.cls, weights=np.maximum(trace.size, 0), minlength=n)
+    ops = np.bincount(trace.cls, minlength=n)
+    keep = sorted(int(i) for i in np.lexsort((-ops, -moved))[:MAX_CLASSES - 1])
+    remap = np.full(n, len(keep), np.int32)
+    remap[keep] = np.arange(len(keep), dtype=np.int32)
+    trace.classes = [trace.classes[i] for i in keep] + [f"other ({n - len(keep)} classes)"]
+    trace.cls = remap[trace.cls]
 
 
 def _printable(name: str) -> str:
