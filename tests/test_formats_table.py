@@ -118,3 +118,17 @@ def test_a_csv_table_saved_with_a_bom_is_read(tmp_path: Path, files: dict[str, b
     lines = ["path,offset,length"] + [f"{p},{o},{n}" for p, o, n in ROWS]
     (tmp_path / "data" / "t.csv").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
     assert TableSource(str(tmp_path / "data"), "t.csv").fetch_many(range(4)) == _want(files)
+
+
+def test_a_row_naming_a_folder_or_a_block_of_zero_is_refused(tmp_path: Path,
+                                                              files: dict[str, bytes]) -> None:
+    """The findings: a table row naming a folder passed (a folder stats as 4,096 bytes) and
+    failed only at the first fetch; WebDatasetSource(index_block=0) was taken."""
+    from lcache.data.formats import WebDatasetSource
+
+    (tmp_path / "data" / "t.csv").write_text("path,offset,length\nsub,0,100\n")
+    with pytest.raises(ConfigError, match="'sub' under .* is a folder"):
+        TableSource(str(tmp_path / "data"), "t.csv")
+    for block in (0, -1, 1.5):
+        with pytest.raises(ConfigError, match="index_block="):
+            WebDatasetSource(str(tmp_path / "data"), index_block=block)

@@ -313,6 +313,11 @@ class RangeSource:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         _check_table(self.url, self.offsets, self.lengths)
         self._paths = [remote.path(f) for f in self._files]
+        folders = [f for f, info in zip(self._files, infos, strict=True)
+                   if info.get("type") == "directory"]
+        if folders:
+            raise ConfigError(f"{folders[0]!r} under {self.url} is a folder, not a file whose "
+                              "byte ranges are samples")
         file_sizes = np.array([int(info.get("size") or 0) for info in infos], np.int64)
         ends = self.offsets + self.lengths
         beyond = np.flatnonzero(ends > file_sizes[self._file_of])

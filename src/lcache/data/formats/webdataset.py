@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from lcache.checks import whole_number
 from lcache.data.formats import tar
 from lcache.data.formats.kept import KeptIndex
 from lcache.data.formats.shards import checked_infos, make_remote, shard_names
@@ -113,6 +114,7 @@ class WebDatasetSource(RangeSource):
                  storage_options: dict[str, Any] | None = None,
                  progress: bool | None = None, index_block: int = 4 << 20,
                  **fetch_options: Any) -> None:
+        index_block = whole_number(index_block, "index_block", tar.BLOCK, 1 << 30)
         remote = make_remote(url, storage_options, fetch_options)
         names = shard_names(remote, shards, ".tar", progress)
         infos = checked_infos(remote, names, None, "shard")
