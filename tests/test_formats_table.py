@@ -127,7 +127,7 @@ def test_a_row_naming_a_folder_or_a_block_of_zero_is_refused(tmp_path: Path,
     from lcache.data.formats import WebDatasetSource
 
     (tmp_path / "data" / "t.csv").write_text("path,offset,length\nsub,0,100\n")
-    with pytest.raises(ConfigError, match="'sub' under .* is a folder"):
+    with pytest.raises(ConfigError, match=r"'sub' under .* is a folder"):
         TableSource(str(tmp_path / "data"), "t.csv")
     for block in (0, -1, 1.5):
         with pytest.raises(ConfigError, match="index_block="):
