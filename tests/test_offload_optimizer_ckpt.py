@@ -264,3 +264,37 @@ def test_a_closed_optimizer_and_zero_size_parameters(tmp_path: Path) -> None:
                  opt.step):
         with pytest.raises(ConfigError, match="closed"):
             call()
+
+
+def test_bf16_resume_as_the_docs_show_is_bit_exact(tmp_path: Path) -> None:
+    """The finding: loading the model's weights after the optimizer (docs/offload.md's
+    resume) bumped their version counters, and the next step took the bf16 weights for the
+    fp32 masters: 1,004 of 4,096 weights off after 3 more steps."""
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(64, 64).bfloat16()
+
+    def run(model: torch.nn.Module, opt: OffloadedOptimizer, steps: range) -> None:
+        for s in steps:
+            torch.manual_seed(1000 + s)
+            model(torch.randn(8, 64).bfloat16()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    whole = fresh()
+    with OffloadedOptimizer(whole.named_parameters(), lr=1e-3, dir=tmp_path / "a",
+                            **SMALL) as opt:
+        run(whole, opt, range(6))
+    first = fresh()
+    with OffloadedOptimizer(first.named_parameters(), lr=1e-3, dir=tmp_path / "b",
+                            **SMALL) as opt:
+        run(first, opt, range(3))
+        checkpoint.save({"model": first.state_dict(), "optimizer": opt}, tmp_path / "ck")
+    resumed = fresh()
+    with OffloadedOptimizer(resumed.named_parameters(), lr=1e-3, dir=tmp_path / "c",
+                            **SMALL) as opt:
+        state = checkpoint.load(tmp_path / "ck",
+                                like={"model": resumed.state_dict(), "optimizer": opt})
+        resumed.load_state_dict(state["model"])
+        run(resumed, opt, range(3, 6))
+    assert same(whole, resumed)

@@ -397,18 +397,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._io(self._swap.read(self._offset(sg, slot), view), sg.nbytes, write=False)
             for piece in sg.pieces:
                 if piece.param in changed:
-                    self._take_written(piece, self._f32(buf, piece.at, piece.numel), True)
+                    self._take_written(piece, self._f32(buf, piece.at, piece.numel))
             self._pins.wait_free(sg.index, 1 - slot)
             self._io(self._swap.write(self._offset(sg, 1 - slot), view), sg.nbytes,
                      write=True)
             self._slot_of[sg.index] = 1 - slot
         self._versions = self._param_versions()
 
-    def _take_written(self, piece: Any, master: Any, always: bool = False) -> None:
-        """Set ``master`` (fp32, on the host) to ``piece``'s parameter if it was written
-        since (``always``, or it is no longer ``master``'s rounding)."""
+    def _take_written(self, piece: Any, master: Any) -> None:
+        """Set ``master`` (fp32, on the host) to ``piece``'s parameter if that is no longer
+        ``master``'s rounding: written since. A bf16 parameter written with the value it
+        had (a model reloaded from the checkpoint the optimizer was resumed from, a
+        broadcast of the same weights) keeps its fp32 master, or resume was not bit-exact."""
         current = self._flat(self._params[piece.param])[piece.start : piece.stop]
-        if always or not torch.equal(current, master.to(current.device, current.dtype)):
+        if not torch.equal(current, master.to(current.device, current.dtype)):
             master.copy_(current)
 
     # --- helpers -------------------------------------------------------------------------
