@@ -298,3 +298,29 @@ def test_bf16_resume_as_the_docs_show_is_bit_exact(tmp_path: Path) -> None:
         resumed.load_state_dict(state["model"])
         run(resumed, opt, range(3, 6))
     assert same(whole, resumed)
+
+
+def test_an_optimizer_in_a_tuple_is_restored_and_one_with_no_place_is_refused(
+        tmp_path: Path) -> None:
+    """The finding: ``like=(weights, opt)`` (or a list for a saved tuple) left the optimizer
+    fresh and returned a plain dict in its place, without a word."""
+    from lcache.checkpoint import StateMismatchError
+
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=1e-2, dir=tmp_path / "a",
+                            **SMALL) as opt:
+        train(model, opt, range(3))
+        checkpoint.save((model.state_dict(), opt), tmp_path / "ck")
+    for shape in (tuple, list):
+        fresh = make_model(seed=7)
+        with OffloadedOptimizer(fresh.named_parameters(), lr=1e-2, dir=tmp_path / "b",
+                                **SMALL) as again:
+            state = checkpoint.load(tmp_path / "ck", like=shape((fresh.state_dict(), again)))
+            assert state[1] is again and isinstance(state, tuple)
+            fresh.load_state_dict(state[0])
+            train(fresh, again, range(3, 6))
+        assert same(fresh, reference(6))
+    with OffloadedOptimizer(make_model().named_parameters(), lr=1e-2, dir=tmp_path / "c",
+                            **SMALL) as other:
+        with pytest.raises(StateMismatchError, match="at /x, where the checkpoint holds none"):
+            checkpoint.load(tmp_path / "ck", like={"x": other})

@@ -166,6 +166,12 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
     targets: list[tuple[tuple[Any, ...], Any, Any]] = []
     if like is not None:
         _find_targets(tree, like, (), targets)
+        lost = set(_restorers(like)) - {key for key, _, _ in targets}
+        if lost:  # it would keep its state and report nothing
+            raise StateMismatchError(
+                "like= holds an object that restores itself (an offloaded optimizer) at "
+                + ", ".join("/" + "/".join(map(str, k)) for k in sorted(lost, key=str))
+                + ", where the checkpoint holds none")
     if into:
         if targets:
             raise ConfigError("load(into=True) cannot fill an offloaded optimizer in like=; "
@@ -225,7 +231,7 @@ def _find_targets(node: Any, like: Any, key: tuple[Any, ...],
             name = k.get("int") if isinstance(k, dict) else k
             if isinstance(name, (str, int)) and name in like:
                 _find_targets(v, like[name], (*key, name), out)
-    elif isinstance(like, list) and node.get("t") == "list":
+    elif isinstance(like, (list, tuple)) and node.get("t") in ("list", "tuple"):
         for i, (v, w) in enumerate(zip(node["v"], like, strict=False)):
             _find_targets(v, w, (*key, i), out)
 
@@ -273,14 +279,27 @@ def _stored(data_path: str, file_bytes: int, ref: ArrayRef, verify: bool) -> Sto
 
 
 def _restore_at(state: Any, key: tuple[Any, ...], target: Any) -> Any:
-    """Hand the loaded subtree at ``key`` to ``target``; it takes that place in the state."""
+    """Hand the loaded subtree at ``key`` to ``target``; it takes that place in the state
+    (a tuple on the way is rebuilt)."""
     if not key:
         return target.__lcache_restore__(state)
-    parent = state
-    for k in key[:-1]:
-        parent = parent[k]
-    parent[key[-1]] = target.__lcache_restore__(parent[key[-1]])
+    child = _restore_at(state[key[0]], key[1:], target)
+    if isinstance(state, tuple):
+        return type(state)((*state[:key[0]], child, *state[key[0] + 1:]))
+    state[key[0]] = child
     return state
+
+
+def _restorers(like: Any, key: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The key paths of the objects in ``like`` that restore themselves."""
+    if _restores(like):
+        yield key
+    elif isinstance(like, dict):
+        for k, v in like.items():
+            yield from _restorers(v, (*key, k))
+    elif isinstance(like, (list, tuple)):
+        for i, v in enumerate(like):
+            yield from _restorers(v, (*key, i))
 
 
 class _ChunkHasher:
