@@ -321,6 +321,6 @@ def test_an_optimizer_in_a_tuple_is_restored_and_one_with_no_place_is_refused(
             train(fresh, again, range(3, 6))
         assert same(fresh, reference(6))
     with OffloadedOptimizer(make_model().named_parameters(), lr=1e-2, dir=tmp_path / "c",
-                            **SMALL) as other:
-        with pytest.raises(StateMismatchError, match="at /x, where the checkpoint holds none"):
-            checkpoint.load(tmp_path / "ck", like={"x": other})
+                            **SMALL) as other, \
+            pytest.raises(StateMismatchError, match="at /x, where the checkpoint holds none"):
+        checkpoint.load(tmp_path / "ck", like={"x": other})
