@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import shutil
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -698,6 +699,49 @@ def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:
         if sum(granted) != 1 or errors:
             problems.append((trial, sum(granted), errors))
     assert not problems, problems[:3]
+
+
+def test_claims_of_two_processes_each_with_a_holder_and_a_waiter(tmp_path: Path) -> None:
+    """The finding: in each of two processes one thread holds a claim (a prefetcher) while
+    another waits on the one the other process holds (a reader). The kernel owns lockf
+    locks by process and called that a deadlock (EDEADLK), a traceback in training, though
+    neither holder waited; each waiter gets its claim once the other's holder lets go."""
+    path = str(tmp_path / "claims")
+
+    def side(mine: int, theirs: int, late: float) -> str:
+        claims = FetchClaims(path)
+        held = threading.Event()
+
+        def holder() -> None:
+            with claims.hold_many([mine], blocking=False) as got:
+                held.set()
+                assert got == [mine]
+                time.sleep(1.0)
+
+        t = threading.Thread(target=holder)
+        t.start()
+        held.wait()
+        time.sleep(0.3 + late)
+        try:
+            with claims.hold_many([theirs]):
+                return "got"
+        except OSError as exc:
+            return f"error {exc}"
+        finally:
+            t.join()
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, side(2, 1, 0.0).encode())
+        os._exit(0)
+    os.close(write)
+    mine = side(1, 2, 0.2)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        theirs = pipe.read().decode()
+    assert (mine, theirs) == ("got", "got")
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

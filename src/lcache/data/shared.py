@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -98,8 +100,7 @@ class FetchClaims:
         try:
             if lock.acquire(blocking):
                 try:
-                    fcntl.lockf(self._fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB),
-                                1, key, os.SEEK_SET)
+                    self._lock_byte(key, blocking)
                     got = True
                 except BlockingIOError:
                     pass
@@ -110,6 +111,21 @@ class FetchClaims:
             if not got:
                 self._unref(key, entry)
         return got
+
+    def _lock_byte(self, key: int, blocking: bool) -> None:
+        """The process-wide lock on byte ``key``. The kernel owns lockf locks by process:
+        one thread waiting on a key another process holds, while another of our threads
+        holds a key that process's waiter wants, looks like a deadlock to it (EDEADLK),
+        though neither holder waits. It is not one: wait and ask again."""
+        flags = fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.lockf(self._fd, flags, 1, key, os.SEEK_SET)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EDEADLK:
+                    raise
+            time.sleep(0.005)
 
     def _release(self, key: int) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, key, os.SEEK_SET)
