@@ -396,5 +396,8 @@ def test_a_link_into_the_cache_directory_is_not_walked(tmp_path: Path) -> None:
     ds.cache.close()
     os.symlink(cache, data / "zz-cache")
     os.symlink(cache / "store", data / "zz-store")
+    below = [p for p in (cache / "store").iterdir() if p.is_dir()]
+    assert below  # the store's own folders: the finding linked to one of them
+    os.symlink(below[0], data / "zz-below")
     again = CachedDataset(str(data), cache, "16MiB")
     assert [os.path.basename(p) for p in again.cache.source.paths] == ["a", "b"]

@@ -19,6 +19,7 @@ it was made, so the cache's check of rewritten samples (``listing.bin``) cannot 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -255,14 +256,13 @@ def _find_local(remote: Remote, root: str, progress: Progress,
 
 
 def _folder_ids(path: str) -> set[tuple[int, int]]:
-    """``(st_dev, st_ino)`` of folder ``path`` and the folders directly in it."""
+    """``(st_dev, st_ino)`` of folder ``path`` and every folder in it (a cache directory
+    holds a few)."""
     ids = set()
-    try:
-        for where in [path, *(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))]:
+    for where, _, _ in os.walk(path):  # not into links; a folder it cannot read: skipped
+        with contextlib.suppress(OSError):
             st = os.stat(where)
             ids.add((st.st_dev, st.st_ino))
-    except OSError:
-        pass  # not made yet
     return ids
 
 
