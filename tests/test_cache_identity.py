@@ -446,3 +446,26 @@ def test_json_nested_too_deeply_reads_as_damaged(tmp_path: Path, victim: str,
     (cache / victim).write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
     again = CachedDataset(str(data), cache, CAPACITY)
     assert again[3] == files[3]
+
+
+def test_samples_appended_while_open_keep_the_id_and_say_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The findings: a file appended by another open gave the directory a new id, and a
+    job's spawned workers, started after it, were refused ('opened for another listing');
+    and ranks that listed before and after the append used different sample counts (an
+    epoch read some samples twice and others never), without a word."""
+    from torch.utils.data import DataLoader
+
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 10)
+    job = CachedDataset(str(data), cache, CAPACITY)
+    (data / "s9999.bin").write_bytes(b"late")
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        later = CachedDataset(str(data), cache, CAPACITY)
+    assert later.cache.cache_id == job.cache.cache_id and len(later) == 11
+    assert any("1 samples were appended to the listing" in r.getMessage() and
+               "open elsewhere with 10" in r.getMessage() for r in caplog.records)
+    loader = DataLoader(job, batch_size=5, num_workers=1, multiprocessing_context="spawn",
+                        collate_fn=_identity)
+    assert [x for batch in loader for x in batch] == files
+    assert later[10] == b"late"

@@ -113,6 +113,15 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
     return Identity(doc, listing)
 
 
+def _alone(users: int) -> bool:
+    """Whether no other handle holds ``DIR/users.lock`` (left held exclusive if so)."""
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 def _digest(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -180,8 +189,11 @@ class DirectoryIdentity:
                 changed, known = self._changed(ident.listing, stored) if check_listing else \
                     (np.zeros(0, np.int64), 0)
                 # A new id when samples change: the staging area (named by the id) of an
-                # earlier run may still hold their old bytes.
-                cache_id = os.urandom(8).hex() if len(changed) else str(stored["id"])
+                # earlier run may still hold their old bytes. Not for samples appended: no
+                # sample of that id had their numbers (workers of open handles re-join it).
+                appended = bool(len(changed)) and bool((changed >= known).all())
+                cache_id = os.urandom(8).hex() if len(changed) and not appended \
+                    else str(stored["id"])
                 opened = Opened(cache_id, False, changed)
             users = open_owned(os.path.join(self.cache_dir, "users.lock"),
                                os.O_RDWR | os.O_CREAT)
@@ -189,6 +201,12 @@ class DirectoryIdentity:
             # them. Any other change is not.
             if opened.reset or (opened.changed < known).any():
                 self._refuse_if_open(users, stored, ident.doc, len(opened.changed))
+            elif len(opened.changed) and not _alone(users):
+                log.warning("lcache: %d samples were appended to the listing of %s while it "
+                            "is open elsewhere with %d; what opened it before does not see "
+                            "them, so the ranks of one job must see one listing (a launcher's "
+                            "ranks share it: docs/cache.md)", len(opened.changed),
+                            ident.doc.get("source"), known)
             fcntl.flock(users, fcntl.LOCK_SH)
             opened.users = users
             yield opened
