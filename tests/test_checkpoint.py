@@ -455,7 +455,7 @@ def test_load_into_checks_before_writing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("dest", "why"), [
     (5, "a: like= holds int, not a tensor"),
-    (torch.zeros(1).expand(4), "a: like= holds an expanded tensor"),
+    (torch.zeros(1).expand(4), "a: like= holds an array whose elements share memory"),
 ], ids=["int", "expanded"])
 def test_load_into_a_destination_that_cannot_take_the_array_writes_nothing(
         tmp_path: Path, dest: Any, why: str) -> None:
@@ -465,6 +465,20 @@ def test_load_into_a_destination_that_cannot_take_the_array_writes_nothing(
     with pytest.raises(ck.StateMismatchError, match=why):
         ck.load(tmp_path / "c" / "s", like=like, into=True)
     assert not like["b"].any()
+
+
+def test_load_into_arrays_strided_over_themselves_writes_nothing(tmp_path: Path) -> None:
+    """The finding: a tensor as_strided over itself, or a writable numpy array with a zero
+    stride, took the load and held other values than were saved, reported as a success."""
+    ck.save({"t": torch.arange(9.0).view(3, 3), "n": np.arange(4.0)}, tmp_path / "c" / "s")
+    over = torch.zeros(5).as_strided((3, 3), (1, 1))
+    flat = np.lib.stride_tricks.as_strided(np.zeros(1), (4,), (0,), writeable=True)
+    for like in ({"t": over, "n": np.zeros(4)}, {"t": torch.zeros(3, 3), "n": flat}):
+        with pytest.raises(ck.StateMismatchError, match="elements share memory"):
+            ck.load(tmp_path / "c" / "s", like=like, into=True)
+    out = ck.load(tmp_path / "c" / "s", like={"t": torch.zeros(3, 3).t(), "n": np.zeros(4)},
+                  into=True)  # a transposed tensor is its own
+    assert out["t"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
 def test_load_into_a_read_only_array_returns_a_new_one(tmp_path: Path) -> None:

@@ -61,12 +61,29 @@ def _unfit(ref: ArrayRef, dest: Any) -> str:
 
         if not isinstance(dest, torch.Tensor):
             return f"{ref.key}: like= holds {type(dest).__name__}, not a tensor"
-        if any(st == 0 and n > 1 for st, n in zip(dest.stride(), dest.shape, strict=True)):
-            return (f"{ref.key}: like= holds an expanded tensor (its elements share memory); "
-                    "give a tensor of its own")
+        strides = dest.stride()
     elif ref.kind == "numpy" and not isinstance(dest, np.ndarray):
         return f"{ref.key}: like= holds {type(dest).__name__}, not a numpy array"
+    else:
+        strides = tuple(st // max(1, dest.itemsize) for st in dest.strides)
+    if _may_overlap(tuple(dest.shape), strides):
+        return (f"{ref.key}: like= holds an array whose elements share memory (expanded, "
+                "or strided over itself); give one of its own")
     return ""
+
+
+def _may_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a strided array may be one place in memory: taken from the
+    smallest stride up, each dimension must step past all the elements of the ones below
+    (a zero stride, as_strided((3, 3), (1, 1)), fails). Conservative: an interleaving
+    that happens not to collide is refused too."""
+    extent = 1
+    for n, st in sorted(((n, abs(st)) for n, st in zip(shape, strides, strict=True)
+                         if n > 1), key=lambda d: d[1]):
+        if st < extent:
+            return True
+        extent += (n - 1) * st
+    return False
 
 
 class _Target:
