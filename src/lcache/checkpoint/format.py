@@ -229,6 +229,11 @@ def encode_tree(value: Any, arrays: list[ArrayRef], path: str = "", depth: int =
         arrays.append(_torch_ref(value, where))
         return {"t": "array", "i": len(arrays) - 1}
     if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray and not isinstance(value, np.memmap):
+            # a masked array would lose its mask, np.matrix its operators
+            raise UnsupportedValueError(
+                f"{where}: a {type(value).__name__} would come back as a plain ndarray; save "
+                "np.asarray(x) (and, for a masked array, np.ma.getmaskarray(x))")
         arrays.append(_numpy_ref(value, where, "numpy"))
         return {"t": "array", "i": len(arrays) - 1}
     if isinstance(value, np.generic):
