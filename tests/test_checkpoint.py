@@ -559,3 +559,26 @@ def test_an_upload_target_that_cannot_be_written_is_named(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"cannot upload to http://127\.0\.0\.1:9/bucket"):
         saver.save({"w": torch.zeros(2)}, tmp_path / "s1")
     assert ck.load(tmp_path / "s1")["w"].tolist() == [0.0, 0.0]  # published here anyway
+
+
+def test_a_second_process_saving_the_same_name_is_refused(tmp_path: Path) -> None:
+    """The finding: two processes without a process group (each rank 0 of 1) saving one
+    name shared its staging folder: the published checkpoint lacked its manifest or its
+    data, or held the other process's values, and the loser got a bare FileNotFoundError.
+    Here the other save is a process that holds the staging folder as a save does."""
+    root = tmp_path / "c"
+    code = ("import sys, time\nfrom lcache.checkpoint import dirs\n"
+            "dirs.ensure_root(sys.argv[1])\n"
+            "dirs.open_staging(sys.argv[1], 'step-1', alone=True)\n"
+            "print('holding', flush=True)\nsys.stdin.read()\n")
+    other = subprocess.Popen([sys.executable, "-c", code, str(root)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "holding\n"
+        with pytest.raises(ck.CheckpointExistsError, match="another save of a checkpoint"):
+            ck.save({"w": np.ones(4)}, root / "step-1")
+    finally:
+        other.kill()
+        other.wait()
+    ck.save({"w": np.ones(4)}, root / "step-1")  # its lock ends with it
+    assert ck.load(root / "step-1")["w"].tolist() == [1.0] * 4

@@ -327,7 +327,7 @@ class Checkpointer:
             dirs.ensure_root(root)
             if rank == 0:
                 dirs.clean_leftovers(root, keep=dirs.staging_dir(root, name))
-            handle._stage, handle._lock_fd = dirs.open_staging(root, name)
+            handle._stage, handle._lock_fd = dirs.open_staging(root, name, alone=world == 1)
             snap = take_snapshot(state, self._buffer)
             handle.state = CkptState.PERSISTING
         except BaseException as exc:

@@ -83,10 +83,16 @@ def is_complete(path: str) -> bool:
     return os.path.lexists(os.path.join(path, MANIFEST))
 
 
-def open_staging(root: str, name: str) -> tuple[str, int]:
-    """Create (or reuse) the staging directory and hold a shared ``flock`` on it.
+def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
+    """Create (or reuse) the staging directory and hold a ``flock`` on it: shared by the
+    ranks of one save; exclusive for a save of one process (``alone``), so that two of them
+    (scripts started without a process group are each rank 0 of 1) never write one file and
+    publish each other's halves.
 
     Returns (staging path, locked directory fd); close the fd when the save is over.
+
+    Raises:
+        CheckpointExistsError: ``alone``, and another save of that name is running.
     """
     if is_complete(os.path.join(root, name)):
         raise CheckpointExistsError(f"a checkpoint named {name!r} already exists in {root}; "
@@ -103,7 +109,14 @@ def open_staging(root: str, name: str) -> tuple[str, int]:
     for _ in range(10):
         os.makedirs(stage, mode=0o700, exist_ok=True)
         fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if alone else fcntl.LOCK_SH)
+        except BlockingIOError:
+            close_file(fd)
+            raise CheckpointExistsError(
+                f"another save of a checkpoint named {name!r} into {root} is running; "
+                "checkpoints are never overwritten: pick a new name (e.g. with the step "
+                "number)") from None
         try:
             if os.path.samestat(os.fstat(fd), os.stat(stage)):
                 return stage, fd
