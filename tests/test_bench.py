@@ -508,6 +508,19 @@ def test_from_model_plan_keeps_each_class_bandwidth() -> None:
     assert capped.classes["optimizer-offload"]["capped"]
 
 
+def test_from_model_never_scales_bytes_up() -> None:
+    """The finding: a --duration longer than one real checkpoint interval scaled bytes up
+    (bert-large at one step per checkpoint: a 4.7 GB checkpoint emulated as 1.6 TB)."""
+    from lcache.bench.from_model import plan
+    from lcache.model import config_from_preset, predict
+
+    pred = predict(config_from_preset("bert-large", checkpoint_interval_steps=1)).to_dict()
+    real = pred["checkpoint_interval_steps"] * pred["step_time_s"]
+    p = plan(pred, duration=real * 300, steps=10)
+    assert p.scale == 1.0 and p.duration == pytest.approx(real)
+    assert p.workload.model_size == int(pred["checkpoint_bytes_per_node"])
+
+
 def test_run_adds_the_models_offload_traffic(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "w.yaml", small(tmp_path, train={"epochs": 1}))
     res = CliRunner().invoke(cli, ["bench", "run", str(path), "--json",

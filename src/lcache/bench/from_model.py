@@ -27,6 +27,7 @@ from lcache.bench.run import BenchOptions, run_workload
 from lcache.bench.traffic import StepIO
 from lcache.checks import launch_rank_world
 from lcache.errors import ConfigError
+from lcache.store import format_size
 
 _STEP_CLASSES = ("data-read", "optimizer-offload", "activation-offload")
 
@@ -41,6 +42,7 @@ class Plan:
     scale: float
     steps: int
     classes: dict[str, dict[str, Any]]
+    duration: float  # seconds the emulated interval takes: at most the real one
 
 
 def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: int = 1,
@@ -65,6 +67,10 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
     step_s = float(prediction["step_time_s"])
     interval = int(prediction.get("checkpoint_interval_steps") or steps)
     steps = min(steps, max(3, interval))
+    # Time and bytes shrink together; an emulation longer than the real interval would
+    # grow them instead (a 4.7 GB checkpoint emulated as 1.6 TB at 335x), so it is the
+    # real interval at most.
+    duration = min(duration, interval * step_s)
     scale = duration / (interval * step_s)
     real_per_emulated = interval / steps
     classes: dict[str, dict[str, Any]] = {}
@@ -103,7 +109,7 @@ def plan(prediction: dict[str, Any], duration: float, steps: int = 20, world: in
                  file_shuffle="seed", sample_shuffle="seed", au=0.90)
     io = [StepIO("offload", *per_rank[c]) for c in ("optimizer-offload", "activation-offload")
           if c in per_rank]
-    return Plan(w, io, prediction, scale, steps, classes)
+    return Plan(w, io, prediction, scale, steps, classes, duration)
 
 
 def offload_step_io(prediction: dict[str, Any], step_s: float, world: int = 1,
@@ -166,10 +172,11 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
     projected = ck_node / (rate * 2**30) if rate else None
     capped = [c for c, v in p.classes.items() if v.get("capped")]
     info = {
-        "preset": preset, "overrides": overrides, "duration_s": duration,
-        "scale": p.scale, "steps": p.steps, "steps_asked": steps,
+        "preset": preset, "overrides": overrides, "duration_s": p.duration,
+        "duration_asked_s": duration, "scale": p.scale, "steps": p.steps,
+        "steps_asked": steps,
         "step_time_s": pred["step_time_s"],
-        "emulated_step_s": duration / p.steps,
+        "emulated_step_s": p.duration / p.steps,
         "checkpoint_interval_steps": pred.get("checkpoint_interval_steps"),
         "classes": p.classes, "capped": capped,
         "projected_checkpoint_write_s_per_node": projected,
@@ -179,7 +186,7 @@ def run_from_model(preset: str, duration: float, *, steps: int = 20, data_dir: s
         verdict = summary.get("verdict", "")
         if capped:
             verdict = (f"NOT MET: {', '.join(capped)} asks more than --max-step-bytes "
-                       f"({max_step_bytes / 2**30:.2f} GiB) per emulated step, so the run moved "
+                       f"({format_size(max_step_bytes)}) per emulated step, so the run moved "
                        "less than the model needs and its AU flatters the storage; " + verdict)
         interval_s = pred.get("checkpoint_interval_s")
         if projected is not None:

@@ -203,8 +203,13 @@ def from_model_cmd(preset: str, duration: float, steps: int, directory: str,
         console.print(f"note: one checkpoint interval of {preset} is "
                       f"{info['checkpoint_interval_steps']} real steps; --steps {steps} "
                       f"emulates {info['steps']} (one per real step at most)")
+    if info["duration_s"] < duration:
+        console.print(f"note: one checkpoint interval of {preset} takes "
+                      f"{info['duration_s']:.3g} s; --duration {duration:g} emulates that "
+                      "(bytes and time are never scaled up)")
     table = Table(title=f"{preset}: one checkpoint interval scaled by {info['scale']:.3g} into "
-                  f"{duration:g} s ({info['steps']} steps of {info['emulated_step_s']:.3f} s)")
+                  f"{info['duration_s']:.3g} s ({info['steps']} steps of "
+                  f"{info['emulated_step_s']:.3f} s)")
     table.add_column("class")
     table.add_column("needs per node at full scale", justify="right")
     table.add_column("moved per emulated step", justify="right")
