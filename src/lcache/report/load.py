@@ -298,17 +298,21 @@ def _block_columns(path: str, block: Block) -> list[npt.NDArray[np.int64]]:
     times that are times (end not before start)."""
     a = np.frombuffer(block.payload, dtype="<i8").reshape(-1, blocks.FIELDS)
     cols = [a[:, i].astype(np.int64) for i in range(blocks.FIELDS)]
-    code, off, size, ret, t0, t1 = cols[0], cols[2], cols[3], cols[4], cols[5], cols[6]
+    code, t0, t1 = cols[0], cols[5], cols[6]
     if len(code) and ((code < 0).any() or (code >> 32).any() or (t0 < 0).any()
                       or (t1 < t0).any() or int(t1.max()) // 1000 > 1 << 53):
         raise TraceFormatError(f"{path}: byte {block.at}: a binary block with an event code "
                                "or a time out of range; the trace is damaged")
-    if len(code) and ((size < 0).any() or int(size.max()) >= _MAX_BYTES
-                      or (off < -1).any() or int(off.max()) >= _MAX_BYTES
-                      or int(np.abs(ret).max()) >= _MAX_BYTES):
-        raise TraceFormatError(f"{path}: byte {block.at}: a binary block with a size, offset "
-                               "or result out of range; the trace is damaged")
     return cols
+
+
+def _check_bytes(path: str, block: Block, off: Any, size: Any, ret: Any) -> None:
+    """What ``_bytes`` checks of a JSON event, for a block's columns that a report sums."""
+    if len(size) and ((size < 0).any() or int(size.max()) >= _MAX_BYTES
+                      or (off < -1).any() or int(off.max()) >= _MAX_BYTES
+                      or (ret <= -_MAX_BYTES).any() or (ret >= _MAX_BYTES).any()):
+        raise TraceFormatError(f"{path}: byte {block.at}: a binary block with a size, offset "
+                               "or result that is not a byte count below 2**62")
 
 
 def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | None:
@@ -450,6 +454,7 @@ class _Builder:
     def add_events(self, source: int, path: str, block: Block) -> None:
         """A binary block's events, as columns (no Python object per event)."""
         code, fid, off, size, ret, t0, t1 = _block_columns(path, block)
+        _check_bytes(path, block, off, size, ret)
         n = len(code)
         self.events += n
         if not n:
