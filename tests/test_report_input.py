@@ -207,3 +207,14 @@ def test_classes_past_the_first_two_dozen_are_one(tmp_path: Path) -> None:
     assert len(classes) == 24 and "other (178 classes)" in classes, sorted(classes)
     assert "c199" in classes and "c000" not in classes  # the most bytes are kept apart
     assert sum(c["ops"] for c in classes.values()) == 205
+
+
+def test_a_recorded_size_past_2_62_is_refused_by_a_report(tmp_path: Path) -> None:
+    """Binary blocks too: a size the recorder clamped to int64 would wrap the totals."""
+    lcache.trace.enable(str(tmp_path / "t.trace"))
+    try:
+        lcache.trace.record("read", "/f", 0, 2**63 - 1, "data-source", 1000, 500, 1)
+    finally:
+        lcache.trace.disable()
+    with pytest.raises(CorruptionError, match="not a byte count below 2"):
+        summarize(tmp_path / "t.trace")
