@@ -35,6 +35,9 @@ def workload(fitted: dict[str, Any], name: str = "advised") -> tuple[dict[str, A
     return doc, notes
 
 
+NPY_HEADER = 128  # np.save's header (format 1.0) of the arrays DLIO and lcache bench write
+
+
 def _copy(doc: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(doc))  # type: ignore[no-any-return]
 
@@ -42,16 +45,20 @@ def _copy(doc: dict[str, Any]) -> dict[str, Any]:
 def _data(fitted: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], ...]:
     steps, ds = fitted["steps"], fitted["dataset"]
     data = fitted["groups"].get("data", {})
-    dataset: dict[str, Any] = {"data_folder": "./data/",
-                               "record_length_bytes": max(1, round(ds["record_bytes_mean"]))}
+    record = round(ds["record_bytes_mean"])
+    dataset: dict[str, Any] = {"data_folder": "./data/"}
     if ds["record_bytes_stdev"] > 0:
         dataset["record_length_bytes_stdev"] = round(ds["record_bytes_stdev"])
     if ds["whole_files"]:  # one sample per file, read whole: npy files, as DLIO reads them
+        # the files read whole held np.save's header too: the sample is the rest (each
+        # round trip grew the samples by 128 bytes)
+        record -= NPY_HEADER if record > NPY_HEADER else 0
         dataset.update(format="npy", num_files_train=ds["samples"], num_samples_per_file=1)
         notes.append("npy files hold a 128-byte header before the sample, read with it")
     else:  # samples at offsets in shared files: an indexed binary read by exact ranges
         dataset.update(format="indexed_binary", num_files_train=ds["files"],
                        num_samples_per_file=ds["samples_per_file"])
+    dataset["record_length_bytes"] = max(1, record)
     batch = steps["batch_samples"]
     compute = steps["compute_s"]
     threads = 0 if steps["reads_in_training_thread"] else max(1, data.get("threads", 1))

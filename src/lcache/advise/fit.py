@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.advise.runs import split_runs
+from lcache.advise.runs import SAMPLE_CLASSES, split_runs
 from lcache.advise.steps import Steps, from_markers, from_rhythm, split_idle
 from lcache.report.load import Trace
 from lcache.report.stats import data_mask, nearest_rank, sequential
@@ -26,8 +26,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("checkpoint",),
     "offload": ("offload",),
 }
-#: Reads that hand a training step its samples: from the source, or hits in the SSD cache.
-SAMPLE_CLASSES = ("data-source", "cache-read")
 MARKER = "step"
 
 Mask = npt.NDArray[np.bool_]

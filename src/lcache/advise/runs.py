@@ -18,6 +18,7 @@ import numpy.typing as npt
 from lcache.report.load import Trace
 
 Mask = npt.NDArray[np.bool_]
+#: Reads that hand a training step its samples: from the source, or hits in the SSD cache.
 SAMPLE_CLASSES = ("data-source", "cache-read")
 
 

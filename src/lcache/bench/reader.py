@@ -34,6 +34,7 @@ from lcache.io.buffers import align_down, align_up
 from lcache.io.files import NotRegularFile, logical_block_size, open_regular
 
 IO_CLASS = "data-source"
+INDEX_CLASS = "data-index"  # a file's index (its .idx files, TFRecord headers): not samples
 _CHUNK = 16 << 20
 _MAX_OPEN = 64  # open files kept per reader thread
 
@@ -154,7 +155,7 @@ class SampleReader:
                 fd = _open_data(path + suffix)
                 try:
                     raw = bytearray(os.fstat(fd).st_size)
-                    pread_full(fd, 0, memoryview(raw), io_class=IO_CLASS)
+                    pread_full(fd, 0, memoryview(raw), io_class=INDEX_CLASS)
                 finally:
                     close_file(fd)
                 arrays.append(np.frombuffer(raw, dtype="<u8"))
@@ -174,7 +175,7 @@ class SampleReader:
             pos = 0
             head = memoryview(bytearray(12))
             while pos + 12 <= end:
-                pread_full(fd, pos, head, io_class=IO_CLASS)
+                pread_full(fd, pos, head, io_class=INDEX_CLASS)
                 length = int(np.frombuffer(head[:8], dtype="<u8")[0])
                 offs.append(pos + 12)
                 sizes.append(length)

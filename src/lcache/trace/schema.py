@@ -25,8 +25,11 @@ FORMAT_VERSION = 1
 #: ``offload-read``/``offload-write`` are optimizer-state offload (lcache.offload) and
 #: ``offload-act-read``/``offload-act-write`` activation offload, split by direction so the
 #: report shows each stream; ``offload`` stays for traces and callers that name it.
+#: ``data-index`` is a dataset's own index read before its samples (``lcache bench``'s
+#: indexed-binary ``.idx`` files, TFRecord headers), kept apart from the samples.
 CLASSES = (
     "data-source",
+    "data-index",
     "cache-read",
     "cache-write",
     "cache-ram",
