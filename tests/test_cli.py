@@ -133,6 +133,14 @@ def test_demo_of_a_dataset_smaller_than_the_minimum_capacity(tmp_path: Path) -> 
     assert json.loads(out.stdout)["wrong_bytes_served"] == 0
 
 
+def test_demo_says_a_capacity_below_the_minimum_before_running(tmp_path: Path) -> None:
+    """The finding: the whole uncached run went first (about 10 s) before the error."""
+    out = run("demo", "--dir", str(tmp_path), "--samples", "400", "--sample-size", "4KiB",
+              "--epochs", "2", "--latency", "0.001")
+    assert out.returncode == 2 and "is below the minimum" in out.stderr, out.stderr
+    assert "no cache: epoch" not in out.stderr
+
+
 @pytest.mark.parametrize("args", [
     ["stats"], ["stats", "/etc/hostname"], ["warm", "-o", "x"], ["report"], ["no-such-command"],
     ["model", "--no-such-option"], ["trace", "--interval", "x", "-o", "t", "--", "true"],

@@ -180,14 +180,15 @@ def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction:
         with ThrottledServer(remote_root, latency=latency, bandwidth=bandwidth) as server:
             url = f"{server.url}/train/"
             source = FileSource(url)
+            # made first, so a capacity below the minimum is said before the uncached run
+            cached = CachedDataset(source, os.path.join(tmp, "cache"), capacity,
+                                   transform=decode)
             plain = RemoteDataset(source)
             order = FixedOrder(len(plain), seed)
             loader = DataLoader(cast(Any, plain), batch_size=batch_size, sampler=order,
                                 num_workers=workers, persistent_workers=workers > 0)
             rows = _train(loader, order, epochs, server, lambda: (1, 0), "no cache", progress)
 
-            cached = CachedDataset(source, os.path.join(tmp, "cache"), capacity,
-                                   transform=decode)
             sampler = SeedAwareSampler(cached, seed=seed)
             loader = DataLoader(cast(Any, cached), batch_size=batch_size, sampler=sampler,
                                 num_workers=workers, persistent_workers=workers > 0)
