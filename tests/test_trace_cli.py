@@ -161,6 +161,32 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
     assert summarize(t)["classes"]["syscall"]["ops"] >= 8
 
 
+@pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
+                    reason="strace is not installed and cannot be (not root)")
+def test_syscall_offsets_a_shared_description_or_o_append_hides_are_unknown(
+        tmp_path: Path) -> None:
+    """The finding: a write after a forked child wrote through the same descriptor, and
+    writes with O_APPEND, were given confident offsets (1 MiB for 2 MiB; 0 for 3 MiB): the
+    parser kept a position per thread that others moved. They are -1 (unknown) now."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    t, data = tmp_path / "sys.trace", tmp_path / "f.bin"
+    code = (f"import os\nfd = os.open({str(data)!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "os.write(fd, b'a' * 100)\nif os.fork() == 0:\n"
+            "    os.write(fd, b'b' * 100)\n    os._exit(0)\nos.wait()\n"
+            "os.write(fd, b'c' * 100)\nos.close(fd)\n"
+            f"fd = os.open({str(data)!r}, os.O_WRONLY | os.O_APPEND)\n"
+            "os.write(fd, b'd' * 100)\nos.close(fd)\n")
+    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
+    assert run.returncode == 0, run.stderr
+    from lcache.report import load
+
+    tr = load(t)
+    offsets = [int(tr.offset[i]) for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)
+               and tr.ops[tr.op[i]] == "write"]
+    assert offsets == [0, -1, -1, -1]
+
+
 def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> None:
     import signal
     import time

@@ -76,6 +76,9 @@ def _joined(lines: Iterable[str]) -> Iterator[tuple[int, float, str, str]]:
 def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str, Any]]:
     """Trace events (``cat: syscall``) from strace's log lines."""
     position: dict[tuple[int, int], int] = {}
+    # (fd, path) -> the thread that last moved that file's position: a description shared
+    # with another thread or a forked child moves under us, so our position is then unknown
+    mover: dict[tuple[int, str], int] = {}
     for tid, wall, name, rest in _joined(lines):
         res = _RESULT.search(rest)
         if res is None or res[1] == "?":
@@ -86,7 +89,9 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
             ret = -getattr(errno, res[2], 1)
         dur_s = float(res[3]) if res[3] else 0.0
         if name in ("openat", "open", "creat"):
-            if ret >= 0:  # a new open file description starts at 0 (O_APPEND aside)
+            # a new open file description starts at 0; with O_APPEND every write goes to
+            # the end, wherever that is: unknown
+            if ret >= 0 and "O_APPEND" not in args:
                 position[(tid, ret)] = 0
             continue
         fd_m = _FD.match(args)
@@ -96,10 +101,12 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
         key = (tid, fd)
         if name == "close":
             position.pop(key, None)
+            mover.pop((fd, path), None)
             continue
         if name == "lseek":
             if ret >= 0:
                 position[key] = ret
+                mover[(fd, path)] = tid
             continue
         if not _storage_path(path):
             continue
@@ -118,6 +125,11 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
                     if offset >= 0:
                         position[key] = offset + moved
             else:
+                last = mover.get((fd, path), tid)
+                if last != tid:  # moved by another thread or process since: ours is stale
+                    position.pop(key, None)
+                    position.pop((last, fd), None)
+                mover[(fd, path)] = tid
                 offset = position.get(key, -1)
                 ints = _last_ints(args, 1)
                 size = ints[0] if name in ("read", "write") and ints else moved
