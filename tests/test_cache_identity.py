@@ -469,3 +469,29 @@ def test_samples_appended_while_open_keep_the_id_and_say_so(
                         collate_fn=_identity)
     assert [x for batch in loader for x in batch] == files
     assert later[10] == b"late"
+
+
+def test_a_relative_source_path_names_the_folder_it_means(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The findings: "data" in two project folders was one source to a shared cache: with
+    listing_ttl the second project was served the first one's listing and bytes, and with
+    check=False a RangeSource or WebDatasetSource of the same-size file served its bytes."""
+    cache = tmp_path / "cache"
+    for project, fill in (("a", b"A"), ("b", b"B")):
+        (tmp_path / project / "data").mkdir(parents=True)
+        for i in range(4):
+            (tmp_path / project / "data" / f"{i}.bin").write_bytes(fill * 100)
+    monkeypatch.chdir(tmp_path / "a")
+    first = CachedDataset("data", cache, CAPACITY, listing_ttl=float("inf"))
+    assert first[0] == b"A" * 100
+    first.cache.close()
+    ranges = CachedDataset(RangeSource("data", "0.bin", [0], [50]), tmp_path / "r", CAPACITY,
+                           check=False)
+    assert ranges[0] == b"A" * 50
+    ranges.cache.close()
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(ConfigError, match="use another cache directory"):
+        CachedDataset("data", cache, CAPACITY, listing_ttl=float("inf"))
+    with pytest.raises(ConfigError, match="use another cache directory"):
+        CachedDataset(RangeSource("data", "0.bin", [0], [50]), tmp_path / "r", CAPACITY,
+                      check=False)

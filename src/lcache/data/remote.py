@@ -176,7 +176,9 @@ class Remote:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options={storage_options!r:.200}: give a dict of "
                               "fsspec options (or None)")
-        self.url = url
+        # A local path as an absolute one: it names the source in the cache's identity and
+        # kept listing, and "data" in two project folders is two datasets.
+        self.url = url if "://" in url else os.path.abspath(url)
         self.storage_options = dict(storage_options or {})
         self.options = options or FetchOptions()
         self._fs: Any = None

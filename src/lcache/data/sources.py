@@ -109,10 +109,10 @@ class FileSource:
                  cache_dir: str | os.PathLike[str] | None = None, listing_ttl: float = 0.0,
                  progress: bool | None = None, **fetch_options: Any) -> None:
         self._remote = Remote(url, storage_options, _fetch_options(fetch_options))
-        self.url = url
+        self.url = self._remote.url
         suffix_filter(suffixes)  # checks them before they are used
         listing_ttl = seconds(listing_ttl, "listing_ttl")
-        key = {"kind": type(self).__name__, "url": url, "files": files,
+        key = {"kind": type(self).__name__, "url": self.url, "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
         with kept_listing(None if cache_dir is None else os.fspath(cache_dir), key,
