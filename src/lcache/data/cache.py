@@ -400,15 +400,10 @@ class SampleCache:
                 raise StorePermissionError(f"{self.staging_dir} is a symbolic link; a staging "
                                            "directory never follows one: remove it")
             self._staging_as_stored()
-            private_dir(self.staging_dir, "staging directory")
+            self._users = self._hold_staging()
             atomic_write(os.path.join(self.staging_dir, "origin"),
                          f"{self.cache_dir}\n{self.cache_id}".encode(), io_class="cache-meta",
                          durable=False)
-            # Each process using the staging dir holds a shared flock, so the last one to
-            # close removes it (memory in /dev/shm is not freed until its files are deleted).
-            self._users = open_owned(os.path.join(self.staging_dir, "users"),
-                                     os.O_RDWR | os.O_CREAT, "staging directory")
-            fcntl.flock(self._users, fcntl.LOCK_SH)
             _OPEN_CACHES.add(self)
             staging = Store.open(self.staging_dir, capacity=self.staging_bytes,
                                  segment_size=self.staging_segment_size, policy="fifo",
@@ -420,6 +415,28 @@ class SampleCache:
                 segment_size=self.segment_size, policy="planned",
                 max_writers=min(MAX_WRITERS, self.main_capacity // self.segment_size - 2),
                 sync="never", direct_writes=False)
+
+    def _hold_staging(self) -> int:
+        """Make the staging dir if need be and hold its users lock shared: each process using
+        it holds one, so the last one to close removes it (memory in /dev/shm is not freed
+        until its files are deleted). A closing process may remove the dir between its
+        making and the hold: then it is made again (that race was a FileNotFoundError)."""
+        users_path = os.path.join(self.staging_dir, "users")
+        for _ in range(10):
+            try:
+                private_dir(self.staging_dir, "staging directory")
+                users = open_owned(users_path, os.O_RDWR | os.O_CREAT, "staging directory")
+            except FileNotFoundError:
+                continue
+            fcntl.flock(users, fcntl.LOCK_SH)
+            try:
+                if os.path.samestat(os.fstat(users), os.stat(users_path)):
+                    return users
+            except FileNotFoundError:
+                pass
+            close_file(users)
+        raise ConfigError(f"cannot hold the staging directory {self.staging_dir}: something "
+                          "keeps removing it")
 
     def _staging_as_stored(self) -> None:
         """A staging area left with other segments (by a killed run, or a process with
