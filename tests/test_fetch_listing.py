@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,60 @@ def test_a_later_run_from_the_same_parent_lists_again(tmp_path: Path) -> None:
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     assert second.stdout.strip() == "after!"
     assert listing_mod.started_at() is not None
+
+
+_RANK = """
+import sys, time
+from lcache.data import CachedDataset
+data, cache, ttl, go = sys.argv[1:5]
+print("started", flush=True)
+if go != "now":
+    while not __import__("os").path.exists(go):
+        time.sleep(0.01)
+print(len(CachedDataset(data, cache, "16MiB", listing_ttl=float(ttl))), flush=True)
+"""
+
+
+def _ranks(tmp_path: Path, ttl: float) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """Two ranks of one launch (children of this process, LOCAL_RANK set): the first lists
+    at once, the second when the file ``go`` appears."""
+    env = {**os.environ, "LOCAL_RANK": "0"}
+    data, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    procs = tuple(subprocess.Popen([sys.executable, "-c", _RANK, data, cache, str(ttl), go],
+                                   env=env, stdout=subprocess.PIPE, text=True)
+                  for go in ("now", str(tmp_path / "go")))
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "started\n"
+    return procs  # type: ignore[return-value]
+
+
+def test_ranks_of_one_launch_share_a_listing_made_at_once(tmp_path: Path) -> None:
+    """The finding: a listing made in the first second or two of a rank's life was not
+    taken by its siblings (its start, in wall-clock time, was known to the second), so a file
+    added before a sibling opened gave the two ranks different sample counts: an epoch read
+    84 samples twice and 84 never."""
+    _tree(tmp_path / "d", [f"{i}.bin" for i in range(10)])
+    first, second = _ranks(tmp_path, 0.0)
+    assert first.stdout is not None and first.stdout.readline() == "10\n"
+    (tmp_path / "d" / "99.bin").write_bytes(b"late")
+    (tmp_path / "go").touch()
+    assert second.communicate(timeout=60)[0] == "10\n"
+    first.wait()
+
+
+def test_ranks_of_one_launch_share_a_listing_taken_by_its_age(tmp_path: Path) -> None:
+    """The finding: one rank took a kept listing by its age (listing_ttl); a sibling that
+    opened once the TTL had run out listed again, and saw a file added in between."""
+    _tree(tmp_path / "d", [f"{i}.bin" for i in range(10)])
+    assert len(CachedDataset(str(tmp_path / "d"), tmp_path / "cache", "16MiB",
+                             listing_ttl=60)) == 10  # an earlier run keeps the listing
+    (tmp_path / "d" / "99.bin").write_bytes(b"late")
+    first, second = _ranks(tmp_path, 2.0)
+    assert first.stdout is not None and first.stdout.readline() == "10\n"  # by its age
+    time.sleep(2.5)  # the TTL runs out
+    (tmp_path / "go").touch()
+    assert second.communicate(timeout=60)[0] == "10\n"
+    first.wait()
 
 
 def test_cached_dataset_with_sizes_given(tmp_path: Path,

@@ -324,16 +324,18 @@ def launch_id() -> str | None:
 
 
 def started_at() -> float | None:
-    """When this process started, in seconds since the epoch, up to a second early (the
-    boot time in /proc/stat is whole seconds), or None where /proc does not say."""
+    """When this process started, in seconds since boot (to the clock tick, 10 ms), or None
+    where /proc does not say; comparable with ``since_boot()``."""
     try:
         with open("/proc/self/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    except (OSError, IndexError, ValueError, StopIteration):
+    except (OSError, IndexError, ValueError):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def since_boot() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @contextmanager
@@ -357,16 +359,23 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         if doc is not None and doc.get("key") == digest:
             made = float(doc.get("made", 0))
             started = started_at() if launch is not None else None
-            # a sibling rank's listing, made while this process ran (a second's margin: the
-            # start is known to the second), or one the user allows by its age
+            # A sibling rank's listing, made (or taken) while this process ran, both times
+            # since boot (the start is known to the clock tick: a 20 ms margin; a start in
+            # wall-clock time, a second early, missed listings made in the first second).
             sibling = (launch is not None and doc.get("launch") == launch
-                       and started is not None and made > started + 1.0)
+                       and started is not None and float(doc.get("at_boot", 0)) > started + 0.02)
             if sibling or 0 <= time.time() - made < ttl:
                 found = _listing(doc)
+            if found is not None and not sibling and launch is not None:
+                # taken by its age: the siblings take it too, even once it is older than
+                # their TTL (one rank listed again after the TTL ran out, and the ranks saw
+                # two listings)
+                doc.update(launch=launch, at_boot=since_boot())
+                atomic_write(path, json.dumps(doc).encode(), io_class="cache-meta")
 
         def keep(listing: Listing) -> None:
             body = {"format": LISTING_FORMAT, "key": digest, "made": time.time(),
-                    "launch": launch, "paths": listing.paths,
+                    "launch": launch, "at_boot": since_boot(), "paths": listing.paths,
                     "sizes": listing.sizes.tolist(), "versions": listing.versions}
             atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
 
