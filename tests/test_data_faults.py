@@ -275,6 +275,9 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
         CachedDataset([b"x" * 1000] * 10, cache, "16MiB", segment_size="1MiB")
     with pytest.raises(ConfigError, match="cannot read 'big' as a size"):
         CachedDataset([b"x"], cache, "big")
+    # the finding: "2.5 MiB is below the minimum 2.5 MiB"
+    with pytest.raises(ConfigError, match="2,600,000 bytes is below the minimum 2,621,440"):
+        CachedDataset([b"x" * 1000] * 10, cache, 2_600_000)
 
 
 def test_cache_dir_reused_for_another_source(tmp_path: Path) -> None:

@@ -300,9 +300,11 @@ class SampleCache:
         self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
         minimum = MIN_SEGMENTS * self.segment_size + (self.staging_bytes if on_ssd else 0)
         if self.capacity < minimum:
+            have, need = format_size(self.capacity), format_size(minimum)
+            if have == need:  # "2.5 MiB is below the minimum 2.5 MiB": say the bytes
+                have, need = f"{self.capacity:,} bytes", f"{minimum:,} bytes"
             raise ConfigError(
-                f"cache capacity {format_size(self.capacity)} is below the minimum "
-                f"{format_size(minimum)} ({MIN_SEGMENTS} segments of "
+                f"cache capacity {have} is below the minimum {need} ({MIN_SEGMENTS} segments of "
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
                 "capacity" + ("" if segment_size is None else " or lower segment_size"))
