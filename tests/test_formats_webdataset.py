@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -303,3 +306,30 @@ def test_shard_patterns_are_bounded(tmp_path: Path, pattern: str) -> None:
         return
     with pytest.raises(ConfigError, match="names more than 1,000,000 shards"):
         WebDatasetSource(str(tmp_path), shards=pattern)
+
+
+_RANK = """
+import os, sys, time
+from lcache.data.formats import WebDatasetSource
+shards, cache, go = sys.argv[1:4]
+print("started", flush=True)
+while go != "now" and not os.path.exists(go):
+    time.sleep(0.01)
+print(len(WebDatasetSource(shards, cache_dir=cache)), flush=True)
+"""
+
+
+def test_ranks_of_one_launch_share_the_shard_listing(tmp_path: Path) -> None:
+    """The finding: each rank listed the shards itself, so a shard added between two ranks'
+    opens gave them 150 and 200 samples: an epoch read some twice and others never."""
+    shards = Path(shutil.copytree(FIXTURE / "shards", tmp_path / "wds"))
+    env = {**os.environ, "LOCAL_RANK": "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(shards), str(tmp_path / "c"),
+                               go], env=env, stdout=subprocess.PIPE, text=True)
+             for go in ("now", str(tmp_path / "go"))]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "started\n"
+    first = procs[0].communicate(timeout=60)[0]
+    shutil.copy(shards / SHARDS[0], shards / "shard-000009.tar")  # a shard appears
+    (tmp_path / "go").touch()
+    assert procs[1].communicate(timeout=60)[0] == first

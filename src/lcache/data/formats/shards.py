@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache import jsondoc
-from lcache.data.listing import list_objects, suffix_filter
+from lcache.data.listing import Listing, kept_listing, list_objects, suffix_filter
 from lcache.data.remote import FetchOptions, Remote, SourceCorruptionError, SourceError
 from lcache.errors import ConfigError
 
@@ -62,23 +62,31 @@ def make_remote(url: str, storage_options: dict[str, Any] | None,
 
 
 def shard_names(remote: Remote, shards: str | Sequence[str] | None, suffix: str,
-                progress: bool | None) -> list[str]:
+                progress: bool | None, cache_dir: str | None = None) -> list[str]:
     """The shards under the URL: as given (names or brace patterns, relative to the URL), or
-    every object ending in ``suffix`` (case ignored), sorted."""
+    every object ending in ``suffix`` (case ignored), sorted; a listing is kept in
+    ``cache_dir`` for the other ranks of the launch, as a file source's is (ranks that
+    listed apart saw shards added in between, and read an epoch of different lengths)."""
     if shards is not None:
         patterns = [shards] if isinstance(shards, str) else list(shards)
         names = [n for p in patterns for n in expand_braces(p)]
         if not names:
             raise ConfigError(f"shards= names no shards under {remote.url}")
         return names
-    infos, others = list_objects(remote, suffix_filter((suffix,)), progress)
-    root = remote.path("")
-    names = sorted(p[len(root):] if p.startswith(root) else p for p in infos)
-    if not names:
-        seen = ", ".join(sorted(o.rsplit("/", 1)[-1] for o in others)[:3])
-        raise SourceError(f"no {suffix} shards found under {remote.url}"
-                          + (f"; it holds {len(others)} other files, e.g. {seen}" if others
-                             else ""))
+    key = {"kind": "shards", "url": remote.url, "suffix": suffix,
+           "storage_options": remote.storage_options}
+    with kept_listing(cache_dir, key, 0.0) as (kept, keep):
+        if kept is not None:
+            return kept.paths
+        infos, others = list_objects(remote, suffix_filter((suffix,)), progress, cache_dir)
+        root = remote.path("")
+        names = sorted(p[len(root):] if p.startswith(root) else p for p in infos)
+        if not names:
+            seen = ", ".join(sorted(o.rsplit("/", 1)[-1] for o in others)[:3])
+            raise SourceError(f"no {suffix} shards found under {remote.url}"
+                              + (f"; it holds {len(others)} other files, e.g. {seen}"
+                                 if others else ""))
+        keep(Listing(names, np.zeros(len(names), np.int64), [""] * len(names)))
     return names
 
 

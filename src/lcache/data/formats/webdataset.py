@@ -116,7 +116,8 @@ class WebDatasetSource(RangeSource):
                  **fetch_options: Any) -> None:
         index_block = whole_number(index_block, "index_block", tar.BLOCK, 1 << 30)
         remote = make_remote(url, storage_options, fetch_options)
-        names = shard_names(remote, shards, ".tar", progress)
+        names = shard_names(remote, shards, ".tar", progress,
+                            None if cache_dir is None else os.fspath(cache_dir))
         infos = checked_infos(remote, names, None, "shard")
         sizes = [int(info.get("size") or 0) for info in infos]
         entries = self._index(remote, names, sizes, infos, cache_dir, progress, index_block)
