@@ -143,12 +143,15 @@ def test_listing_reused_within_its_ttl_only(tmp_path: Path) -> None:
         kept.write_bytes(b"{not json")
         assert len(FileSource(url, cache_dir=cache, listing_ttl=3600)) == 6  # listed again
         doc = json.loads(kept.read_text())
-        kept.write_text(json.dumps({**doc, "sizes": ["12"] * len(doc["sizes"])}))
-        asked = _listed(server)
-        assert FileSource(url, cache_dir=cache, listing_ttl=3600).sizes().tolist() == \
-            doc["sizes"]  # a damaged listing is listed again, not trusted
-        assert _listed(server) > asked
-        doc["made"] -= 7200  # older than the TTL
+        (key, entry), = doc["listings"].items()
+        for damage in ({"sizes": ["12"] * len(entry["sizes"])}, {"made": "yesterday"},
+                       {"at_boot": None}):  # the last two were bare Value and TypeErrors
+            kept.write_text(json.dumps({**doc, "listings": {key: {**entry, **damage}}}))
+            asked = _listed(server)
+            assert FileSource(url, cache_dir=cache, listing_ttl=3600).sizes().tolist() == \
+                entry["sizes"]  # a damaged listing is listed again, not trusted
+            assert _listed(server) > asked
+        entry["made"] -= 7200  # older than the TTL
         kept.write_text(json.dumps(doc))
         asked = _listed(server)
         FileSource(url, cache_dir=cache, listing_ttl=3600)
@@ -166,15 +169,20 @@ def test_ranks_of_one_launch_list_once(tmp_path: Path, monkeypatch: pytest.Monke
         FileSource(url, cache_dir=cache)  # rank 0 of a launch lists...
         assert _listed(server) > asked
         asked = _listed(server)
-        monkeypatch.setenv("LOCAL_RANK", "1")
-        rank1 = FileSource(url, cache_dir=cache)  # ...and rank 1, a sibling, reuses it
-        assert _listed(server) == asked and len(rank1) == 4
-
+        FileSource(url, cache_dir=cache)  # and again when it makes the source again (the
+        assert _listed(server) > asked  # finding: such a rank never saw files change again)
+        asked = _listed(server)
         kept = cache / listing_mod.LISTING_FILE
         doc = json.loads(kept.read_text())
-        doc["launch"] = "another boot:1:2"  # a later launch (another torchrun) lists again
+        (key, entry), = doc["listings"].items()
+        kept.write_text(json.dumps({**doc, "listings": {key: {**entry, "pid": 1}}}))
+        rank1 = FileSource(url, cache_dir=cache)  # ...and rank 1 (another pid) reuses it
+        assert _listed(server) == asked and len(rank1) == 4
+
+        doc = json.loads(kept.read_text())
+        doc["listings"][key].update(launch="another boot:1:2", pid=1)  # a later launch
         kept.write_text(json.dumps(doc))
-        FileSource(url, cache_dir=cache)
+        FileSource(url, cache_dir=cache)  # (another torchrun) lists again
         assert _listed(server) > asked
 
 
@@ -456,3 +464,24 @@ def test_a_link_into_the_cache_directory_is_not_walked(tmp_path: Path) -> None:
     os.symlink(below[0], data / "zz-below")
     again = CachedDataset(str(data), cache, "16MiB")
     assert [os.path.basename(p) for p in again.cache.source.paths] == ["a", "b"]
+
+
+def test_a_train_and_a_val_source_keep_their_listings_side_by_side(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding: one kept listing per directory: a val source's listing replaced the
+    train source's, so the other ranks listed train themselves (and, with a shard added in
+    between, read an epoch of another length)."""
+    _tree(tmp_path / "train", [f"{i}.bin" for i in range(4)])
+    _tree(tmp_path / "val", ["0.bin"])
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    FileSource(str(tmp_path / "train"), cache_dir=cache)
+    FileSource(str(tmp_path / "val"), cache_dir=cache)
+    kept = cache / listing_mod.LISTING_FILE
+    doc = json.loads(kept.read_text())
+    assert len(doc["listings"]) == 2
+    for entry in doc["listings"].values():
+        entry["pid"] = 1  # as made by another rank of this launch
+    kept.write_text(json.dumps(doc))
+    (tmp_path / "train" / "9.bin").write_bytes(b"late")
+    assert len(FileSource(str(tmp_path / "train"), cache_dir=cache)) == 4  # the sibling's

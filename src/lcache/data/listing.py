@@ -46,7 +46,8 @@ from lcache.io.files import open_owned
 log = logging.getLogger("lcache")
 
 LISTING_FILE = "source-listing.json"
-LISTING_FORMAT = 1
+LISTING_FORMAT = 2  # 1 kept one listing per directory
+KEPT_LISTINGS = 16  # listings kept per directory (train, val, ...), the newest
 PROGRESS_AFTER_S = 1.0
 
 
@@ -343,7 +344,9 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
                  ) -> Iterator[tuple[Listing | None, Callable[[Listing], None]]]:
     """``(listing, keep)``: the listing kept in ``cache_dir`` for ``key`` if it may be
     reused (see the module doc), else None; ``keep(listing)`` stores a fresh one. Held
-    under ``DIR/listing.lock`` so the ranks of a node list once."""
+    under ``DIR/listing.lock`` so the ranks of a node list once. One file keeps the
+    listings of several keys (a train and a val source sharing a directory each kept theirs
+    over the other's, and their ranks listed apart)."""
     if cache_dir is None:
         yield None, lambda listing: None
         return
@@ -354,56 +357,72 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
     fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        doc = _load(path)
-        found = None
-        if doc is not None and doc.get("key") == digest:
-            made = float(doc.get("made", 0))
+        kept = _load(path)
+        entry = kept.get(digest)
+        found = None if entry is None else _listing(entry)
+        if found is not None and entry is not None:
             started = started_at() if launch is not None else None
-            # A sibling rank's listing, made (or taken) while this process ran, both times
-            # since boot (the start is known to the clock tick: a 20 ms margin; a start in
-            # wall-clock time, a second early, missed listings made in the first second).
-            sibling = (launch is not None and doc.get("launch") == launch
-                       and started is not None and float(doc.get("at_boot", 0)) > started + 0.02)
-            if sibling or 0 <= time.time() - made < ttl:
-                found = _listing(doc)
-            if found is not None and not sibling and launch is not None:
+            # Another rank's listing of this launch, made (or taken) while this process ran,
+            # both times since boot (the start is known to the clock tick: a 20 ms margin;
+            # a start in wall-clock time, a second early, missed listings made in the first
+            # second). Not this process's own: made again, a dataset lists again.
+            sibling = (launch is not None and entry["launch"] == launch
+                       and entry["pid"] != os.getpid()
+                       and started is not None and entry["at_boot"] > started + 0.02)
+            if not (sibling or 0 <= time.time() - entry["made"] < ttl):
+                found = None
+            elif not sibling and launch is not None:
                 # taken by its age: the siblings take it too, even once it is older than
                 # their TTL (one rank listed again after the TTL ran out, and the ranks saw
                 # two listings)
-                doc.update(launch=launch, at_boot=since_boot())
-                atomic_write(path, json.dumps(doc).encode(), io_class="cache-meta")
+                entry.update(launch=launch, at_boot=since_boot(), pid=os.getpid())
+                _save(path, kept)
 
         def keep(listing: Listing) -> None:
-            body = {"format": LISTING_FORMAT, "key": digest, "made": time.time(),
-                    "launch": launch, "at_boot": since_boot(), "paths": listing.paths,
-                    "sizes": listing.sizes.tolist(), "versions": listing.versions}
-            atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
+            kept[digest] = {"made": time.time(), "launch": launch, "at_boot": since_boot(),
+                            "pid": os.getpid(), "paths": listing.paths,
+                            "sizes": listing.sizes.tolist(), "versions": listing.versions}
+            _save(path, kept)
 
         yield found, keep
     finally:
         close_file(fd)
 
 
-def _listing(doc: dict[str, Any]) -> Listing | None:
-    """The listing a kept document holds, or None if it is damaged."""
-    paths, sizes, versions = doc["paths"], doc["sizes"], doc["versions"]
+def _listing(entry: dict[str, Any]) -> Listing | None:
+    """The listing a kept entry holds, or None if it is damaged."""
+    paths, sizes, versions = (entry.get(k) for k in ("paths", "sizes", "versions"))
+    numbers = all(type(entry.get(k)) in (int, float) for k in ("made", "at_boot", "pid"))
+    if not (numbers and isinstance(paths, list) and isinstance(sizes, list)
+            and isinstance(versions, list) and len(paths) == len(sizes) == len(versions)
+            and isinstance(entry.get("launch"), (str, type(None)))):
+        return None
     if not all(isinstance(x, str) for x in (*paths, *versions)) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
         return None
     return Listing(paths, np.array(sizes, np.int64), versions)
 
 
-def _load(path: str) -> dict[str, Any] | None:
+def _save(path: str, kept: dict[str, Any]) -> None:
+    """Write the kept listings, the ``KEPT_LISTINGS`` newest."""
+    newest = sorted(kept.items(), key=lambda kv: -float(kv[1].get("made", 0))
+                    if isinstance(kv[1], dict) else 0.0)[:KEPT_LISTINGS]
+    kept.clear()
+    kept.update(newest)
+    body = {"format": LISTING_FORMAT, "listings": kept}
+    atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
+
+
+def _load(path: str) -> dict[str, Any]:
+    """The kept listings by key digest ({} if none, or damaged: they are listed anew)."""
     try:
         fd = open_owned(path, os.O_RDONLY)
     except FileNotFoundError:
-        return None
+        return {}
     try:
         doc = jsondoc.loads(read_and_close(fd))
     except ValueError:
-        return None
+        return {}
     ok = (isinstance(doc, dict) and doc.get("format") == LISTING_FORMAT
-          and isinstance(doc.get("paths"), list) and isinstance(doc.get("sizes"), list)
-          and isinstance(doc.get("versions"), list)
-          and len(doc["paths"]) == len(doc["sizes"]) == len(doc["versions"]))
-    return doc if ok else None
+          and isinstance(doc.get("listings"), dict))
+    return {k: v for k, v in doc["listings"].items() if isinstance(v, dict)} if ok else {}
