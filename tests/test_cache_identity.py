@@ -482,16 +482,18 @@ def test_a_relative_source_path_names_the_folder_it_means(
         for i in range(4):
             (tmp_path / project / "data" / f"{i}.bin").write_bytes(fill * 100)
     monkeypatch.chdir(tmp_path / "a")
-    first = CachedDataset("data", cache, CAPACITY, listing_ttl=float("inf"))
-    assert first[0] == b"A" * 100
-    first.cache.close()
+    for url in ("data", "file://data"):  # fsspec reads file://data as relative too
+        first = CachedDataset(url, cache / url[:4], CAPACITY, listing_ttl=float("inf"))
+        assert first[0] == b"A" * 100
+        first.cache.close()
     ranges = CachedDataset(RangeSource("data", "0.bin", [0], [50]), tmp_path / "r", CAPACITY,
                            check=False)
     assert ranges[0] == b"A" * 50
     ranges.cache.close()
     monkeypatch.chdir(tmp_path / "b")
-    with pytest.raises(ConfigError, match="use another cache directory"):
-        CachedDataset("data", cache, CAPACITY, listing_ttl=float("inf"))
+    for url in ("data", "file://data"):
+        with pytest.raises(ConfigError, match="use another cache directory"):
+            CachedDataset(url, cache / url[:4], CAPACITY, listing_ttl=float("inf"))
     with pytest.raises(ConfigError, match="use another cache directory"):
         CachedDataset(RangeSource("data", "0.bin", [0], [50]), tmp_path / "r", CAPACITY,
                       check=False)

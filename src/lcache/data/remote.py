@@ -92,6 +92,18 @@ def object_version(info: dict[str, Any]) -> str:
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
 
 
+def _absolute(url: str) -> str:
+    """A local path or ``file://``/``local://`` URL with its path made absolute: it names the
+    source in the cache's identity and kept listing, and "data" in two project folders is
+    two datasets (fsspec reads ``file://data`` as relative to the current folder too)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return os.path.abspath(url)
+    if scheme.lower() in ("file", "local") and not rest.startswith("/"):
+        return f"{scheme}://{os.path.abspath(rest)}"
+    return url
+
+
 def fingerprint(*parts: object) -> int:
     # surrogateescape: a local file name that is not UTF-8 comes as lone surrogates
     text = "\0".join(map(str, parts))
@@ -176,9 +188,7 @@ class Remote:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options={storage_options!r:.200}: give a dict of "
                               "fsspec options (or None)")
-        # A local path as an absolute one: it names the source in the cache's identity and
-        # kept listing, and "data" in two project folders is two datasets.
-        self.url = url if "://" in url else os.path.abspath(url)
+        self.url = _absolute(url)
         self.storage_options = dict(storage_options or {})
         self.options = options or FetchOptions()
         self._fs: Any = None
