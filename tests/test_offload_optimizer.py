@@ -427,3 +427,55 @@ def test_a_swap_file_cut_short_is_an_error_not_other_bytes(tmp_path: Path) -> No
             opt.step()
         with pytest.raises(CorruptionError, match="swap file was cut short"):
             opt.state_dict()
+
+
+def test_parameters_the_swap_would_train_otherwise_are_refused(tmp_path: Path) -> None:
+    """The findings: float64 parameters trained at fp32 precision; two Parameters over one
+    storage drifted from torch from step 1; groups all empty made close() wait forever after
+    a state_dict(); a sparse gradient was a bare RuntimeError."""
+    base = torch.nn.Parameter(torch.randn(10, 20))
+    view = torch.nn.Parameter(base.data.view(20, 10))
+    for params, why in [([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))], "float64"),
+                        ([{"params": []}], "no parameters"),
+                        ([base, view], "share memory")]:
+        with pytest.raises(ConfigError, match=why):
+            OffloadedOptimizer(params, lr=1e-2, dir=tmp_path, **SMALL)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    with OffloadedOptimizer(emb.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        emb(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(ConfigError, match="sparse gradient.*SparseAdam"):
+            opt.step()
+
+
+def test_a_group_of_one_bare_tensor_is_one_parameter(tmp_path: Path) -> None:
+    """The finding: {"params": tensor}, which torch takes, was split into its rows."""
+    ref_w = torch.nn.Parameter(torch.randn(6, 5))
+    w = torch.nn.Parameter(ref_w.detach().clone())
+    ref = torch.optim.AdamW([{"params": ref_w}], lr=1e-2, fused=True)
+    with OffloadedOptimizer([{"params": w}], lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        for o, p in ((ref, ref_w), (opt, w)):
+            for _ in range(3):
+                (p * p).sum().backward()
+                o.step()
+                o.zero_grad()
+        assert len(opt.names) == 1
+    assert torch.equal(ref_w, w)
+
+
+def test_a_state_of_groups_in_another_order_is_refused(tmp_path: Path) -> None:
+    """The finding: groups [decay, no_decay] loaded into [no_decay, decay] swapped their
+    options (weights got weight_decay 0 and the biases 0.1), where torch refuses."""
+    model = make_model()
+    decay = [(n, p) for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [(n, p) for n, p in model.named_parameters() if not n.endswith("weight")]
+    with OffloadedOptimizer([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-2,
+                            dir=tmp_path / "a", **SMALL) as opt:
+        train(model, opt, range(2))
+        saved = opt.state_dict()
+    with OffloadedOptimizer([{"params": no_decay, "weight_decay": 0.0},
+                             {"params": decay, "weight_decay": 0.1}], lr=1e-2,
+                            dir=tmp_path / "b", **SMALL) as other:
+        with pytest.raises(ConfigError, match="param group 0 of the checkpoint holds other"):
+            other.load_state_dict(saved)
+        assert other.param_groups[0]["weight_decay"] == 0.0

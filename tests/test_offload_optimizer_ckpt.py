@@ -324,3 +324,31 @@ def test_an_optimizer_in_a_tuple_is_restored_and_one_with_no_place_is_refused(
                             **SMALL) as other, \
             pytest.raises(StateMismatchError, match="at /x, where the checkpoint holds none"):
         checkpoint.load(tmp_path / "ck", like={"x": other})
+
+
+def test_a_damaged_group_option_leaves_the_optimizer_as_it_was(tmp_path: Path) -> None:
+    """The finding: a checkpoint damaged only in a tensor lr (as fused AdamW takes it) was
+    found damaged after its slots and scalars were committed: the optimizer was left with
+    the checkpoint's moments and step and its own parameters."""
+    model = make_model()
+    with OffloadedOptimizer(model.named_parameters(), lr=torch.tensor(1e-2),
+                            dir=tmp_path / "swap", **SMALL) as opt:
+        train(model, opt, range(3))
+        path = Path(checkpoint.save({"optimizer": opt}, tmp_path / "ckpt" / "step-3"))
+        train(model, opt, range(3, 6))
+        before = opt.state_dict()
+        manifest = json.loads((path / "manifest.json").read_text())
+        shard = manifest["body"]["shards"][0]
+        lr = next(a for a in shard["arrays"] if a["key"].endswith("param_groups/0/lr"))
+        with open(path / shard["file"], "r+b") as f:
+            f.seek(lr["offset"])
+            byte = f.read(1)
+            f.seek(lr["offset"])
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(CorruptionError, match="param_groups/0/lr"):
+            checkpoint.load(path, like={"optimizer": opt})
+        after = opt.state_dict()
+        for name, entry in before["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(torch.as_tensor(after["state"][name][key]),
+                                   torch.as_tensor(value)), (name, key)

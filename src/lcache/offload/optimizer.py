@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import mmap
 import threading
@@ -61,13 +62,18 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dic
         if not isinstance(raw, dict) or "params" not in raw:
             raise ConfigError("parameters must be all tensors, all (name, tensor) pairs, or "
                               "all param-group dicts with a 'params' key")
-        members = list(raw["params"])
+        # a bare tensor is one parameter, as torch takes it (list() split it into rows)
+        members = [raw["params"]] if isinstance(raw["params"], torch.Tensor) else \
+            list(raw["params"])
         group = {k: v for k, v in raw.items() if k != "params"}
         group["params"] = []
         for i, item in enumerate(members):
             name, tensor = item if isinstance(item, tuple) else (f"{g}.{i}", item)
             if not getattr(tensor, "is_floating_point", lambda: False)():
                 raise ConfigError(f"parameter {name!r} is not a floating-point tensor")
+            if tensor.dtype == torch.float64:  # the masters are fp32: it would lose bits
+                raise ConfigError(f"parameter {name!r} is float64; the swap keeps fp32 master "
+                                  "weights: train it as float32, bfloat16 or float16")
             _check_layout(str(name), tensor)
             group["params"].append(len(tensors))
             names.append(str(name))
@@ -78,7 +84,22 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dic
                           "file and in checkpoints)")
     if len({id(t) for t in tensors}) != len(tensors):
         raise ConfigError("a parameter appears twice in the parameter list")
+    if not tensors:  # groups all empty: nothing to swap (a checkpoint's pin never let go)
+        raise ConfigError("OffloadedOptimizer got param groups with no parameters")
+    _refuse_overlap(names, tensors)
     return names, tensors, groups
+
+
+def _refuse_overlap(names: list[str], tensors: list[Any]) -> None:
+    """Two parameters over one memory (a view made a Parameter) are updated one after the
+    other from one swap each: the second overwrote the first's update in another order than
+    torch's, and training drifted from step 1."""
+    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(),
+                    n) for n, t in zip(names, tensors, strict=True) if t.numel())
+    for (dev, _, end, first), (dev2, start, _, second) in itertools.pairwise(spans):
+        if dev == dev2 and start < end:
+            raise ConfigError(f"parameters {first!r} and {second!r} share memory; give the "
+                              "optimizer each storage once (tie them as one Parameter)")
 
 
 def _check_layout(name: str, tensor: Any, numel: int | None = None) -> None:
@@ -445,6 +466,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        for name, p in zip(self.names, self._params, strict=True):
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ConfigError(f"parameter {name!r} has a sparse gradient, which "
+                                  f"{self.optimizer_class.__name__} does not take (as in "
+                                  "torch): use dense gradients, or torch.optim.SparseAdam")
         work = [sg for sg in self.sub_groups
                 if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
         if not work:

@@ -161,9 +161,14 @@ def _check(opt: OffloadedOptimizer, saved: Any) -> dict[str, Any]:
                 got = f"not {_kind(entry[key])}" if key in entry else "it is missing"
                 raise CorruptionError(f"checkpoint state {name!r}/{key}: {_kind(like)} was "
                                       f"expected; {got}")
-    for group, saved_group in zip(opt.param_groups, groups, strict=True):
+    for g, (group, saved_group) in enumerate(zip(opt.param_groups, groups, strict=True)):
         if not isinstance(saved_group, dict):
             raise CorruptionError("a param group of the checkpoint is not a dict")
+        mine = [opt.names[p] for p in opt._members[g]]
+        if saved_group.get("params") != mine:  # options are restored group by group
+            raise ConfigError(f"param group {g} of the checkpoint holds other parameters than "
+                              "this optimizer's (groups in another order?); make the groups "
+                              "as when it was saved")
         for key, value in saved_group.items():
             if key in group and key not in ("params", "param_names") \
                     and not _same_kind(value, group[key]):
@@ -228,12 +233,12 @@ def restore_state(opt: OffloadedOptimizer, saved: Any) -> OffloadedOptimizer:
                 offset += len(chunk)
         scalars.append({k: _small(v) for k, v in entry.items() if k not in arrays}
                        if any(k in entry for k in arrays[1:]) else None)
-    opt._slot_of = target  # every checksum matched: commit
+    options = [{k: _small(v) for k, v in saved_group.items()
+                if k not in ("params", "param_names")} for saved_group in saved["param_groups"]]
+    opt._slot_of = target  # every checksum matched (the options' too): commit
     opt._scalars = scalars
-    for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):
-        if isinstance(saved_group, dict):
-            group.update({k: _small(v) for k, v in saved_group.items()
-                          if k not in ("params", "param_names")})
+    for group, loaded in zip(opt.param_groups, options, strict=True):
+        group.update(loaded)
     opt._params_from_slots(opt.sub_groups)
     return opt
 
