@@ -443,7 +443,7 @@ def test_parameters_the_swap_would_train_otherwise_are_refused(tmp_path: Path) -
     emb = torch.nn.Embedding(10, 4, sparse=True)
     with OffloadedOptimizer(emb.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
         emb(torch.tensor([1, 2])).sum().backward()
-        with pytest.raises(ConfigError, match="sparse gradient.*SparseAdam"):
+        with pytest.raises(ConfigError, match=r"sparse gradient.*SparseAdam"):
             opt.step()
 
 
