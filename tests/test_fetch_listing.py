@@ -241,11 +241,13 @@ def test_ranks_of_one_launch_share_a_listing_made_at_once(tmp_path: Path) -> Non
     84 samples twice and 84 never."""
     _tree(tmp_path / "d", [f"{i}.bin" for i in range(10)])
     first, second = _ranks(tmp_path, 0.0)
-    assert first.stdout is not None and first.stdout.readline() == "10\n"
-    (tmp_path / "d" / "99.bin").write_bytes(b"late")
-    (tmp_path / "go").touch()
-    assert second.communicate(timeout=60)[0] == "10\n"
-    first.wait()
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "10\n"
+        (tmp_path / "d" / "99.bin").write_bytes(b"late")
+        (tmp_path / "go").touch()
+        assert second.communicate(timeout=60)[0] == "10\n"
+    finally:
+        _end(first, second)
 
 
 def test_ranks_of_one_launch_share_a_listing_taken_by_its_age(tmp_path: Path) -> None:
@@ -256,11 +258,20 @@ def test_ranks_of_one_launch_share_a_listing_taken_by_its_age(tmp_path: Path) ->
                              listing_ttl=60)) == 10  # an earlier run keeps the listing
     (tmp_path / "d" / "99.bin").write_bytes(b"late")
     first, second = _ranks(tmp_path, 2.0)
-    assert first.stdout is not None and first.stdout.readline() == "10\n"  # by its age
-    time.sleep(2.5)  # the TTL runs out
-    (tmp_path / "go").touch()
-    assert second.communicate(timeout=60)[0] == "10\n"
-    first.wait()
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "10\n"  # by its age
+        time.sleep(2.5)  # the TTL runs out
+        (tmp_path / "go").touch()
+        assert second.communicate(timeout=60)[0] == "10\n"
+    finally:
+        _end(first, second)
+
+
+def _end(*procs: subprocess.Popen[str]) -> None:
+    """A failed check leaves no rank waiting for "go"."""
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 def test_cached_dataset_with_sizes_given(tmp_path: Path,

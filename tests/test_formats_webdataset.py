@@ -327,9 +327,14 @@ def test_ranks_of_one_launch_share_the_shard_listing(tmp_path: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(shards), str(tmp_path / "c"),
                                go], env=env, stdout=subprocess.PIPE, text=True)
              for go in ("now", str(tmp_path / "go"))]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline() == "started\n"
-    first = procs[0].communicate(timeout=60)[0]
-    shutil.copy(shards / SHARDS[0], shards / "shard-000009.tar")  # a shard appears
-    (tmp_path / "go").touch()
-    assert procs[1].communicate(timeout=60)[0] == first
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "started\n"
+        first = procs[0].communicate(timeout=60)[0]
+        shutil.copy(shards / SHARDS[0], shards / "shard-000009.tar")  # a shard appears
+        (tmp_path / "go").touch()
+        assert procs[1].communicate(timeout=60)[0] == first
+    finally:
+        for p in procs:  # a failed check leaves none waiting for "go"
+            p.kill()
+            p.wait()
