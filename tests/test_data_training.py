@@ -701,6 +701,15 @@ def test_fetch_claims_first_use_is_thread_safe(tmp_path: Path) -> None:
     assert not problems, problems[:3]
 
 
+def test_counters_made_again_in_one_process_share_its_slot(tmp_path: Path) -> None:
+    """The finding: each handle took a slot of its own, and a process that made its
+    dataset 1,024 times (a loop of opens and closes) got "more than 1024 live processes"."""
+    path = str(tmp_path / "counters.bin")
+    for _ in range(1100):
+        SharedCounters(path).add(accesses=1)
+    assert SharedCounters(path).totals()["accesses"] == 1100
+
+
 def test_claims_of_two_processes_each_with_a_holder_and_a_waiter(tmp_path: Path) -> None:
     """The finding: in each of two processes one thread holds a claim (a prefetcher) while
     another waits on the one the other process holds (a reader). The kernel owns lockf

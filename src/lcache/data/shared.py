@@ -42,6 +42,7 @@ WIDTH = SLOT_BYTES // 8
 OWNER = WIDTH - 1
 # (path, inode) -> mapped counter table, per process (inherited by fork)
 _TABLES: dict[tuple[str, int], Any] = {}
+_SLOT_LOCKS: dict[tuple[int, int], threading.Lock] = {}  # (id of its table, slot)
 
 
 class FetchClaims:
@@ -181,21 +182,29 @@ class SharedCounters:
             return self._slot
         with _SETUP:
             if self._pid != os.getpid():
-                self._slot = self._claim(self._table())
-                self._lock = threading.Lock()
+                table = self._table()
+                index = self._claim(table)
+                self._slot = table[index]
+                # one lock per slot: handles of one process share its slot
+                self._lock = _SLOT_LOCKS.setdefault((id(table), index), threading.Lock())
                 self._pid = os.getpid()
         return self._slot
 
-    def _claim(self, table: Any) -> Any:
-        """A slot whose owner (pid in its last word) is gone, taken under a brief flock."""
+    def _claim(self, table: Any) -> int:
+        """This process's slot (a handle made again takes the one it had: each took a new
+        one, and a process that made its dataset 1,024 times ran out), else one whose owner
+        (pid in its last word) is gone, taken under a brief flock."""
         fd = open_owned(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            for slot in table:
-                owner = int(slot[OWNER])
+            owners = table[:, OWNER]
+            mine = np.flatnonzero(owners == os.getpid())
+            if len(mine):
+                return int(mine[0])
+            for index, owner in enumerate(owners.tolist()):
                 if owner == 0 or not _alive(owner):
-                    slot[OWNER] = os.getpid()
-                    return slot
+                    table[index, OWNER] = os.getpid()
+                    return index
         finally:
             close_file(fd)  # also releases the flock
         raise RuntimeError(f"more than {SLOTS} live processes use {self.path}")
