@@ -247,15 +247,13 @@ class DirectoryIdentity:
     def _refuse_if_open(self, users: int, stored: dict[str, Any] | None, doc: dict[str, Any],
                         changed: int) -> None:
         """Refuse to change what the cached samples mean while a handle uses them."""
-        try:
-            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _alone(users):
             what = (f"{changed} of its samples changed or name other objects since it was "
                     "opened there" if stored is not None else "its cache.json is gone")
             raise ConfigError(
                 f"{self.cache_dir} is open for {_describe(stored or doc)} (in another process, "
                 f"or a handle of this one not closed), and {what}: close that first "
-                "(cache.close()), or use one cache directory per dataset and split") from None
+                "(cache.close()), or use one cache directory per dataset and split")
 
     def _load(self) -> dict[str, Any] | None:
         """The stored identity, or None if there is none this version can trust."""
