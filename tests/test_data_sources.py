@@ -288,6 +288,34 @@ def test_s3_object_rewritten_with_same_size_is_fetched_again(s3_endpoint: str,
     assert _read_all(again) == [_blob(0, 700), _blob(1, 700), _blob(99, 700), _blob(3, 700)]
 
 
+def test_s3_rewrite_is_seen_past_the_listing_cache_of_the_process(s3_endpoint: str,
+                                                                   tmp_path: Path) -> None:
+    """s3fs answers ``info`` from the listing it made earlier in the process: a dataset made
+    again with files= (or a range source) saw the old ETag, and the old bytes were served."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("relisted")
+    for i in range(3):
+        fs.pipe_file(f"relisted/d/s{i}.bin", _blob(i, 600))
+    opts = _s3_options(s3_endpoint)
+    first = CachedDataset("s3://relisted/d/", tmp_path / "cache", CAPACITY,
+                          storage_options=opts)  # a listing: s3fs keeps it in the process
+    assert first[0] == _blob(0, 600)
+    first.cache.close()
+    fs.pipe_file("relisted/d/s0.bin", _blob(99, 600))  # same size, new ETag
+    names = [f"s{i}.bin" for i in range(3)]
+    again = CachedDataset(FileSource("s3://relisted/d/", files=names, storage_options=opts),
+                          tmp_path / "cache", CAPACITY)
+    assert again.cache.invalidated == 1
+    assert again[0] == _blob(99, 600)
+    again.cache.close()
+    fs.pipe_file("relisted/d/s1.bin", _blob(98, 600))
+    ranges = RangeSource("s3://relisted/d/", names, [0, 0, 0], [600, 600, 600],
+                         storage_options=opts)
+    assert ranges.fetch(1) == _blob(98, 600)
+
+
 def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 

@@ -372,8 +372,13 @@ class Remote:
         return self.run(lambda: self.bounded(job(*part) for part in parts))
 
     def infos(self, paths: list[str]) -> list[dict[str, Any]]:
-        """fsspec ``info`` of each path, concurrently, each retried."""
+        """fsspec ``info`` of each path, concurrently, each retried; asked of the remote,
+        never of the filesystem's listing cache (s3fs and gcsfs answer ``info`` from a
+        listing made earlier in the process: an object rewritten since kept its old ETag,
+        and its old cached bytes were served as current)."""
         fs, _ = self.fs()
+        for folder in {p.rpartition("/")[0] for p in paths}:
+            fs.invalidate_cache(folder)
         if not self.is_async:
             try:
                 return [fs.info(p) for p in paths]
