@@ -316,6 +316,32 @@ def test_s3_rewrite_is_seen_past_the_listing_cache_of_the_process(s3_endpoint: s
     assert ranges.fetch(1) == _blob(98, 600)
 
 
+def test_one_bucket_behind_two_endpoints_is_two_datasets(s3_endpoint: str,
+                                                         tmp_path: Path) -> None:
+    """Which S3-compatible store a URL names is in its storage options: with check=False the
+    bytes cached from one endpoint were served for the same bucket and keys of another."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("twice")
+    fs.pipe_file("twice/d/s0.bin", b"A" * 100)
+    ds = CachedDataset("s3://twice/d/", tmp_path / "cache", CAPACITY,
+                       storage_options=_s3_options(s3_endpoint), check=False)
+    assert ds[0] == b"A" * 100
+    ds.cache.close()
+    other = _s3_options(s3_endpoint.replace("127.0.0.1", "localhost"))  # another endpoint
+    with pytest.raises(ConfigError, match="location 'endpoint_url=http://localhost"):
+        CachedDataset("s3://twice/d/", tmp_path / "cache", CAPACITY, storage_options=other,
+                      check=False)
+    # Credentials are not where the data is: a rotated key keeps the cache.
+    again = CachedDataset("s3://twice/d/", tmp_path / "cache", CAPACITY, check=False,
+                          storage_options={**_s3_options(s3_endpoint), "secret": "rotated"})
+    assert again[0] == b"A" * 100
+    assert FileSource("s3://twice/d/", storage_options={
+        "client_kwargs": {"endpoint_url": s3_endpoint}, "key": "x", "secret": "y"}
+    ).location == f"endpoint_url={s3_endpoint}"
+
+
 def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 

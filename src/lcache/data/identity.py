@@ -42,7 +42,7 @@ log = logging.getLogger("lcache")
 FORMAT = 2  # format 1 (lcache 0.1) identified a dataset by its length and a size estimate
 PROBES = 32  # items whose full bytes identify a dataset without a listing
 REPEATS = 4  # of them read twice: a dataset with random items is refused
-COMPARED = ("kind", "source", "name", "fingerprint", "content")
+COMPARED = ("kind", "source", "location", "name", "fingerprint", "content")
 
 
 def probe_indices(n: int) -> list[int]:
@@ -94,6 +94,8 @@ class Identity:
 def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity:
     doc: dict[str, Any] = {"kind": type(source).__name__, "source": source.url,
                            "samples": len(source), "name": name, "fingerprint": fingerprint}
+    if getattr(source, "location", ""):  # an endpoint: absent from caches made without one
+        doc["location"] = source.location
     listing = source.fingerprints() if hasattr(source, "fingerprints") else None
     if listing is None:
         content = getattr(source, "content", None)
@@ -127,7 +129,8 @@ def _digest(data: bytes) -> str:
 
 
 def _describe(doc: dict[str, Any]) -> str:
-    extra = "".join(f", {k} {doc[k]!r}" for k in ("name", "fingerprint") if doc.get(k))
+    extra = "".join(f", {k} {doc[k]!r}" for k in ("location", "name", "fingerprint")
+                    if doc.get(k))
     return f"{doc.get('source')!r} ({doc.get('samples')} samples{extra})"
 
 

@@ -87,6 +87,13 @@ VERSION_FIELDS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "version
                   "mtime", "created", "ino")
 
 
+# Storage options (at any depth: s3fs's client_kwargs) that say where the data is, not who
+# may read it.
+LOCATION_OPTIONS = frozenset({"endpoint_url", "endpoint", "account_name", "account_url",
+                              "account_host", "host", "port", "base_url",
+                              "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"})
+
+
 def object_version(info: dict[str, Any]) -> str:
     """The version fields of an fsspec info dict, as one string ("" if it has none)."""
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
@@ -214,6 +221,28 @@ class Remote:
             # filesystem, not the parent's (fsspec refuses that one).
             self._fs, self._root, self._pid = fs, root, os.getpid()
         return self._fs, self._root
+
+    def location(self) -> str:
+        """The storage options that choose which store the URL names (an S3-compatible
+        endpoint, an Azure account), as ``key=value`` pairs; "" when there are none. One
+        bucket and key behind two endpoints are two datasets. Credentials are left out: a
+        rotated key names the same data."""
+        found: list[str] = []
+        scheme = self.url.partition("://")[0].lower() if "://" in self.url else "file"
+        from fsspec.config import conf  # options fsspec applies from its config and env
+
+        todo: list[Any] = [conf.get(scheme, {}), self.storage_options]
+        if scheme in ("s3", "s3a"):  # botocore's own: an endpoint for every AWS client
+            todo.append({k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3",
+                                                        "AWS_ENDPOINT_URL")})
+        while todo:
+            options = todo.pop()
+            for key, value in options.items():
+                if isinstance(value, dict):
+                    todo.append(value)
+                elif key in LOCATION_OPTIONS and value not in (None, ""):
+                    found.append(f"{key}={value}")
+        return ";".join(sorted(set(found)))
 
     @property
     def is_async(self) -> bool:

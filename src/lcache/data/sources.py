@@ -57,7 +57,9 @@ class Source(Protocol):
     - ``versioned()``: whether its fingerprints see an object rewritten with the same size
       (a warning says so when they do not);
     - ``path_of(index)``: where the sample lives (a URL, or a shard URL and key), for
-      transforms and error messages.
+      transforms and error messages;
+    - ``location``: what besides ``url`` says where the data is (an S3 endpoint): part of
+      the cache directory's identity.
     """
 
     url: str
@@ -110,6 +112,7 @@ class FileSource:
                  progress: bool | None = None, **fetch_options: Any) -> None:
         self._remote = Remote(url, storage_options, _fetch_options(fetch_options))
         self.url = self._remote.url
+        self.location = self._remote.location()
         suffix_filter(suffixes)  # checks them before they are used
         listing_ttl = seconds(listing_ttl, "listing_ttl")
         key = {"kind": type(self).__name__, "url": self.url, "files": files,
@@ -306,6 +309,7 @@ class RangeSource:
         """The table: ``files`` (names under the URL) with their fsspec ``infos``, and per
         sample its file (an index into ``files``), offset and length."""
         self.url = remote.url
+        self.location = remote.location()
         self._remote = remote
         self._files = list(files)
         self._file_of = np.asarray(file_of, dtype=np.int32)

@@ -135,7 +135,8 @@ class WebDatasetSource(RangeSource):
     def _index(remote: Remote, names: list[str], sizes: list[int],
                infos: list[dict[str, Any]], cache_dir: str | os.PathLike[str] | None,
                progress: bool | None, block: int) -> list[list[Entry]]:
-        ids = [f"{remote.url}|{n}|{s}|{object_version(i)}" if object_version(i) else None
+        where = f"{remote.url}|{remote.location()}"
+        ids = [f"{where}|{n}|{s}|{object_version(i)}" if object_version(i) else None
                for n, s, i in zip(names, sizes, infos, strict=True)]
         with KeptIndex(cache_dir, "webdataset") as kept:
             known = kept.load()
