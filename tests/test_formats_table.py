@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lcache.data import CachedDataset, SourceError
+from lcache.data import CachedDataset, FileSource, SourceError
 from lcache.data.formats import TableSource
 from lcache.errors import ConfigError, CorruptionError
 from lcache.testing.remote import ThrottledServer
@@ -66,11 +66,26 @@ def test_over_http_coalesced_and_cached(tmp_path: Path, files: dict[str, bytes])
         assert [ds[i] for i in range(4)] == _want(files)
 
 
+def test_percent_encoded_parents_do_not_leave_the_url(tmp_path: Path,
+                                                      files: dict[str, bytes]) -> None:
+    """HTTP clients decode "%2e%2e" and normalise it away: a table row or files= name
+    "%2e%2e/secret.bin" under /data was fetched as /secret.bin, and cached as a sample."""
+    (tmp_path / "secret.bin").write_bytes(b"outside the source")
+    (tmp_path / "data" / "t.csv").write_text("path,offset,length\n%2e%2e/secret.bin,0,5\n")
+    with ThrottledServer(str(tmp_path)) as server:
+        with pytest.raises(CorruptionError, match=r"'%2e%2e/secret\.bin' is not under"):
+            TableSource(server.url + "/data", "t.csv")
+        with pytest.raises(ConfigError, match=r"'%2e%2e/secret\.bin' is not a name"):
+            FileSource(server.url + "/data", files=["%2e%2e/secret.bin"])
+        assert server.paths["/secret.bin"] == 0
+
+
 @pytest.mark.parametrize("body,why", [
     ("path,offset\na.bin,0\n", r"header \['path', 'offset'\] lacks"),
     ("path,offset,length\na.bin,0,100\na.bin,-1,5\n", r"row 3: \('a.bin', '-1', '5'\)"),
     ("path,offset,length\na.bin,zero,5\n", r"row 2:"),
     ("path,offset,length\n../x.bin,0,5\n", r"row 2: '../x.bin' is not under"),
+    ("path,offset,length\nsub/%2E%2e/%2e%2e/x.bin,0,5\n", r"row 2: 'sub/%2E%2e/%2e%2e/x"),
     ("path,offset,length\n", "lists no samples"),
     # Regression: an offset past 2**63 was a bare OverflowError, and one that overflowed
     # int64 with its length slipped past the end-of-file check.

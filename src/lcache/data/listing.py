@@ -38,7 +38,7 @@ import numpy.typing as npt
 import xxhash
 
 from lcache import jsondoc
-from lcache.data.remote import Remote, SourceError, object_version
+from lcache.data.remote import Remote, SourceError, climbs, object_version
 from lcache.errors import ConfigError
 from lcache.io import atomic_write, close_file, private_dir, read_and_close
 from lcache.io.files import open_owned
@@ -136,6 +136,8 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
         subdirs = []
         for entry in entries:
             name = str(entry["name"]).rstrip("/")
+            if name.startswith(below) and climbs(name[len(below):]):
+                continue  # "%2e%2e/x" is fetched as "../x": not below this folder
             if entry.get("type") == "directory":
                 # Only below this folder: an HTML listing also links to parents and siblings.
                 if name.startswith(below) and name not in seen:

@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,6 +98,13 @@ LOCATION_OPTIONS = frozenset({"endpoint_url", "endpoint", "account_name", "accou
 def object_version(info: dict[str, Any]) -> str:
     """The version fields of an fsspec info dict, as one string ("" if it has none)."""
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
+
+
+def climbs(name: str) -> bool:
+    """Whether the relative name ``name`` has a ``..`` segment, as written or percent-encoded
+    (HTTP clients decode ``%2e%2e`` and normalise the path: ``d/%2e%2e/x`` is fetched as
+    ``x``, outside ``d``)."""
+    return any(".." in form.split("/") for form in (name, urllib.parse.unquote(name)))
 
 
 def _absolute(url: str) -> str:
@@ -271,7 +279,7 @@ class Remote:
                 ``files=["../../etc/x"]`` would have read and cached a file outside it.
         """
         if not isinstance(relative, str) or "\0" in relative or "://" in relative or \
-                ".." in relative.split("/"):
+                climbs(relative):
             raise ConfigError(f"{relative!r:.200} is not a name under {self.url}: give names "
                               "relative to it, without '..'")
         _, root = self.fs()

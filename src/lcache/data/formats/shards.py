@@ -15,7 +15,13 @@ import numpy.typing as npt
 
 from lcache import jsondoc
 from lcache.data.listing import Listing, kept_listing, list_objects, suffix_filter
-from lcache.data.remote import FetchOptions, Remote, SourceCorruptionError, SourceError
+from lcache.data.remote import (
+    FetchOptions,
+    Remote,
+    SourceCorruptionError,
+    SourceError,
+    climbs,
+)
 from lcache.errors import ConfigError
 
 _BRACES = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
@@ -117,7 +123,7 @@ def under_url(name: Any, url: str, where: str) -> str:
     relative path without ``..``; an index that names ``../x`` or ``/etc/x`` would have lcache
     read and cache files outside the dataset."""
     if (not isinstance(name, str) or not name or "\0" in name or "://" in name
-            or name.startswith("/") or ".." in name.split("/")):
+            or name.startswith("/") or climbs(name)):
         raise SourceCorruptionError(f"{where}: {name!r} is not under {url}")
     return name
 
