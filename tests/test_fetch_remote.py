@@ -218,6 +218,19 @@ def test_a_coalesced_answer_of_the_wrong_length_is_refused(tmp_path: Path, big: 
         assert server.paths["/big.bin"] == 1  # a wrong length is not a transient error
 
 
+def test_an_answer_from_the_wrong_place_is_refused(tmp_path: Path, big: bytes) -> None:
+    """The right length from the wrong place (a server or proxy that mislabels a range):
+    fsspec reads any body, and these bytes were cached as the samples."""
+    offsets, lengths = _ranges(3, 10, len(big) - 5000, gap=0)
+    offsets = [o + 5000 for o in offsets]
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "misplaced") as server:
+        src = RangeSource(server.url, "big.bin", offsets, lengths)
+        with pytest.raises(SourceError, match=r"big.bin answered a request for bytes 5000-\d+ "
+                           r"with other bytes \(Content-Range: bytes 0-"):
+            src.fetch_many(range(10))
+        assert server.paths["/big.bin"] == 1  # not transient: not asked again
+
+
 def test_a_server_that_gzips_what_it_sends_still_gives_the_stored_bytes(
         tmp_path: Path, objects: list[bytes], big: bytes) -> None:
     """nginx's gzip compresses a response (and drops Range) for a client that accepts it,

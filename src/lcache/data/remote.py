@@ -170,6 +170,31 @@ def _why(exc: BaseException, timeout: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of ``url`` over fsspec's HTTP session, with the place of the answer
+    checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that answered a
+    range with other bytes of the right length had them cached as the sample. A 200 (the
+    whole object: a server without ranges) is returned as is; the caller refuses it unless
+    it is exactly the range."""
+    kw = dict(fs.kwargs)
+    headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        data: bytes = await r.read()
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        r.raise_for_status()
+        if r.status == 206:
+            answered = r.headers.get("Content-Range", "")
+            unit, _, span = answered.partition(" ")
+            first = span.partition("-")[0]
+            if unit != "bytes" or not first.isdigit() or int(first) != start:
+                raise SourceCorruptionError(
+                    f"{url} answered a request for bytes {start}-{end} with other bytes "
+                    f"(Content-Range: {answered or 'none'})")
+    return data
+
+
 # Filesystems a forked process got from its parent (DataLoader workers), kept referenced for
 # the life of the process. Why: collecting one runs its finalizer, which closes its pooled
 # connections through the parent's event loop object, whose epoll set fork shares with the
@@ -361,6 +386,9 @@ class Remote:
         url = self.full_url(path)
         traced = (url, start or 0, 0 if end is None else end - (start or 0))
         if self.is_async:
+            if start is not None and end is not None and "http" in _protocols(fs):
+                return await self.attempt(lambda: _http_range(fs, path, start, end), what,
+                                          traced)
             kw = self._whole_kw if start is None else {}
             return await self.attempt(
                 lambda: fs._cat_file(path, start=start, end=end, **kw), what, traced)

@@ -38,6 +38,8 @@ FAULTS = {
     "cut": "announce the full length, send half the body, close the connection",
     "short": "answer honestly with half the asked bytes (a truncated object)",
     "ignore-range": "send the whole file with 200, as a server without Range support",
+    "misplaced": "answer a range with as many bytes from the start of the file, labelled so "
+                 "(right length, wrong place)",
     "stall": "wait stall_seconds (30) before closing without an answer (a client timeout)",
     "gzip": "to a client that accepts gzip, send the whole file gzipped with 200 (as nginx's "
             "gzip does, dropping Range)",
@@ -235,6 +237,9 @@ class ThrottledServer:
                 end = min(size, int(hi) + 1) if hi and lo else size
                 status = 206
                 meta["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+            if fault == "misplaced" and status == 206:
+                start, end = 0, end - start
+                meta["Content-Range"] = f"bytes 0-{end - 1}/{size}"
             announced = end - start
             if fault == "short":
                 announced = (end - start) // 2
