@@ -105,6 +105,28 @@ def test_a_state_for_other_parameters_is_refused(tmp_path: Path) -> None:
         checkpoint.load(path, like={"optimizer": opt})
 
 
+def test_a_state_of_another_shape_or_options_is_a_mismatch_not_damage(tmp_path: Path) -> None:
+    """The finding: a sound checkpoint of Linear(16, 8) loaded into Linear(16, 9), or one
+    saved without amsgrad into an amsgrad optimizer, was a CorruptionError blaming the file
+    (which verify() finds sound) without the saved size."""
+    small = torch.nn.Linear(16, 8)
+    with OffloadedOptimizer(small.named_parameters(), dir=tmp_path / "a", lr=0.01) as opt:
+        small(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        path = checkpoint.save({"optimizer": opt}, tmp_path / "ckpt")
+    wider = torch.nn.Linear(16, 9)
+    with OffloadedOptimizer(wider.named_parameters(), dir=tmp_path / "b", lr=0.01) as opt, \
+            pytest.raises(checkpoint.StateMismatchError, match=r"'weight'/master holds 128 "
+                          r"elements; this optimizer's 'weight' has 144"):
+        checkpoint.load(path, like={"optimizer": opt})
+    same_shape = torch.nn.Linear(16, 8)
+    with OffloadedOptimizer(same_shape.named_parameters(), dir=tmp_path / "c", lr=0.01,
+                            amsgrad=True) as opt, \
+            pytest.raises(checkpoint.StateMismatchError, match="has no max_exp_avg_sq"):
+        checkpoint.load(path, like={"optimizer": opt})
+    assert checkpoint.verify(path).ok
+
+
 def test_kill_9_mid_step_then_resume_from_the_last_checkpoint_is_bit_exact(
         tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-m", "tests._offload_train", str(tmp_path),

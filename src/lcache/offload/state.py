@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lcache.checkpoint.errors import StateMismatchError
 from lcache.checkpoint.format import StoredArray, StreamedArray, torch_dtype, torch_dtype_name
 from lcache.errors import ConfigError, CorruptionError
 from lcache.io import pread_full, pwrite_full
@@ -148,14 +149,23 @@ def _check(opt: OffloadedOptimizer, saved: Any) -> dict[str, Any]:
         has_states = isinstance(entry, dict) and any(k in entry for k in arrays[1:])
         for array in arrays if has_states else arrays[:1]:
             got = entry.get(array) if isinstance(entry, dict) else None
+            if got is None and isinstance(entry, dict) and array != MASTER:
+                raise StateMismatchError(
+                    f"checkpoint state {name!r} has no {array}: it was saved by an optimizer "
+                    "with other options (amsgrad?); make this one as it was")
             if isinstance(got, torch.Tensor):
-                ok = got.dtype == torch.float32 and got.numel() == numel
+                f32, saved = got.dtype == torch.float32, got.numel()
+            elif isinstance(got, StoredArray):
+                f32, saved = got.dtype == "float32", got.nbytes // F32
             else:
-                ok = isinstance(got, StoredArray) and got.nbytes == numel * F32 \
-                    and got.dtype == "float32"
-            if not ok:
+                f32, saved = False, 0
+            if not f32:
                 raise CorruptionError(f"checkpoint state {name!r}/{array}: a float32 array of "
                                       f"{numel} elements was expected")
+            if saved != numel:  # a sound checkpoint of another model
+                raise StateMismatchError(
+                    f"checkpoint state {name!r}/{array} holds {saved} elements; this "
+                    f"optimizer's {name!r} has {numel} (another model shape?)")
         for key, like in opt._scalar_kinds.items() if has_states else ():
             if key not in entry or not _same_kind(entry[key], like):
                 got = f"not {_kind(entry[key])}" if key in entry else "it is missing"
