@@ -364,6 +364,11 @@ def numpy_dtype(name: str, where: str) -> np.dtype[Any]:
     return dtype
 
 
+# torch's sub-byte integers (uint1..7, int1..7): it has no copy kernel for them, so only a
+# contiguous one can be saved (by memmove).
+_SUB_BYTE = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8))
+
+
 def _torch_ref(tensor: Any, where: str) -> ArrayRef:
     from lcache.checkpoint.errors import UnsupportedValueError
 
@@ -378,8 +383,12 @@ def _torch_ref(tensor: Any, where: str) -> ArrayRef:
     if tensor.is_nested:  # strided layout, but no single shape
         raise UnsupportedValueError(f"cannot checkpoint {where}: a nested tensor; save its "
                                     "components (.unbind()) instead")
+    name = torch_dtype_name(tensor.dtype)
+    if name in _SUB_BYTE and tensor.numel() > 1 and not tensor.is_contiguous():
+        raise UnsupportedValueError(f"cannot checkpoint {where}: torch cannot copy a "
+                                    f"non-contiguous {name} tensor; save a contiguous one")
     nbytes = tensor.numel() * tensor.element_size()
-    return ArrayRef(where, "torch", torch_dtype_name(tensor.dtype), list(tensor.shape), 0,
+    return ArrayRef(where, "torch", name, list(tensor.shape), 0,
                     nbytes, source=tensor)
 
 
