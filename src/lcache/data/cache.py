@@ -570,7 +570,8 @@ class SampleCache:
     def _read(self, keys: list[int], keeps: list[bool | None], tally: dict[str, int]
               ) -> tuple[list[bytes | memoryview | None], list[int]]:
         """The cached bytes of ``keys`` (main store first, then staging) and where each was
-        found. Hits with keep False, and every staged hit, are removed as they are read."""
+        found. Hits with keep False, and every staged hit, are removed as they are read;
+        staged hits the plan keeps move into the main store."""
         main, staging = self.store(), self.staging()
         data: list[bytes | memoryview | None] = [None] * len(keys)
         where = [NOWHERE] * len(keys)
@@ -600,6 +601,13 @@ class SampleCache:
                     data[i], where[i] = views[j], at
                     if store is main and remove[j]:
                         tally["deleted"] += 1
+            if store is staging:
+                # Staged ahead of its turn, kept from now on by the plan: it enters the main
+                # store as the plan has it enter, at this access (see Prefetcher).
+                kept = [(keys[i], item) for i in todo if (item := data[i]) is not None
+                        and keeps[i]]
+                if kept:
+                    self._put_many(main, [k for k, _ in kept], [b for _, b in kept])
             todo = [i for i in todo if data[i] is None]
         return data, where
 
@@ -691,7 +699,8 @@ class SampleCache:
         self.counters.add(fetches=len(todo), remote_bytes=total, prefetched=len(todo))
         return total
 
-    def _put_many(self, store: Store, keys: list[int], values: list[bytes]) -> list[int]:
+    def _put_many(self, store: Store, keys: list[int], values: Sequence[bytes | memoryview]
+                  ) -> list[int]:
         """Admit ``values`` under ``keys``; returns the keys a full store refused (none
         once it has refused: this process stops admitting there, and warns once)."""
         if store in self._refused:
