@@ -72,6 +72,11 @@ BOMB = "\n".join(
     ("train: !!python/object/apply:os.system [true]\n", ["the tag !!python/object/apply:os.system"
                                                          " is not allowed"]),
     ("train: {epochs: 3, epochs: 1}\n", ["line 1, column 20: the key 'epochs' is given twice"]),
+    # a fraction was dropped: 1.5 epochs ran 1, exit 0, no note
+    ("train: {epochs: 1.5}\n", ["train.epochs must be a whole number, got 1.5"]),
+    ("reader: {batch_size: '2.5'}\n", ["reader.batch_size must be a whole number, got 2.5"]),
+    ("model: {layer_parameters: [1, 2.5]}\n",
+     ["model.layer_parameters[1] must be a whole number, got 2.5"]),
 ])
 def test_bad_workload_file_is_one_line(tmp_path: Path, text: str, words: list[str]) -> None:
     path = tmp_path / "w.yaml"
@@ -198,6 +203,18 @@ def test_shipped_configs_all_validate() -> None:
     for name, path in shipped_configs().items():
         w = load_workload(path)
         assert w.source == path, name
+
+
+def test_whole_numbers_may_have_a_zero_fraction_and_record_lengths_any(tmp_path: Path
+                                                                        ) -> None:
+    w = parse_workload(tiny(tmp_path, train={"epochs": 2.0}, reader={"batch_size": "1e0"}))
+    assert (w.epochs, w.batch_size, w.notes) == (2, 1, [])
+    # DLIO reads record lengths as means and rounds down (MLPerf's resnet50: 114660.07): the
+    # fraction is dropped, and the notes say so
+    w = parse_workload(tiny(tmp_path, dataset={"record_length_bytes": 4096.7}))
+    assert w.record_length == 4096
+    assert w.notes == ["dataset.record_length_bytes 4096.7 is read as 4096 bytes (rounded "
+                       "down, as DLIO does)"]
 
 
 def test_totals_are_bounded_at_parse_time(tmp_path: Path) -> None:

@@ -185,11 +185,13 @@ def _show(value: Any) -> str:
 
 
 def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str,
-            size: bool = False) -> int | float:
-    """``value`` as ``kind`` if it lies in ``lo..hi``; DLIO's float record lengths truncate.
+            size: bool = False, fraction: bool = False) -> int | float:
+    """``value`` as ``kind`` if it lies in ``lo..hi``; an integer may be written ``4096.0``.
 
     Args:
         size: the value is a byte count, which may also be written as ``8MiB``.
+        fraction: an integer may have a fraction, which is dropped (record lengths: MLPerf's
+            resnet50 files give 114660.07, which DLIO also rounds down).
     """
     bad = _err(source, f"{label} must be {'an integer' if kind is int else 'a number'} in "
                f"{lo}..{hi}, got {_show(value)}")
@@ -214,7 +216,10 @@ def _number(label: str, value: Any, kind: type, lo: int, hi: int, source: str,
         if not math.isfinite(value):
             raise bad
         if kind is int:
-            value = int(value)  # DLIO files hold record lengths such as 114660.07
+            if not (fraction or value.is_integer()):
+                # DLIO fails on `epochs: 1.5` (range() of a float); truncating ran 1 epoch
+                raise _err(source, f"{label} must be a whole number, got {_show(value)}")
+            value = int(value)
     if not lo <= value <= hi:
         raise bad
     return kind(value)  # type: ignore[no-any-return]
@@ -357,8 +362,12 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     set_by: dict[str, tuple[str, Any]] = {}
     for attr, key, kind, lo, hi in RANGES:
         prefix = key.partition("|")[0].rpartition(".")[0]  # model.parallelism for .tensor
-        found = [(k, _number(f"{prefix}.{k}", v, kind, lo, hi, source, attr in BYTE_ATTRS))
+        fraction = attr in _FRACTIONAL
+        found = [(k, _number(f"{prefix}.{k}", v, kind, lo, hi, source, attr in BYTE_ATTRS,
+                             fraction))
                  for k, v in _lookup(sec, model, key)]
+        for k, v in _lookup(sec, model, key) if fraction else ():
+            _note_fraction(w, f"{prefix}.{k}", v)
         if found:
             value = _pick(source, prefix, found)
             if attr in set_by and set_by[attr][1] != value:
@@ -399,6 +408,21 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
     return w
 
 
+# Byte sizes DLIO reads as a mean (it draws sizes around them and rounds down): published
+# files give them with a fraction, which is dropped with a note.
+_FRACTIONAL = ("record_length", "record_length_stdev", "record_length_resize")
+
+
+def _note_fraction(w: Workload, key: str, value: Any) -> None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return  # a size such as 8MiB: whole
+    if not number.is_integer():
+        w.notes.append(f"{key} {_show(value)} is read as {int(number)} bytes (rounded down, "
+                       "as DLIO does)")
+
+
 def _note_no_effect(doc: dict[str, Any], w: Workload) -> None:
     for (section, key), why in sorted(NO_EFFECT.items()):
         body = doc.get(section)
@@ -415,7 +439,8 @@ def _record_length_of(doc: dict[str, Any], source: str) -> int:
     for key in ("record_length_bytes", "record_length"):
         if body.get(key) is not None:
             try:
-                return int(_number(f"dataset.{key}", body[key], int, 1, 1 << 36, source))
+                return int(_number(f"dataset.{key}", body[key], int, 1, 1 << 36, source,
+                                   fraction=True))
             except ConfigError:
                 return 0  # reported when the whole file is parsed
     return 0
