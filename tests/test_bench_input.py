@@ -287,7 +287,36 @@ def test_dataset_or_checkpoints_larger_than_the_disk_are_refused(tmp_path: Path)
         with pytest.raises(ConfigError, match=r"2 checkpoint\(s\) of 1 rank\(s\) needs about "
                                               r"8\.0 MiB in .*ck, which has"):
             run_workload(parse_workload(ck), BenchOptions(show_progress=False))
-        assert list((fs / "ck").iterdir()) == []
+        assert not (fs / "ck").exists()
+
+
+@pytest.mark.parametrize(("sections", "words"), [
+    ({"dataset": {"num_files_train": 1 << 24, "record_length_bytes": "64GiB"}},
+     r"generating the dataset needs about"),
+    ({"workflow": {"checkpoint": True}, "model": {"model_size_bytes": "1PiB"},
+      "checkpoint": {"steps_between_checkpoints": 1}}, r"checkpoint\(s\) of 1 rank\(s\) needs"),
+    ({"dataset": {"format": "indexed_binary", "num_files_train": 1,
+                  "num_samples_per_file": 1 << 32, "record_length_bytes": 1}},
+     r"more than 1000000000"),
+])
+def test_a_refused_run_leaves_no_folder(tmp_path: Path, sections: dict[str, Any],
+                                        words: str) -> None:
+    """Refused before anything is written: the data, output and checkpoint folders were made
+    first and left behind empty."""
+    w = parse_workload(tiny(tmp_path, **sections))
+    with pytest.raises(ConfigError, match=words):
+        run_workload(w, BenchOptions(show_progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_folder_refused_after_another_was_made_takes_it_away(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    doc = tiny(tmp_path, workflow={"checkpoint": True},
+               checkpoint={"checkpoint_folder": str(tmp_path / "file" / "ck")},
+               output={"folder": str(tmp_path / "out" / "run1")})
+    with pytest.raises(ConfigError, match="a parent is not a directory"):
+        run_workload(parse_workload(doc), BenchOptions(show_progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 @pytest.mark.parametrize(("sections", "words"), [

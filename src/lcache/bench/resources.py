@@ -28,7 +28,11 @@ def meminfo(key: str) -> int:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still put on the filesystem holding ``path``."""
+    """Bytes an unprivileged writer may still put on the filesystem holding ``path``, which
+    may not exist yet (its nearest existing parent's: checked before anything is created)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 

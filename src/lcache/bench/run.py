@@ -85,6 +85,31 @@ def _owned_dir(path: str, what: str) -> str:
     return full
 
 
+def _owned_dirs(dirs: list[tuple[str, str]]) -> None:
+    """:func:`_owned_dir` for each ``(path, what)``; on a refusal, removes the folders this
+    call created (when still empty), so a refused run leaves nothing behind."""
+    made = []
+    try:
+        for path, what in dirs:
+            top = os.path.abspath(path)  # the highest folder of path that is missing
+            while not os.path.lexists(os.path.dirname(top)):
+                top = os.path.dirname(top)
+            if not os.path.lexists(top):
+                made.append((os.path.abspath(path), top))
+            _owned_dir(path, what)
+    except BaseException:
+        for leaf, top in reversed(made):
+            while True:
+                try:
+                    os.rmdir(leaf)
+                except OSError:
+                    break  # not empty, or never made: leave it
+                if leaf == top:
+                    break
+                leaf = os.path.dirname(leaf)
+        raise
+
+
 def _check_room(w: Workload, world: int, data_dir: str, ck_dir: str, generate: bool) -> None:
     """Refuse a run this machine cannot hold or finish, before anything is generated."""
     steps = steps_per_epoch(w, world) if w.do_train else 0
@@ -182,7 +207,7 @@ class _Run:
     def __init__(self, w: Workload, opts: BenchOptions, comm: Comm) -> None:
         self.w, self.opts, self.comm = w, opts, comm
         self.notes = list(w.notes)
-        self.output = _owned_dir(opts.output or w.output_folder, "output")
+        self.output = os.path.abspath(opts.output or w.output_folder)  # made by run()
         data_dir = opts.data_dir or w.data_folder
         if w.on_s3 != data_dir.startswith("s3://"):
             raise ConfigError(f"data folder {data_dir}: storage.storage_type {w.storage_type} "
@@ -205,13 +230,18 @@ class _Run:
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
         w, comm, opts = self.w, self.comm, self.opts
+        dirs = [(self.output, "output")]
         if w.do_checkpoint or opts.step_io:
-            _owned_dir(self.ck_dir, "checkpoint")
+            dirs.append((self.ck_dir, "checkpoint"))
         if self.generate and not w.on_s3:
-            _owned_dir(self.data_dir, "data")
+            dirs.append((self.data_dir, "data"))
+        # Every refusal comes before a folder is made (a refused run left empty ones): the
+        # folders that exist are checked first, then the room, then the others are made.
+        _owned_dirs([d for d in dirs if os.path.lexists(d[0])])
         _check_room(w, comm.world, self.data_dir, self.ck_dir, self.generate)
         if self.generate and w.do_train:  # before minutes of generating, not after
             _check_batches(w, comm.world, w.num_files_train)
+        _owned_dirs([d for d in dirs if not os.path.lexists(d[0])])
         start = _now()
         trace_mod, trace_path = _enable_trace(self.output, comm.rank) if opts.trace \
             else (None, "")
