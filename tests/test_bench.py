@@ -17,7 +17,7 @@ from lcache.bench import BenchOptions, load_workload, parse_workload, run_worklo
 from lcache.bench import checkpoint as ckpt
 from lcache.bench.config import resolve_config, shipped_configs
 from lcache.bench.datagen import file_names, generate, list_files
-from lcache.bench.metrics import _Block, block_metrics
+from lcache.bench.metrics import RankRecorder, _Block, aggregate, block_metrics
 from lcache.bench.order import epoch_order, steps_per_epoch
 from lcache.bench.reader import SampleReader
 from lcache.cli.main import cli
@@ -328,6 +328,28 @@ def test_au_and_throughput_follow_dlio_formula() -> None:
     assert thr == pytest.approx(3 * 4 / 6.0)
     au2, _, _ = block_metrics(b, batch_size=4, skip_start=1, skip_end=1)
     assert au2 == pytest.approx(100 * 3.0 / (10 - 4 - 2))
+
+
+def test_samples_and_bytes_per_second_share_one_time_base() -> None:
+    """An epoch of two blocks (a checkpoint between them) at different speeds, each step
+    reading 4 samples of exactly 1 MiB: samples/s x 1 MiB is the measured MiB/s. The
+    step-weighted mean of the blocks' rates gave 6 samples/s beside 3.33 MiB/s."""
+    mib = 1 << 20
+    rec = RankRecorder(0, batch_size=4)
+    slow = _Block(start=0.0, end=10.0, load=[0.5] * 5, proc=[2.0] * 5, compute=[1.5] * 5,
+                  nbytes=[4 * mib] * 5)
+    fast = _Block(start=10.0, end=12.0, load=[0.1] * 5, proc=[0.4] * 5, compute=[0.3] * 5,
+                  nbytes=[4 * mib] * 5)
+    rec.epochs[1], rec.epoch_wall[1] = [slow, fast], (0.0, 12.0)
+    e = rec.epoch_metrics(1)
+    # first step of each block excluded: 8 steps of 4 samples over (10 - 2) + (2 - 0.4) s
+    assert e["metric_seconds"] == pytest.approx(9.6)
+    assert e["throughput_samples_per_second"] == pytest.approx(8 * 4 / 9.6)
+    assert e["measured_io_MB_per_second"] == pytest.approx(8 * 4 / 9.6)
+    m = aggregate([rec.to_dict()], record_length=mib, au_target=0.9,
+                  checkpoint_bytes=0)["metric"]
+    assert m["train_io_mean_MB_per_second"] == pytest.approx(
+        m["train_io_measured_mean_MB_per_second"])
 
 
 # --------------------------------------------------------------------------- end to end
