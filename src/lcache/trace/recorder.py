@@ -11,7 +11,13 @@ Processes: after ``fork()`` the child drops the parent's unflushed events (the p
 them), names itself and every file it inherited in the trace, and starts its own flush thread.
 A forked ``multiprocessing`` child (a DataLoader worker) leaves through ``os._exit`` without
 running ``atexit``; ``multiprocessing`` runs its ``Finalize`` hooks first, so the recorder
-registers one there, and DataLoader workers' events arrive complete.
+registers one there, and DataLoader workers' events arrive complete. A process ended by
+SIGTERM (``Pool.terminate()``, which leaving ``with Pool(...)`` calls) flushes in a handler
+and then dies by the signal, as it would have (see ``_on_sigterm``).
+
+Markers: each recording process writes ``recorder`` lines, ``"state": "start"`` when it
+starts (at once, not at the first flush) and ``"state": "end"`` after its last flush; a pid
+with a start and no end lost the events of its last interval (``kill -9``, ``os._exit``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,8 +59,15 @@ class Recorder:
         self._written: set[int] = set()  # file ids whose file_name line is in the trace
         self._mounts = _mount_table()
         self._flush_lock = threading.Lock()
+        self._flushing = 0  # ident of the thread in flush(), 0: none
         self.pid = os.getpid()
-        self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
+        self._start()
+
+    def _start(self) -> None:
+        # Written now, not at the first flush: a process killed before its first flush still
+        # shows that it recorded, and so that its events may be missing.
+        self.writer.write_lines([*process_metadata(self.pid, _process_name(), os.getppid()),
+                                 _marker(self.pid, "start")])
 
     def __call__(self, event: IOEvent) -> None:
         """Record an event handed over as an object (``emit`` appends without one)."""
@@ -71,33 +85,40 @@ class Recorder:
                           io_class)
 
     # -- flushing ------------------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self, tidy: bool = True) -> None:
         """Write every buffered event of every thread (one ``writev()``: each thread's records
-        are joined once and not copied again)."""
+        are joined once and not copied again). ``tidy=False`` (from a signal handler) leaves
+        ended threads' lists tracked: dropping one takes a lock the interrupted code may hold."""
         with self._flush_lock:
-            if self.writer.fd < 0:
-                return
-            _io_tracer.next_flush()
-            blocks: list[bytes | memoryview] = []
-            lines = self._pending_meta
-            self._pending_meta = []
-            for entry in list(_io_tracer.buffers):
-                tid, events, thread = entry
-                n = len(events)
-                if n == 0:
-                    if not thread.is_alive():
-                        _io_tracer.forget_dead_buffer(entry)
-                    continue
-                chunk = b"".join(events[:n])
-                del events[:n]  # appends made meanwhile sit after n and stay
-                blocks.extend(event_blocks(self.pid, tid, chunk))
-                lines.extend(self._file_lines(chunk))
-            # Taken after the events: every op and class name they use was queued before.
-            pid = self.pid
-            lines.extend(dumps({"name": "io_name", "ph": "M", "pid": pid, "tid": pid,
-                                "args": {"kind": kind, "id": ident, "name": name}})
-                         for kind, ident, name in _io_tracer.take_pending())
-            self.writer.write_lines(lines, blocks)
+            self._flushing = threading.get_ident()
+            try:
+                self._flush_locked(tidy)
+            finally:
+                self._flushing = 0
+
+    def _flush_locked(self, tidy: bool) -> None:
+        if self.writer.fd < 0:
+            return
+        _io_tracer.next_flush()
+        blocks: list[bytes | memoryview] = []
+        lines: list[str] = []
+        for entry in list(_io_tracer.buffers):
+            tid, events, thread = entry
+            n = len(events)
+            if n == 0:
+                if tidy and not thread.is_alive():
+                    _io_tracer.forget_dead_buffer(entry)
+                continue
+            chunk = b"".join(events[:n])
+            del events[:n]  # appends made meanwhile sit after n and stay
+            blocks.extend(event_blocks(self.pid, tid, chunk))
+            lines.extend(self._file_lines(chunk))
+        # Taken after the events: every op and class name they use was queued before.
+        pid = self.pid
+        lines.extend(dumps({"name": "io_name", "ph": "M", "pid": pid, "tid": pid,
+                            "args": {"kind": kind, "id": ident, "name": name}})
+                     for kind, ident, name in _io_tracer.take_pending())
+        self.writer.write_lines(lines, blocks)
 
     def _file_lines(self, chunk: bytes) -> list[str]:
         """``file_name`` lines of the files first used in ``chunk`` (found without a Python
@@ -123,8 +144,27 @@ class Recorder:
             out.append(file_metadata(self.pid, fid, name, where))
         return out
 
+    def end(self, how: str, tidy: bool = True) -> None:
+        """Flush, then write the end marker: nothing of this process is left unwritten."""
+        self.flush(tidy)
+        with self._flush_lock:
+            if self.writer.fd >= 0:
+                self.writer.write_lines([_marker(self.pid, "end", how)])
+
+    def flush_from_signal_handler(self, how: str) -> None:
+        """``end`` from a signal handler, which runs in the main thread between two bytecodes:
+        if that thread was inside ``flush`` (holding the lock), waiting would deadlock, so
+        nothing more is written (its interrupted flush is lost, the end marker says nothing);
+        the flush thread holds the lock only for one ``writev``, so it is waited for."""
+        if self._flushing == threading.get_ident():
+            return
+        if not self._flush_lock.acquire(timeout=5.0):
+            return
+        self._flush_lock.release()
+        self.end(how, tidy=False)
+
     def close(self) -> None:
-        self.flush()
+        self.end("disable")
         with self._flush_lock:  # the background thread may be flushing: it finds fd -1
             self.writer.close()
 
@@ -136,7 +176,13 @@ class Recorder:
         _io_tracer.queue_all_names()
         self._written = set()
         self._flush_lock = threading.Lock()
-        self._pending_meta = process_metadata(self.pid, _process_name(), os.getppid())
+        self._flushing = 0
+        self._start()
+
+
+def _marker(pid: int, state: str, how: str = "") -> str:
+    args = {"state": state, "how": how} if how else {"state": state}
+    return dumps({"name": "recorder", "ph": "M", "pid": pid, "tid": pid, "args": args})
 
 
 _flusher: threading.Thread | None = None
@@ -288,6 +334,7 @@ def _register_once() -> None:
         return
     _registered = True
     atexit.register(_at_exit)
+    _install_sigterm_handler()
     os.register_at_fork(after_in_child=_after_fork_in_child)
     # multiprocessing children (DataLoader workers) end with os._exit, after running their
     # Finalize hooks but not atexit; the child's bootstrap clears the finalizers inherited
@@ -301,7 +348,43 @@ def _at_exit() -> None:
     rec = _active
     if rec is not None and rec.pid == os.getpid():
         with contextlib.suppress(OSError):
-            rec.flush()
+            rec.end("exit")
+
+
+#: SIGTERM's handler before ours: SIG_DFL, or the program's handler, which ours calls.
+_prior_sigterm: object = signal.SIG_DFL
+
+
+def _install_sigterm_handler() -> None:
+    """Flush on SIGTERM. ``Pool.terminate()`` (leaving a ``with Pool(...)`` block) and most
+    job schedulers end processes with it, and its default action runs no exit hook: each
+    worker's buffered events were lost. Installed once per process, when tracing starts
+    (forked children inherit it); a handler the program installs later replaces it, and the
+    program's exit path (``sys.exit``: ``atexit``) then flushes."""
+    global _prior_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may install handlers; spawned children still do
+    prior = signal.getsignal(signal.SIGTERM)
+    if prior is signal.SIG_IGN or prior is None:
+        return  # ignored: the process does not die of it; None: a handler set in C, kept
+    _prior_sigterm = prior
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    # Python runs this in the main thread between two bytecodes, not in the C signal
+    # handler, so writing is allowed; the recorder does not wait on a lock this thread holds.
+    rec = _active
+    if rec is not None and rec.pid == os.getpid():
+        with contextlib.suppress(Exception):  # whatever happens, the process must still end
+            rec.flush_from_signal_handler("sigterm")
+    prior = _prior_sigterm
+    if callable(prior):
+        prior(signum, frame)
+        return
+    # The default action, as if we had not been here: the exit status says SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _after_fork_in_child() -> None:

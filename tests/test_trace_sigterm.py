@@ -1,0 +1,127 @@
+"""Traced processes ended by SIGTERM (``with Pool(...)`` leaving: terminate()) flush their
+events; the ``recorder`` start and end markers show which processes may have lost some."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from lcache.report.load import json_lines
+
+
+def _run(tmp_path: Path, code: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    trace = tmp_path / "t.trace"
+    env = dict(os.environ, LCACHE_TRACE=str(trace),
+               LCACHE_TRACE_FLUSH_S="3600")  # no background flush: only the end flushes
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "data.bin")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    return out, [json.loads(line) for line in json_lines(str(trace))]
+
+
+def _reads(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["ph"] == "X" and e["cat"] == "cache-read"]
+
+
+def _markers(events: list[dict]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for e in events:
+        if e.get("name") == "recorder":
+            out.setdefault(e["pid"], []).append(
+                e["args"]["state"] + ("/" + e["args"]["how"] if "how" in e["args"] else ""))
+    return out
+
+
+READS = """
+import os, sys
+import lcache  # honours LCACHE_TRACE
+from lcache.io import open_file, pread_full
+from lcache.io.files import close_file
+
+def reads(n):
+    fd = open_file(sys.argv[1], os.O_RDONLY)
+    buf = memoryview(bytearray(4096))
+    for i in range(n):
+        pread_full(fd, i * 4096, buf, "cache-read")
+    close_file(fd)
+    return n
+
+with open(sys.argv[1], "wb") as f:
+    f.write(bytes(1 << 20))
+"""
+
+
+def test_pool_workers_ended_by_terminate_flush_their_events(tmp_path: Path) -> None:
+    # Leaving the `with` block calls terminate(): SIGTERM to the workers. Each one sleeps
+    # after its reads, so none can leave through its clean exit path first (a race otherwise).
+    out, events = _run(tmp_path, READS + """
+import multiprocessing as mp, time
+ctx = mp.get_context("fork")
+both = ctx.Barrier(2)  # one task per worker
+done = ctx.Semaphore(0)
+
+def work(n):
+    both.wait(60)
+    reads(n)
+    done.release()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    with ctx.Pool(2) as pool:
+        pool.map_async(work, [100, 100], chunksize=1)
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+""")
+    assert out.returncode == 0, out.stderr
+    reads_ = _reads(events)
+    assert len(reads_) == 200 and sum(e["args"]["ret"] for e in reads_) == 819_200
+    # every process that recorded wrote its end marker: nothing may be missing
+    markers = _markers(events)
+    assert len(markers) == 3
+    assert all(m[0] == "start" and m[-1].startswith("end/") for m in markers.values())
+
+
+def test_sigterm_still_kills_and_a_programs_handler_still_runs(tmp_path: Path) -> None:
+    # default action: the flush, then death by SIGTERM, as untraced
+    out, events = _run(tmp_path, READS + """
+reads(10)
+os.kill(os.getpid(), __import__("signal").SIGTERM)
+raise SystemExit("survived SIGTERM")
+""")
+    assert out.returncode == -signal.SIGTERM and len(_reads(events)) == 10
+    assert list(_markers(events).values()) == [["start", "end/sigterm"]]
+    # a handler installed before tracing started is called after the flush
+    (tmp_path / "t.trace").unlink()
+    out, events = _run(tmp_path, """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: (print("mine"), sys.exit(3)))
+""" + READS + """
+reads(10)
+os.kill(os.getpid(), signal.SIGTERM)
+""")
+    assert (out.returncode, out.stdout) == (3, "mine\n") and len(_reads(events)) == 10
+    # one installed after is not overridden; its sys.exit flushes at exit
+    (tmp_path / "t.trace").unlink()
+    out, events = _run(tmp_path, READS + """
+import signal
+signal.signal(signal.SIGTERM, lambda *_: (print("later"), sys.exit(4)))
+reads(10)
+os.kill(os.getpid(), signal.SIGTERM)
+""")
+    assert (out.returncode, out.stdout) == (4, "later\n") and len(_reads(events)) == 10
+    assert list(_markers(events).values()) == [["start", "end/exit"]]
+
+
+def test_a_process_killed_outright_has_a_start_and_no_end(tmp_path: Path) -> None:
+    out, events = _run(tmp_path, READS + """
+reads(10)
+os.kill(os.getpid(), __import__("signal").SIGKILL)
+""")
+    assert out.returncode == -signal.SIGKILL
+    assert _reads(events) == []  # lost, and the markers say so
+    assert list(_markers(events).values()) == [["start"]]
