@@ -161,6 +161,31 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
     assert summarize(t)["classes"]["syscall"]["ops"] >= 8
 
 
+def test_syscalls_see_sendfile_copy_file_range_and_mmap(tmp_path: Path) -> None:
+    """The finding: bytes copied by sendfile (shutil.copyfile) and copy_file_range were in no
+    event of the syscall class, which claims every file I/O; mmap left no trace at all."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    t, src = tmp_path / "sys.trace", tmp_path / "src.bin"
+    src.write_bytes(b"x" * 65536)
+    code = (f"import os, mmap\nsrc = os.open({str(src)!r}, os.O_RDONLY)\n"
+            f"out = os.open({str(tmp_path / 'a.out')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "assert os.sendfile(out, src, 0, 65536) == 65536\n"
+            "assert os.copy_file_range(src, out, 1000, 0) == 1000\n"
+            "m = mmap.mmap(src, 0, prot=mmap.PROT_READ)\nm.close()\n")
+    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
+    assert run.returncode == 0, run.stderr
+    from lcache.report import load
+
+    tr = load(t)
+    rows = [(tr.ops[tr.op[i]], tr.files[tr.file[i]], int(tr.offset[i]), int(tr.result[i]))
+            for i in range(len(tr)) if tr.files[tr.file[i]].startswith(str(tmp_path))]
+    out = str(tmp_path / "a.out")
+    assert rows == [("read", str(src), 0, 65536), ("write", out, 0, 65536),
+                    ("read", str(src), 0, 1000), ("write", out, 65536, 1000),
+                    ("mmap", str(src), 0, 0)]
+
+
 @pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
                     reason="strace is not installed and cannot be (not root)")
 def test_syscall_offsets_a_shared_description_or_o_append_hides_are_unknown(

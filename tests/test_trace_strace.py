@@ -36,3 +36,32 @@ def test_parse_strace_lines() -> None:
     ]
     assert events[0]["ts"] == 200.0 and events[0]["dur"] == 20.0  # monotonic microseconds
     assert events[2]["ts"] == 250.0 and events[2]["dur"] == 150.0
+
+
+COPIES = """\
+7 1700000000.000100 openat(AT_FDCWD</w>, "/d/out", O_WRONLY|O_CREAT, 0644) = 4</d/out> <0.000010>
+7 1700000000.000200 sendfile(4</d/out>, 3</d/in>, [0] => [65536], 65536) = 65536 <0.000020>
+7 1700000000.000300 sendfile(4</d/out>, 3</d/in>, NULL, 100) = 100 <0.000020>
+7 1700000000.000400 copy_file_range(3</d/in>, [4096] => [4196], 5</d/c>, NULL, 100, 0) = 100 \
+<0.000030>
+7 1700000000.000500 splice(3</d/in>, [8], 6<pipe:[99]>, NULL, 16, 0) = 16 <0.000001>
+7 1700000000.000600 mmap(NULL, 8192, PROT_READ, MAP_SHARED, 3</d/in>, 0x1000) = 0x7f00 <0.000001>
+7 1700000000.000700 mmap(NULL, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0) \
+= 0x7f0 <0.000001>
+"""
+
+
+def test_copies_between_fds_and_file_mappings() -> None:
+    events = list(parse(COPIES.splitlines(keepends=True), wall_minus_mono_us=0.0))
+    got = [(e["name"], e["args"]["file"], e["args"]["off"], e["args"]["size"],
+            e["args"]["ret"], e["args"]["sys"]) for e in events]
+    assert got == [
+        ("read", "/d/in", 0, 65536, 65536, "sendfile"),  # offset given
+        ("write", "/d/out", 0, 65536, 65536, "sendfile"),  # out: just opened, at 0
+        ("read", "/d/in", -1, 100, 100, "sendfile"),  # in's position: opened before
+        ("write", "/d/out", 65536, 100, 100, "sendfile"),
+        ("read", "/d/in", 4096, 100, 100, "copy_file_range"),
+        ("write", "/d/c", -1, 100, 100, "copy_file_range"),
+        ("read", "/d/in", 8, 16, 16, "splice"),  # the pipe side is not storage
+        ("mmap", "/d/in", 4096, 8192, 0, "mmap"),  # mapped; the faults' bytes unseen
+    ]

@@ -5,8 +5,12 @@ behind each fd) and turns its log into trace events of class ``syscall``. Offset
 ``pwrite``, ``preadv``, ``pwritev`` carry theirs; for ``read``/``write``/``readv``/``writev`` the
 parser follows the file position per (thread, fd) from ``openat`` (0), ``lseek`` results and the
 bytes moved, and writes ``off: -1`` where it cannot know it (fds opened before tracing, fds
-shared across processes after a fork). Only regular files under ``/`` outside ``/dev``,
-``/proc`` and ``/sys`` are kept; pipes, sockets and terminals are not storage.
+shared across processes after a fork). ``sendfile``, ``copy_file_range`` and ``splice`` move
+bytes between two fds: each gives a read of its input and a write of its output, at the offsets
+given or at the positions followed. ``mmap`` of a file gives an ``mmap`` event (``size``: the
+length mapped, ``ret`` 0): the page faults that then read the file are not system calls, so
+strace cannot see those bytes. Only regular files under ``/`` outside ``/dev``, ``/proc`` and
+``/sys`` are kept; pipes, sockets and terminals are not storage.
 
 strace stops the tracee at every traced system call, so the run is slower: docs/trace.md states
 by how much (benchmarks/trace_overhead.py measures it).
@@ -23,10 +27,14 @@ from lcache.trace.writer import dumps
 
 SYSCALLS = ("read", "write", "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev",
             "preadv2", "pwritev2", "lseek", "openat", "open", "creat", "fsync", "fdatasync",
-            "close")
+            "close", "sendfile", "sendfile64", "copy_file_range", "splice", "mmap")
 _READS = {"read", "pread64", "readv", "preadv", "preadv2"}
 _WRITES = {"write", "pwrite64", "writev", "pwritev", "pwritev2"}
 _POSITIONAL = {"pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2"}
+# (input fd, its offset pointer, output fd, its offset pointer) argument indexes; -1: none
+#: (count after them: argument 3 of sendfile, 4 of the others)
+_COPIES = {"sendfile": (1, 2, 0, -1), "sendfile64": (1, 2, 0, -1),
+           "copy_file_range": (0, 1, 2, 3), "splice": (0, 1, 2, 3)}
 _SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/")
 
 _LINE = re.compile(r"^(\d+)\s+(\d+\.\d+)\s+(\w+)\((.*)$")
@@ -43,6 +51,34 @@ def strace_command(log_path: str, command: list[str], strace: str = "strace") ->
 
 def _storage_path(path: str) -> bool:
     return path.startswith("/") and not path.startswith(_SKIP_PREFIXES) and ":[" not in path
+
+
+def _split_args(args: str) -> list[str]:
+    """Top-level arguments of a call (commas inside ``[...]``, ``{...}`` and the ``<path>``
+    strace -y adds are not separators)."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(args):
+        if c in "[{<":
+            depth += 1
+        elif c in "]}>" and depth:
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(args[start:i].strip())
+            start = i + 1
+    out.append(args[start:].strip())
+    return out
+
+
+def _fd_arg(arg: str) -> tuple[int, str] | None:
+    m = _FD.match(arg)
+    return (int(m[1]), m[2]) if m else None
+
+
+def _offset_arg(arg: str) -> int | None:
+    """The offset an offset pointer held before the call (``[4096]``, ``[0] => [8192]``);
+    ``None`` for ``NULL``: the call used and moved the file position."""
+    m = re.match(r"\[(\d+)\]", arg)
+    return int(m[1]) if m else None
 
 
 def _last_ints(args: str, n: int) -> list[int]:
@@ -79,6 +115,20 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
     # (fd, path) -> the thread that last moved that file's position: a description shared
     # with another thread or a forked child moves under us, so our position is then unknown
     mover: dict[tuple[int, str], int] = {}
+
+    def at_position(tid: int, fd: int, path: str, moved: int) -> int:
+        """The offset of a call at (tid, fd)'s file position, which it moves by ``moved``."""
+        key = (tid, fd)
+        last = mover.get((fd, path), tid)
+        if last != tid:  # moved by another thread or process since: ours is stale
+            position.pop(key, None)
+            position.pop((last, fd), None)
+        mover[(fd, path)] = tid
+        offset = position.get(key, -1)
+        if offset >= 0:
+            position[key] = offset + moved
+        return offset
+
     for tid, wall, name, rest in _joined(lines):
         res = _RESULT.search(rest)
         if res is None or res[1] == "?":
@@ -93,6 +143,42 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
             # the end, wherever that is: unknown
             if ret >= 0 and "O_APPEND" not in args:
                 position[(tid, ret)] = 0
+            continue
+        # the fields of every event of this call; each event adds name and args
+        common = {"cat": "syscall", "pid": tid, "tid": tid,
+                  "ts": round(wall * 1e6 - wall_minus_mono_us, 3),
+                  "dur": round(dur_s * 1e6, 3), "ph": "X"}
+
+        def event(op: str, path: str, offset: int, size: int, result: int,
+                  common: dict[str, Any] = common, name: str = name) -> dict[str, Any]:
+            return {"name": op, **common, "args": {"file": path, "off": offset, "size": size,
+                                                   "ret": result, "sys": name}}
+
+        if name in _COPIES or name == "mmap":
+            parts = _split_args(args)
+            if name == "mmap":  # mmap(addr, length, prot, flags, fd, offset)
+                fd_arg = _fd_arg(parts[4]) if len(parts) == 6 else None
+                if fd_arg is not None and _storage_path(fd_arg[1]):
+                    try:
+                        offset = int(parts[5], 0)  # "0" or "0x1f000"
+                    except ValueError:
+                        offset = -1
+                    yield event("mmap", fd_arg[1], offset, int(parts[1]), min(ret, 0))
+                continue
+            i_in, i_off_in, i_out, i_off_out = _COPIES[name]
+            i_count = 3 if name.startswith("sendfile") else 4
+            count_m = _INT.match(parts[i_count]) if i_count < len(parts) else None
+            count = int(count_m[0]) if count_m else max(ret, 0)
+            moved = max(ret, 0)
+            for op, i, i_off in (("read", i_in, i_off_in), ("write", i_out, i_off_out)):
+                fd_arg = _fd_arg(parts[i]) if i < len(parts) else None
+                if fd_arg is None:
+                    continue
+                off = _offset_arg(parts[i_off]) if i_off >= 0 else None
+                if off is None:  # NULL (or no pointer): at the file position, which moves
+                    off = at_position(tid, fd_arg[0], fd_arg[1], moved)
+                if _storage_path(fd_arg[1]):
+                    yield event(op, fd_arg[1], off, count, ret)
             continue
         fd_m = _FD.match(args)
         if fd_m is None:
@@ -125,22 +211,12 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
                     if offset >= 0:
                         position[key] = offset + moved
             else:
-                last = mover.get((fd, path), tid)
-                if last != tid:  # moved by another thread or process since: ours is stale
-                    position.pop(key, None)
-                    position.pop((last, fd), None)
-                mover[(fd, path)] = tid
-                offset = position.get(key, -1)
+                offset = at_position(tid, fd, path, moved)
                 ints = _last_ints(args, 1)
                 size = ints[0] if name in ("read", "write") and ints else moved
-                if offset >= 0:
-                    position[key] = offset + moved
         else:  # fsync, fdatasync
             op, offset, size = name, 0, 0
-        ts_us = wall * 1e6 - wall_minus_mono_us
-        yield {"name": op, "cat": "syscall", "pid": tid, "tid": tid, "ts": round(ts_us, 3),
-               "dur": round(dur_s * 1e6, 3), "ph": "X",
-               "args": {"file": path, "off": offset, "size": size, "ret": ret, "sys": name}}
+        yield event(op, path, offset, size, ret)
 
 
 def convert(log_path: str, wall_minus_mono_us: float, chunk: int = 20000) -> Iterator[list[str]]:
