@@ -229,3 +229,20 @@ def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> N
     proc.send_signal(signal.SIGTERM)  # lcache trace passes it on and keeps the exit code
     assert proc.wait(timeout=60) == 42
     assert summarize(t)["processes"]
+
+
+def test_syscalls_sample_the_command_not_strace(tmp_path: Path) -> None:
+    """The finding: under --syscalls the sampler's root was strace, which reaped the command
+    and so held all its bytes under strace's name; the command had one sample of zeros."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    t, data = tmp_path / "sys.trace", tmp_path / "f.bin"
+    code = f"open({str(data)!r}, 'wb').write(b'x' * (4 << 20))\n"
+    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
+    assert run.returncode == 0, run.stderr
+    procs = summarize(t)["processes"]
+    assert not [p for p in procs.values() if "strace" in p["name"]]
+    mine = [p for p in procs.values() if p["name"].endswith(code.strip())]
+    assert len(mine) == 1 and mine[0]["wchar"] >= 4 << 20
+    # strace's log was complete when it was read
+    assert summarize(t)["classes"]["syscall"]["write_bytes"] == 4 << 20

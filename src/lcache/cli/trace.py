@@ -90,6 +90,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         except OSError as exc:
             return {"exit_code": 127 if isinstance(exc, FileNotFoundError) else 126,
                     "error": f"{command[0]}: {exc.strerror}"}
+        if log_path:
+            strace_mod.wait_for_exec(proc.pid, argv[0])
         sampler = ProcSampler(proc.pid, writer, interval)
         sampler.start()
         # Wait for the exit without reaping, so the last sample still reads the zombie's
@@ -98,6 +100,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
         sampler.stop()
         code = proc.wait()
+        if log_path:
+            strace_mod.wait_for_tracer(log_path)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -19,10 +19,14 @@ by how much (benchmarks/trace_overhead.py measures it).
 from __future__ import annotations
 
 import errno
+import os
 import re
+import select
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from lcache.io import close_file
 from lcache.trace.writer import dumps
 
 SYSCALLS = ("read", "write", "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev",
@@ -45,8 +49,47 @@ _INT = re.compile(r"-?\d+")
 
 
 def strace_command(log_path: str, command: list[str], strace: str = "strace") -> list[str]:
-    return [strace, "-f", "-qq", "-ttt", "-T", "-y", "-s", "0", "-e",
+    # -D: strace runs as a detached grandchild and the command keeps the pid `lcache trace`
+    # started, so the /proc sampler's root is the command, not strace (strace's counters held
+    # every byte of the command once it reaped it, and its name stood for the command's)
+    return [strace, "-D", "-f", "-qq", "-ttt", "-T", "-y", "-s", "0", "-e",
             "trace=" + ",".join(SYSCALLS), "-o", log_path, "--", *command]
+
+
+def wait_for_exec(pid: int, strace: str, timeout: float = 10.0) -> None:
+    """Wait until ``pid`` (started as ``strace -D``) runs the command: strace execs it once
+    its grandchild has attached, and the sampler names each process when it first sees it."""
+    strace = os.path.realpath(strace)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{pid}/exe") != strace:
+                return
+        except OSError:  # exited (a zombie has no exe), or not ours
+            return
+        time.sleep(0.001)
+
+
+def wait_for_tracer(log_path: str) -> None:
+    """Wait until the strace writing ``log_path`` has exited (its log is then complete).
+
+    With ``-D`` strace is not our child; it outlives the command while the command's children
+    run, as it did as the parent. It is found by its command line (the log's unique name)."""
+    needle = b"\0-o\0" + os.fsencode(log_path) + b"\0"
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if needle not in f.read():
+                    continue
+            pidfd = os.pidfd_open(int(name))
+        except OSError:  # gone, or not ours to read
+            continue
+        try:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        finally:
+            close_file(pidfd)
 
 
 def _storage_path(path: str) -> bool:
