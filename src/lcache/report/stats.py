@@ -260,10 +260,13 @@ def _disk_summary(trace: Trace) -> dict[str, Any]:
         ops = f["reads"] + f["writes"]
         dt = np.diff(ts) / 1e6
         peak_mb = peak_iops = 0.0
-        if len(dt) and (dt > 0).all():
-            step = np.diff(vals, axis=0)
-            mbps = (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt
-            iops = (step[:, 0] + step[:, 2]) / dt
+        # Two samples at one time (a repeated sample) make an interval of no length: it is
+        # skipped, not taken for a reason to give no peak at all.
+        timed = dt > 0
+        if timed.any():
+            step = np.diff(vals, axis=0)[timed]
+            mbps = (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt[timed]
+            iops = (step[:, 0] + step[:, 2]) / dt[timed]
             peak_mb, peak_iops = float(mbps.max()), float(iops.max())
         out[dev] = {"read_bytes": f["read_sectors"] * SECTOR,
                     "write_bytes": f["write_sectors"] * SECTOR,
