@@ -46,3 +46,36 @@ def test_two_disk_samples_at_one_time_keep_the_device_peak(tmp_path: Path) -> No
     assert vda["read_bytes"] == 8192 * 2 * 512
     assert vda["MBps_peak"] >= vda["MBps_mean"] > 0, vda
     assert vda["IOPS_peak"] == 10.0, vda
+
+
+def test_traces_recorded_apart_are_counted_per_file(tmp_path: Path) -> None:
+    """The finding: two runs traced minutes apart, given to one report, were taken for one
+    series: the device's counters and the span ran from the first run's first sample to the
+    second's last (839 MiB read and 198 s for two runs of under a second each). Counters
+    rise per file and the time between files is no part of any span or rate."""
+    gap = 600e6  # the second run, ten minutes later; the disk read 100 GiB in between
+    a = _write(tmp_path / "a.trace", [
+        _op(0.0, 0, dur=1e6), _proc(0.0, 0), _proc(1e6, M),
+        _disk(0.0, 0, 0), _disk(1e6, 2048, 2)])
+    b = _write(tmp_path / "b.trace", [
+        _op(gap, M, dur=1e6), _proc(gap, 5 * M), _proc(gap + 1e6, 6 * M),
+        _disk(gap, 2048 + (100 << 30) // 512, 9), _disk(gap + 1e6, 4096 + (100 << 30) // 512,
+                                                         11)])
+    s = summarize([a, b])
+    vda = s["devices"]["vda"]
+    assert (vda["read_bytes"], vda["reads"], vda["seconds"]) == (2 * M, 4, 2.0), vda
+    assert vda["MBps_mean"] == round(2 * M / 1e6 / 2, 3)
+    assert s["processes"]["100"]["read_bytes"] == 2 * M
+    assert s["processes"]["100"]["seconds"] == 2.0
+    assert s["traced_vs_devices"] == {"traced_bytes": 2 * M, "device_bytes": 2 * M,
+                                      "share": 1.0}
+    assert s["trace"]["span_s"] == 2.0 and s["total"]["span_s"] == 2.0
+    assert s["total"]["MBps_mean"] == round(2 * M / 1e6 / 2, 3)
+    assert s["total"]["MBps_peak"] >= s["total"]["MBps_mean"]
+
+
+def test_traces_of_one_time_share_their_span(tmp_path: Path) -> None:
+    """Files that overlap in time (the ranks of one job) are one span, not two."""
+    a = _write(tmp_path / "a.trace", [_op(0.0, 0, dur=1e6)])
+    b = _write(tmp_path / "b.trace", [_op(0.5e6, 0, dur=1e6, pid=200)])
+    assert summarize([a, b])["trace"]["span_s"] == 1.5

@@ -59,6 +59,12 @@ class Trace:
     #: per file: ``{"dev", "fs", "mnt"}`` as the recorder found them (``{}``: not known)
     file_where: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    #: per event: the index in ``paths`` of the trace file it came from (empty: all from one)
+    source: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    #: per pid / device: the index in ``paths`` of each sample's file (rows of ``proc`` and
+    #: ``disks`` are in file order, then time): counters of two recordings are not one series
+    proc_source: dict[int, npt.NDArray[np.int32]] = field(default_factory=dict)
+    disk_source: dict[str, npt.NDArray[np.int32]] = field(default_factory=dict)
     events: int = 0
     ignored: int = 0
 
@@ -374,7 +380,7 @@ def _dur(value: Any) -> float:
 
 class _Builder:
     def __init__(self) -> None:
-        self.rows: list[tuple[int, int, int, int, int, float, float, int, int, int]] = []
+        self.rows: list[tuple[int, int, int, int, int, float, float, int, int, int, int]] = []
         self.chunks: list[list[npt.NDArray[Any]]] = []  # columns, in file order with rows
         self.io_names: dict[tuple[int, int, str, int], str] = {}  # (source, pid, kind, id)
         self.whole: dict[tuple[int, int], set[str]] = {}  # (source, sampler pid) -> disks
@@ -384,8 +390,8 @@ class _Builder:
         self.fid_names: dict[tuple[int, int, int], str] = {}  # (source, pid, fid) -> path
         self.where: dict[str, dict[str, str]] = {}  # path -> {"dev", "fs", "mnt"}
         self.process_names: dict[int, str] = {}
-        self.proc: dict[int, list[tuple[float, list[int]]]] = {}
-        self.disks: dict[str, list[tuple[float, list[int]]]] = {}
+        self.proc: dict[int, list[tuple[int, float, list[int]]]] = {}  # (source, ts, values)
+        self.disks: dict[str, list[tuple[int, float, list[int]]]] = {}
         self.ignored = 0
         self.events = 0
 
@@ -412,7 +418,7 @@ class _Builder:
                     self.index(self.classes, str(ev.get("cat", "other"))),
                     self.index(self.files, name), _us(ev["ts"]), _dur(ev.get("dur", 0)),
                     _bytes(args.get("off", -1), "offset", -1), _bytes(args.get("size", 0), "size"),
-                    _bytes(args.get("ret", 0), "result", 1 - _MAX_BYTES)))
+                    _bytes(args.get("ret", 0), "result", 1 - _MAX_BYTES), source))
             elif ph == "M" and ev.get("name") == "file_name":
                 name = str(args["name"])
                 self.fid_names[(source, pid, _int(args["fid"]))] = name
@@ -428,10 +434,10 @@ class _Builder:
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
                 self.proc.setdefault(pid, []).append(
-                    (_us(ev["ts"]), [_int(args[k]) for k in PROC_FIELDS]))
+                    (source, _us(ev["ts"]), [_int(args[k]) for k in PROC_FIELDS]))
             elif ph == "C" and ev.get("cat") == DISKSTATS:
                 self.disks.setdefault(str(ev["name"]), []).append(
-                    (_us(ev["ts"]), [_int(args[k]) for k in DISK_FIELDS]))
+                    (source, _us(ev["ts"]), [_int(args[k]) for k in DISK_FIELDS]))
             else:
                 self.ignored += 1
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
@@ -447,7 +453,7 @@ class _Builder:
             self.events += len(samples)
             for key, values in samples:
                 table: Any = self.proc if block.kind == blocks.KIND_PROC_IO else self.disks
-                table.setdefault(key, []).append((ts / 1000.0, values))
+                table.setdefault(key, []).append((source, ts / 1000.0, values))
             return
         self.add_events(source, path, block)
 
@@ -484,7 +490,7 @@ class _Builder:
             np.full(n, pid, np.int64), np.full(n, block.tid, np.int64),
             mapped(code & 0xFFFF, named(self.ops, "op")),
             mapped(code >> 16, named(self.classes, "cat")), mapped(fid, file_of),
-            t0 / 1000.0, (t1 - t0) / 1000.0, off, size, ret])
+            t0 / 1000.0, (t1 - t0) / 1000.0, off, size, ret, np.full(n, source, np.int32)])
 
     def flush_rows(self) -> None:
         if self.rows:
@@ -495,7 +501,7 @@ class _Builder:
 
 
 _DTYPES = (np.int64, np.int64, np.int32, np.int32, np.int32, np.float64, np.float64, np.int64,
-           np.int64, np.int64)
+           np.int64, np.int64, np.int32)
 
 
 def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Trace:
@@ -538,10 +544,13 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         return np.concatenate([c[i] for c in b.chunks]).astype(dtype) if b.chunks \
             else np.array([], dtype=dtype)
 
-    def series(rows: list[tuple[float, list[int]]]) -> tuple[Any, Any]:
-        rows.sort(key=lambda r: r[0])
-        return (np.array([r[0] for r in rows], np.float64),
-                np.array([r[1] for r in rows], np.int64).reshape(len(rows), -1))
+    def series(rows: list[tuple[int, float, list[int]]]) -> tuple[Any, Any]:
+        rows.sort(key=lambda r: (r[0], r[1]))
+        return (np.array([r[1] for r in rows], np.float64),
+                np.array([r[2] for r in rows], np.int64).reshape(len(rows), -1))
+
+    def sources(rows: list[tuple[int, float, list[int]]]) -> Any:
+        return np.array(sorted(r[0] for r in rows), np.int32)  # the order series() gives
 
     trace = Trace(
         pid=arr(0, np.int64), tid=arr(1, np.int64), op=arr(2, np.int32), cls=arr(3, np.int32),
@@ -553,7 +562,10 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         proc={pid: series(rows) for pid, rows in b.proc.items()},
         disks={_printable(dev): series(rows) for dev, rows in b.disks.items()},
         file_where=[b.where.get(name, {}) for name in b.files],
-        paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored)
+        paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored,
+        source=arr(10, np.int32),
+        proc_source={pid: sources(rows) for pid, rows in b.proc.items()},
+        disk_source={_printable(dev): sources(rows) for dev, rows in b.disks.items()})
     _cache_in_memory_apart(trace)
     _fold_rare_classes(trace)
     return trace

@@ -16,6 +16,7 @@ import numpy as np
 from lcache.report.load import PROC_FIELDS, Trace
 from lcache.report.stats import (
     SECTOR,
+    counter_steps,
     data_mask,
     enough_ops,
     nearest_rank,
@@ -269,9 +270,8 @@ def processes(trace: Trace) -> Plot:
     for pid, (ts, vals) in sorted(trace.proc.items()):
         if len(ts) < 2:
             continue
-        dt = np.diff(ts) / 1e6
+        dt, step = counter_steps(ts, vals, trace.proc_source.get(pid))  # NaN between files
         dt[dt <= 0] = np.nan
-        step = np.diff(vals, axis=0)
         storage = (step[:, rb] + step[:, wb]) / 1e6 / dt
         syscalls = (step[:, rc] + step[:, wc]) / 1e6 / dt
         if np.nansum(syscalls) <= 0 and np.nansum(storage) <= 0:
@@ -303,9 +303,8 @@ def devices(trace: Trace) -> Plot:
     for dev, (ts, vals) in sorted(trace.disks.items()):
         if len(ts) < 2:
             continue
-        dt = np.diff(ts) / 1e6
+        dt, step = counter_steps(ts, vals, trace.disk_source.get(dev))  # NaN between files
         dt[dt <= 0] = np.nan
-        step = np.diff(vals, axis=0)
         x = (ts[1:] - t0) / 1e6
         ax.plot(x, (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt, label=dev)
         ax2.plot(x, (step[:, 0] + step[:, 2]) / dt, label=dev)

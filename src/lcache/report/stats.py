@@ -103,9 +103,61 @@ def sequential(trace: Trace, mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool
 def trace_start_us(trace: Trace) -> float:
     """The one time origin of every plot: the first event or /proc sample of the trace."""
     starts = [float(trace.ts_us.min())] if len(trace) else []
-    starts += [float(ts[0]) for ts, _ in (*trace.proc.values(), *trace.disks.values())
+    starts += [float(ts.min()) for ts, _ in (*trace.proc.values(), *trace.disks.values())
                if len(ts)]
     return min(starts, default=0.0)
+
+
+def event_source(trace: Trace) -> npt.NDArray[np.int32]:
+    """Per event, the trace file it came from (all from one where the loader did not say)."""
+    return trace.source if len(trace.source) == len(trace) else np.zeros(len(trace), np.int32)
+
+
+class Timeline:
+    """The time of some events with the gaps between trace files taken out: two runs traced
+    minutes apart and given to one report are not minutes of I/O (a 198 s span for two runs
+    of under a second each). Each file's events span first start to last end; files that
+    overlap in time (ranks of one job) share it."""
+
+    def __init__(self, start_us: npt.NDArray[np.float64], end_us: npt.NDArray[np.float64],
+                 source: npt.NDArray[np.int32]) -> None:
+        spans = sorted((float(start_us[source == k].min()), float(end_us[source == k].max()))
+                       for k in np.unique(source))
+        merged: list[list[float]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts = np.array([lo for lo, _ in merged], np.float64)
+        ends = np.array([hi for _, hi in merged], np.float64)
+        # the time taken out before each interval, and where the squeezed time begins
+        self.cut = np.concatenate([[0.0], np.cumsum(self.starts[1:] - ends[:-1])]) \
+            + (self.starts[0] if len(merged) else 0.0)
+        self.length_us = float((ends - self.starts).sum())
+
+    def squeeze(self, t_us: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """Times as microseconds from the first start, the gaps before them taken out."""
+        i = np.clip(np.searchsorted(self.starts, t_us, side="right") - 1, 0, None)
+        return t_us - self.cut[i]
+
+
+def counter_steps(ts_us: npt.NDArray[np.float64], vals: npt.NDArray[np.int64],
+                  source: npt.NDArray[np.int32] | None
+                  ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Per interval between consecutive /proc samples of one series: (seconds, increase of
+    each counter).
+
+    An interval between two trace files is NaN seconds and no increase: what a disk did
+    between two recordings is no part of either (two runs minutes apart read as 839 MiB
+    for 10 MB traced)."""
+    dt = np.diff(ts_us) / 1e6
+    step = np.diff(vals, axis=0)
+    if source is not None and len(source) == len(ts_us):
+        apart = np.diff(source) != 0
+        dt[apart] = np.nan
+        step[apart] = 0
+    return dt, step
 
 
 def time_bins(span_s: float) -> tuple[float, int]:
@@ -145,12 +197,12 @@ def _class_stats(trace: Trace, rows: npt.NDArray[np.bool_], data: npt.NDArray[np
                        else None),
     }
     if n:
-        start = float(trace.ts_us[d].min())
-        span_s = (float((trace.ts_us[d] + trace.dur_us[d]).max()) - start) / 1e6
+        time = Timeline(trace.ts_us[d], trace.ts_us[d] + trace.dur_us[d], event_source(trace)[d])
+        span_s = time.length_us / 1e6
         if span_s > 0:
             out["MBps_mean"] = round(out["bytes"] / 1e6 / span_s, 3)
             bin_s, nbins = time_bins(span_s)
-            mb, _ = rates(trace.ts_us[d], moved[d], start, bin_s, nbins)
+            mb, _ = rates(time.squeeze(trace.ts_us[d]), moved[d], 0.0, bin_s, nbins)
             out["MBps_peak"] = round(float(mb.max()), 3)
         out["span_s"] = round(span_s, 6)
     return out
@@ -185,7 +237,8 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
                       "mount": where[i]["mount"], "fs": where[i]["fs"]})
     span = 0.0
     if len(trace):
-        span = (float((trace.ts_us + trace.dur_us).max()) - float(trace.ts_us.min())) / 1e6
+        span = Timeline(trace.ts_us, trace.ts_us + trace.dur_us,
+                        event_source(trace)).length_us / 1e6
     return {
         "trace": {"files": trace.paths, "events": trace.events, "io_events": len(trace),
                   "ignored_events": trace.ignored, "span_s": round(span, 6),
@@ -243,28 +296,30 @@ def _proc_summary(trace: Trace) -> dict[str, Any]:
     rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
     rc, wc = PROC_FIELDS.index("rchar"), PROC_FIELDS.index("wchar")
     for pid, (ts, vals) in sorted(trace.proc.items()):
-        d = vals[-1] - vals[0]
+        dt, step = counter_steps(ts, vals, trace.proc_source.get(pid))
+        d = step.sum(axis=0) if len(step) else np.zeros(len(PROC_FIELDS), np.int64)
         out[str(pid)] = {"name": trace.process_names.get(pid, ""), "samples": len(ts),
                          "read_bytes": int(d[rb]), "write_bytes": int(d[wb]),
                          "rchar": int(d[rc]), "wchar": int(d[wc]),
-                         "seconds": round(float(ts[-1] - ts[0]) / 1e6, 3)}
+                         "seconds": round(float(np.nansum(dt)), 3)}
     return out
 
 
 def _disk_summary(trace: Trace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dev, (ts, vals) in sorted(trace.disks.items()):
-        d = vals[-1] - vals[0]
-        secs = float(ts[-1] - ts[0]) / 1e6
+        # per trace file: the counters' increase and the seconds sampled, summed over files
+        dt, steps = counter_steps(ts, vals, trace.disk_source.get(dev))
+        d = steps.sum(axis=0) if len(steps) else np.zeros(len(DISK_FIELDS), np.int64)
+        secs = float(np.nansum(dt))
         f = {k: int(d[i]) for i, k in enumerate(DISK_FIELDS)}
         ops = f["reads"] + f["writes"]
-        dt = np.diff(ts) / 1e6
         peak_mb = peak_iops = 0.0
         # Two samples at one time (a repeated sample) make an interval of no length: it is
         # skipped, not taken for a reason to give no peak at all.
-        timed = dt > 0
+        timed = dt > 0  # False for NaN: an interval between two files
         if timed.any():
-            step = np.diff(vals, axis=0)[timed]
+            step = steps[timed]
             mbps = (step[:, 1] + step[:, 3]) * SECTOR / 1e6 / dt[timed]
             iops = (step[:, 0] + step[:, 2]) / dt[timed]
             peak_mb, peak_iops = float(mbps.max()), float(iops.max())
@@ -285,9 +340,11 @@ def traced_storage_bytes(trace: Trace, grid: npt.NDArray[np.float64]) -> npt.NDA
     write_bytes of /proc/<pid>/io, summed over processes) at the times ``grid``."""
     rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
     total = np.zeros(len(grid))
-    for ts, vals in trace.proc.values():
-        cum = (vals[:, rb] + vals[:, wb] - vals[0, rb] - vals[0, wb]).astype(np.float64)
-        total += np.interp(grid, ts, cum)
+    for pid, (ts, vals) in trace.proc.items():
+        _, step = counter_steps(ts, vals, trace.proc_source.get(pid))
+        cum = np.concatenate([[0.0], np.cumsum(step[:, rb] + step[:, wb], dtype=np.float64)])
+        order = np.argsort(ts, kind="stable")  # files that overlap in time: interp wants order
+        total += np.interp(grid, ts[order], cum[order])
     return total
 
 
@@ -295,9 +352,12 @@ def _traced_vs_devices(trace: Trace) -> dict[str, Any]:
     """How much of the devices' traffic the traced job made: a device may be busy with
     other jobs' I/O. /proc/<pid>/io does not say which device, so this is over all devices."""
     rb, wb = PROC_FIELDS.index("read_bytes"), PROC_FIELDS.index("write_bytes")
-    traced = sum(int(v[-1, rb] - v[0, rb] + v[-1, wb] - v[0, wb]) for _, v in trace.proc.values())
+    traced = sum(int(step[:, rb].sum() + step[:, wb].sum())
+                 for pid, (ts, v) in trace.proc.items()
+                 for step in [counter_steps(ts, v, trace.proc_source.get(pid))[1]])
     rs, ws = DISK_FIELDS.index("read_sectors"), DISK_FIELDS.index("write_sectors")
-    device = sum(int(v[-1, rs] - v[0, rs] + v[-1, ws] - v[0, ws]) * SECTOR
-                 for _, v in trace.disks.values())
+    device = sum(int(step[:, rs].sum() + step[:, ws].sum()) * SECTOR
+                 for dev, (ts, v) in trace.disks.items()
+                 for step in [counter_steps(ts, v, trace.disk_source.get(dev))[1]])
     share = round(traced / device, 4) if device > 0 and trace.proc else None
     return {"traced_bytes": traced, "device_bytes": device, "share": share}
