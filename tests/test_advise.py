@@ -180,9 +180,18 @@ def test_irregular_pauses_are_not_steps(tmp_path: Path) -> None:
 
 def test_scale_per_gpu_node_and_day(tmp_path: Path) -> None:
     """4 x 64 KiB a 10 ms step over 2 traced GPUs: 13.1 MB/s per GPU, x 8 a node."""
-    doc = _advise(tmp_path, loop(30, 4, period_ms=10, read_ms=1, samples=40, ckpt_every=10,
-                                 ckpt_bytes=8 << 20, ckpt_ms=40),
-                  scale_gpus=32, traced_gpus=2)
+    starts: list[int] = []  # the first rank's start: the second runs over the same steps
+
+    def rank(prefix: str, at: int | None = None):  # type: ignore[no-untyped-def]
+        body = loop(30, 4, period_ms=10, read_ms=1, samples=40, ckpt_every=10,
+                    ckpt_bytes=8 << 20, ckpt_ms=40, prefix=prefix)
+
+        def run(now: int) -> None:
+            starts.append(now)
+            body(now if at is None else at)
+        return run
+
+    doc = _advise(tmp_path, rank("/data/s"), scale_gpus=32, traced_gpus=2)
     s = doc["scale"]
     assert (s["gpus"], s["nodes"]) == (32, 4)
     step = doc["fit"]["steps"]["step_s"]
@@ -193,8 +202,10 @@ def test_scale_per_gpu_node_and_day(tmp_path: Path) -> None:
     assert s["from_trace"]["write_bytes_per_day_per_node"] == pytest.approx(writes_a_day,
                                                                             rel=1e-3)
     assert s["from_trace"]["dwpd"] == pytest.approx(writes_a_day / (8 * 3.84e12), rel=1e-3)
-    # Two trace files are two traced GPUs by default (the same file twice: the same rate each).
-    two = advise([tmp_path / "run.trace"] * 2, scale_gpus=32)["scale"]
+    # Two trace files are two traced GPUs by default: a second rank over the same steps, with
+    # its own files (the same file twice is refused: it would count every figure twice).
+    record_trace(tmp_path / "rank1.trace", rank("/data/r", starts[0]), True)
+    two = advise([tmp_path / "run.trace", tmp_path / "rank1.trace"], scale_gpus=32)["scale"]
     assert two["traced_gpus"] == 2
     assert two["from_trace"]["per_gpu_MBps"]["data"] == pytest.approx(2 * per_gpu, rel=1e-3)
     preset = advise(tmp_path / "run.trace", model="llama3-8b")["scale"]

@@ -4,10 +4,16 @@ damaged counters and rates over no time (the findings of an attacker's report)."
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from lcache.errors import CorruptionError
 from lcache.report import summarize
+
+from .conftest import assert_one_line_error, run_lcache
 
 M = 1 << 20
 
@@ -79,3 +85,35 @@ def test_traces_of_one_time_share_their_span(tmp_path: Path) -> None:
     a = _write(tmp_path / "a.trace", [_op(0.0, 0, dur=1e6)])
     b = _write(tmp_path / "b.trace", [_op(0.5e6, 0, dur=1e6, pid=200)])
     assert summarize([a, b])["trace"]["span_s"] == 1.5
+
+
+def test_a_trace_given_twice_is_refused(tmp_path: Path) -> None:
+    """The finding: the same trace given twice (one name twice, two names of one file, a
+    copy) doubled every figure of `lcache report` and `lcache advise`, and said nothing."""
+    a = _write(tmp_path / "a.trace", [_op(0.0, 0), _op(1e3, M)])
+    (tmp_path / "copy.trace").write_bytes(a.read_bytes())
+    (tmp_path / "link.trace").symlink_to(a)
+    for other, words in (("a.trace", "given twice"),
+                         ("link.trace", "is the same file as"),
+                         ("copy.trace", "holds the same trace as")):
+        with pytest.raises(CorruptionError, match=f"{other}: {words}"):
+            summarize([a, tmp_path / other])
+        for command in ("report", "advise"):
+            assert_one_line_error(run_lcache(command, "a.trace", other, cwd=tmp_path),
+                                  f"{other}: {words}", "give each trace once")
+
+
+def test_repeated_event_lines_are_dropped_and_counted(tmp_path: Path, caplog: Any) -> None:
+    """The finding: every event line written twice in one file doubled the bytes and ops.
+    An exact repeat (same pid, tid, start, op, file, offset, size) is dropped and counted."""
+    ops = [_op(i * 1e3, i * M) for i in range(10)]
+    once = summarize(_write(tmp_path / "once.trace", ops))
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        twice = summarize(_write(tmp_path / "twice.trace", ops + ops[3:]))
+    assert twice["total"]["bytes"] == once["total"]["bytes"] == 10 * M
+    assert twice["total"]["ops"] == 10 and twice["trace"]["repeated_events"] == 7
+    assert once["trace"]["repeated_events"] == 0
+    assert "dropped 7 I/O events that repeat another" in caplog.text
+    # two threads (or one thread later) doing the same op are not repeats
+    other = [dict(op, tid=101) for op in ops]
+    assert summarize(_write(tmp_path / "two.trace", ops + other))["total"]["ops"] == 20

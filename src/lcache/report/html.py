@@ -71,7 +71,9 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
         "<h1>lcache I/O characterization</h1>",
         f'<p class="small">Trace: {", ".join(escape(p) for p in t["files"])} &middot; '
         f'{t["io_events"]:,} I/O events, {t["processes"]} processes, '
-        f'{t["span_s"]:.2f} s of I/O.</p>',
+        f'{t["span_s"]:.2f} s of I/O'
+        + (f'; {t["repeated_events"]:,} exact repeats of an event dropped'
+           if t.get("repeated_events") else "") + ".</p>",
         "<h2>Per class</h2>",
     ]
     rows = [[escape(name)] + [_fmt(k, v.get(k, 0)) for k in _CLASS_COLS]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import json
+import logging
 import os
 import struct
 import zlib
@@ -67,6 +69,8 @@ class Trace:
     disk_source: dict[str, npt.NDArray[np.int32]] = field(default_factory=dict)
     events: int = 0
     ignored: int = 0
+    #: exact repeats of an I/O event that were dropped (see :func:`_drop_repeats`)
+    repeats: int = 0
 
     def __len__(self) -> int:
         return len(self.ts_us)
@@ -516,11 +520,22 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
     if not paths:
         raise TraceFormatError("no trace files given")
     b = _Builder()
+    seen: dict[Any, tuple[int, str]] = {}  # file identity, content digest -> first given
     for source, p in enumerate(paths):
         path = os.fspath(p)
         before = b.events
+        with contextlib.suppress(OSError):  # a missing file is records()'s error to give
+            st = os.stat(path)
+            _once(seen, ("file", st.st_dev, st.st_ino), source, path, "is the same file as")
+        digest = hashlib.blake2b(digest_size=16)
         pending: tuple[int, str] | None = None
         for lineno, line in records(path):
+            if isinstance(line, Block):
+                digest.update(blocks.HEADER.pack(blocks.MAGIC, blocks.VERSION, line.kind,
+                                                 line.pid, line.tid, len(line.payload)))
+                digest.update(line.payload)
+            else:
+                digest.update(line.encode("utf-8", "surrogatepass"))
             if pending is not None:
                 ev = _parse(path, pending[0], pending[1], last=False)
                 if ev is not None:
@@ -536,6 +551,7 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
                 b.add(source, path, pending[0], ev)
         if b.events == before:
             raise TraceFormatError(f"{path}: line 1: the file holds no trace events")
+        _once(seen, ("content", digest.digest()), source, path, "holds the same trace as")
     b.flush_rows()
     if not b.chunks and not b.proc and not b.disks:
         raise TraceFormatError(f"{os.fspath(paths[0])}: line 1: no lcache I/O events or /proc "
@@ -566,9 +582,49 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         source=arr(10, np.int32),
         proc_source={pid: sources(rows) for pid, rows in b.proc.items()},
         disk_source={_printable(dev): sources(rows) for dev, rows in b.disks.items()})
+    _drop_repeats(trace)
     _cache_in_memory_apart(trace)
     _fold_rare_classes(trace)
     return trace
+
+
+def _once(seen: dict[Any, tuple[int, str]], key: Any, source: int, path: str,
+          what: str) -> None:
+    """Refuse a trace given twice (by one name or two, or as a copy): its every figure
+    would count twice, and nothing in the report would say so."""
+    first, name = seen.setdefault(key, (source, path))
+    if first != source:
+        again = "given twice" if name == path else f"{what} {name}, given before it"
+        raise TraceFormatError(f"{path}: {again}; give each trace once")
+
+
+def _drop_repeats(trace: Trace) -> None:
+    """Drop exact repeats of an I/O event (same pid, tid, start, op, file, offset and size):
+    one thread cannot start the same operation twice at one nanosecond, so a repeat is a
+    line copied into the trace (a file concatenated with itself, a log merged twice), and
+    counted it would double the figures. The count is kept, logged and in the summary."""
+    n = len(trace)
+    if n < 2:
+        return
+    keys = (trace.size, trace.offset, trace.file, trace.op, trace.ts_us, trace.tid, trace.pid)
+    order = np.lexsort(keys)
+    same = np.ones(n - 1, dtype=bool)
+    for k in keys:
+        same &= k[order[1:]] == k[order[:-1]]
+    if not same.any():
+        return
+    keep = np.ones(n, dtype=bool)
+    keep[order[1:][same]] = False  # lexsort is stable: the first in file order stays
+    for name in ("pid", "tid", "op", "cls", "file", "ts_us", "dur_us", "offset", "size",
+                 "result", "source"):
+        column = getattr(trace, name)
+        if len(column) == n:
+            setattr(trace, name, column[keep])
+    trace.repeats = int(n - keep.sum())
+    logging.getLogger("lcache").warning(
+        "lcache: dropped %d I/O events that repeat another exactly (same pid, tid, start, "
+        "op, file, offset, size) in %s; a trace line was copied", trace.repeats,
+        ", ".join(trace.paths))
 
 
 def _fold_rare_classes(trace: Trace) -> None:

@@ -241,7 +241,8 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
                         event_source(trace)).length_us / 1e6
     return {
         "trace": {"files": trace.paths, "events": trace.events, "io_events": len(trace),
-                  "ignored_events": trace.ignored, "span_s": round(span, 6),
+                  "ignored_events": trace.ignored, "repeated_events": trace.repeats,
+                  "span_s": round(span, 6),
                   "processes": len(set(trace.pid.tolist()) | set(trace.proc))},
         "classes": classes,
         "total": _class_stats(trace, lib, data, seq, read_code, write_code),
