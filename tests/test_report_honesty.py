@@ -117,3 +117,16 @@ def test_repeated_event_lines_are_dropped_and_counted(tmp_path: Path, caplog: An
     # two threads (or one thread later) doing the same op are not repeats
     other = [dict(op, tid=101) for op in ops]
     assert summarize(_write(tmp_path / "two.trace", ops + other))["total"]["ops"] == 20
+
+
+def test_counters_that_go_down_restarted(tmp_path: Path) -> None:
+    """The finding: a disk counter that went down (a device removed and added again) gave
+    -562,949,953,370,112 bytes read. A counter that goes down restarted from 0: the
+    interval's increase is its new value, and no figure is negative."""
+    t = _write(tmp_path / "t.trace", [
+        _op(0.0, 0), _disk(0.0, 1000), _disk(1e6, 3000), _disk(2e6, 100), _disk(3e6, 300),
+        _proc(0.0, 5 * M), _proc(1e6, 6 * M), _proc(2e6, M), _proc(3e6, 2 * M)])
+    s = summarize(t)
+    assert s["devices"]["vda"]["read_bytes"] == (2000 + 100 + 200) * 512
+    assert s["processes"]["100"]["read_bytes"] == 3 * M
+    assert s["traced_vs_devices"]["device_bytes"] == (2000 + 100 + 200) * 512

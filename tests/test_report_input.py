@@ -62,6 +62,19 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     (tmp / "wrap.trace").write_text(good + _event(args=big) + "\n")
     minus = {"file": "/f", "off": 0, "size": -5, "ret": 1}
     (tmp / "minus.trace").write_text(good + _event(args=minus) + "\n")
+    # damage int() and float() took for numbers: "1000" and true as 1000 and 1, 1.5 as 1
+    (tmp / "tstext.trace").write_text(good + _event(ts="1000") + "\n")
+    (tmp / "sizetrue.trace").write_text(good + _event(args={"file": "/f", "off": 0,
+                                                            "size": True, "ret": 1}) + "\n")
+    (tmp / "sizehalf.trace").write_text(good + _event(args={"file": "/f", "off": 0,
+                                                            "size": 1.5, "ret": 1}) + "\n")
+    (tmp / "retbig.trace").write_text(good + _event(args={"file": "/f", "off": 0,
+                                                          "size": 4096, "ret": 1 << 40}) + "\n")
+    counters = {"rchar": 0, "wchar": 0, "syscr": 0, "syscw": 0, "read_bytes": -5,
+                "write_bytes": 0}
+    (tmp / "counter.trace").write_text(good + json.dumps({
+        "name": "io", "cat": "proc-io", "ph": "C", "pid": 1, "tid": 1, "ts": 1.0,
+        "args": counters}) + "\n")
     os.mkfifo(tmp / "fifo.trace")  # reading it would wait for a writer forever
     return tmp, good.count("\n") + 1
 
@@ -86,6 +99,13 @@ def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("span.trace", ["span.trace: line {n}: a 'X' event", "is not a time"]),
     ("wrap.trace", ["wrap.trace: line {n}: a 'X' event", "size 9.22e+18 is not a byte count"]),
     ("minus.trace", ["minus.trace: line {n}: a 'X' event", "size -5 is not a byte count"]),
+    ("tstext.trace", ["tstext.trace: line {n}: a 'X' event", "'1000' is not a number"]),
+    ("sizetrue.trace", ["sizetrue.trace: line {n}: a 'X' event", "'True' is not a number"]),
+    ("sizehalf.trace", ["sizehalf.trace: line {n}: a 'X' event", "1.5 is not a whole number"]),
+    ("retbig.trace", ["retbig.trace: line {n}: a 'X' event",
+                      "a read of 4096 bytes that moved 1099511627776"]),
+    ("counter.trace", ["counter.trace: line {n}: a 'C' event",
+                       "counter read_bytes -5 is not a count"]),
 ])
 def test_bad_trace_is_one_line_with_file_and_line(bad: tuple[Path, int], name: str,
                                                   words: list[str]) -> None:
@@ -217,4 +237,15 @@ def test_a_recorded_size_past_2_62_is_refused_by_a_report(tmp_path: Path) -> Non
     finally:
         lcache.trace.disable()
     with pytest.raises(CorruptionError, match="not a byte count below 2"):
+        summarize(tmp_path / "t.trace")
+
+
+def test_a_recorded_read_that_moved_more_than_it_asked_is_refused(tmp_path: Path) -> None:
+    """Binary blocks too: a read of 4 KiB that moved 1 TiB counted the TiB."""
+    lcache.trace.enable(str(tmp_path / "t.trace"))
+    try:
+        lcache.trace.record("read", "/f", 0, 4096, "data-source", 1000, 500, 1 << 40)
+    finally:
+        lcache.trace.disable()
+    with pytest.raises(CorruptionError, match="moved more bytes than it asked for"):
         summarize(tmp_path / "t.trace")

@@ -350,9 +350,19 @@ def _parse(path: str, lineno: int, line: str, last: bool) -> dict[str, Any] | No
     return obj
 
 
+def _whole(value: Any) -> int:
+    """A JSON number that is a whole number: ``int()`` took ``"1000"``, ``true`` for 1 and
+    ``1.5`` for 1, and a damaged field passed for a count."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{str(value)[:40]!r} is not a number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{value} is not a whole number")
+    return int(value)
+
+
 def _int(value: Any) -> int:
     """An integer field, which must fit the int64 columns."""
-    n = int(value)
+    n = _whole(value)
     if not -(1 << 63) <= n < 1 << 63:
         raise ValueError(f"{n:.3g} does not fit in 64 bits")
     return n
@@ -361,7 +371,7 @@ def _int(value: Any) -> int:
 def _bytes(value: Any, name: str, low: int = 0) -> int:
     """A size, offset or result: from ``low`` to below 2**62 bytes, so sums of millions
     of them stay within the int64 columns (three sizes of 2**63 - 1 summed wrapped round)."""
-    n = int(value)
+    n = _whole(value)
     if not low <= n < _MAX_BYTES:
         raise ValueError(f"{name} {n:.3g} is not a byte count from {low} to 2**62")
     return n
@@ -369,10 +379,27 @@ def _bytes(value: Any, name: str, low: int = 0) -> int:
 
 def _us(value: Any) -> float:
     """A time in microseconds: finite and within 2^53."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{str(value)[:40]!r} is not a number of microseconds")
     t = float(value)
     if not abs(t) <= _MAX_US:  # also false for NaN
         raise ValueError(f"{t} us is not a time")
     return t
+
+
+def _counter(value: Any, name: str) -> int:
+    """A /proc counter: a count from 0 (a negative one is damage, not a reset)."""
+    n = _whole(value)
+    if not 0 <= n < 1 << 63:
+        raise ValueError(f"counter {name} {n:.3g} is not a count from 0 to 2**63")
+    return n
+
+
+def _moved(op: str, size: int, ret: int) -> int:
+    """The result of an op: a read or a write moves at most the bytes asked for."""
+    if op in ("read", "write") and ret > size:
+        raise ValueError(f"a {op} of {size} bytes that moved {ret}")
+    return ret
 
 
 def _dur(value: Any) -> float:
@@ -415,14 +442,16 @@ class _Builder:
                 if "file" in args:  # strace-derived events carry the path itself
                     name = str(args["file"])
                 else:
-                    name = self.fid_names.get((source, pid, int(args["fid"])),
+                    name = self.fid_names.get((source, pid, _int(args["fid"])),
                                               f"fid {args['fid']} of pid {pid}")
+                op, size = str(ev["name"]), _bytes(args.get("size", 0), "size")
                 self.rows.append((
-                    pid, _int(ev.get("tid", pid)), self.index(self.ops, str(ev["name"])),
+                    pid, _int(ev.get("tid", pid)), self.index(self.ops, op),
                     self.index(self.classes, str(ev.get("cat", "other"))),
                     self.index(self.files, name), _us(ev["ts"]), _dur(ev.get("dur", 0)),
-                    _bytes(args.get("off", -1), "offset", -1), _bytes(args.get("size", 0), "size"),
-                    _bytes(args.get("ret", 0), "result", 1 - _MAX_BYTES), source))
+                    _bytes(args.get("off", -1), "offset", -1), size,
+                    _moved(op, size, _bytes(args.get("ret", 0), "result", 1 - _MAX_BYTES)),
+                    source))
             elif ph == "M" and ev.get("name") == "file_name":
                 name = str(args["name"])
                 self.fid_names[(source, pid, _int(args["fid"]))] = name
@@ -438,10 +467,10 @@ class _Builder:
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
                 self.proc.setdefault(pid, []).append(
-                    (source, _us(ev["ts"]), [_int(args[k]) for k in PROC_FIELDS]))
+                    (source, _us(ev["ts"]), [_counter(args[k], k) for k in PROC_FIELDS]))
             elif ph == "C" and ev.get("cat") == DISKSTATS:
                 self.disks.setdefault(str(ev["name"]), []).append(
-                    (source, _us(ev["ts"]), [_int(args[k]) for k in DISK_FIELDS]))
+                    (source, _us(ev["ts"]), [_counter(args[k], k) for k in DISK_FIELDS]))
             else:
                 self.ignored += 1
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
@@ -490,9 +519,14 @@ class _Builder:
             name = self.fid_names.get((source, pid, ident), f"fid {ident} of pid {pid}")
             return self.index(self.files, name)
 
+        op = mapped(code & 0xFFFF, named(self.ops, "op"))
+        moving = np.isin(op, [self.ops[k] for k in ("read", "write") if k in self.ops])
+        if (moving & (ret > size)).any():
+            raise TraceFormatError(f"{path}: byte {block.at}: a binary block with a read or "
+                                   "write that moved more bytes than it asked for; the trace "
+                                   "is damaged")
         self.chunks.append([
-            np.full(n, pid, np.int64), np.full(n, block.tid, np.int64),
-            mapped(code & 0xFFFF, named(self.ops, "op")),
+            np.full(n, pid, np.int64), np.full(n, block.tid, np.int64), op,
             mapped(code >> 16, named(self.classes, "cat")), mapped(fid, file_of),
             t0 / 1000.0, (t1 - t0) / 1000.0, off, size, ret, np.full(n, source, np.int32)])
 

@@ -150,9 +150,12 @@ def counter_steps(ts_us: npt.NDArray[np.float64], vals: npt.NDArray[np.int64],
 
     An interval between two trace files is NaN seconds and no increase: what a disk did
     between two recordings is no part of either (two runs minutes apart read as 839 MiB
-    for 10 MB traced)."""
+    for 10 MB traced). A counter that goes down was restarted (a device removed and added
+    again, a pid reused): the interval's increase is the new value, as Prometheus's rate()
+    takes it, never a negative byte count (-562,949,953,370,112 bytes were printed)."""
     dt = np.diff(ts_us) / 1e6
     step = np.diff(vals, axis=0)
+    step = np.where(step < 0, vals[1:], step)
     if source is not None and len(source) == len(ts_us):
         apart = np.diff(source) != 0
         dt[apart] = np.nan
