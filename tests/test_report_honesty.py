@@ -130,3 +130,21 @@ def test_counters_that_go_down_restarted(tmp_path: Path) -> None:
     assert s["devices"]["vda"]["read_bytes"] == (2000 + 100 + 200) * 512
     assert s["processes"]["100"]["read_bytes"] == 3 * M
     assert s["traced_vs_devices"]["device_bytes"] == (2000 + 100 + 200) * 512
+
+
+def test_a_rate_over_no_time_is_undefined_not_zero(tmp_path: Path) -> None:
+    """The finding: 10 MiB written by ops of no duration at one instant read 'MBps 0.0'.
+    A rate over no time is undefined: null in summary.json, n/a in the HTML."""
+    from lcache.report import write_report
+
+    t = _write(tmp_path / "t.trace", [_op(1000.0, i * M, dur=0.0) for i in range(10)]
+               + [_disk(1000.0, 0)])
+    s = write_report(t, tmp_path / "r.html")
+    for c in (s["total"], s["classes"]["checkpoint"]):
+        assert c["bytes"] == 10 * M and c["span_s"] == 0.0
+        assert c["MBps_mean"] is None and c["MBps_peak"] is None, c
+    vda = s["devices"]["vda"]  # one sample: no interval to take a rate over
+    assert vda["MBps_mean"] is None and vda["MBps_peak"] is None and vda["IOPS_peak"] is None
+    page = (tmp_path / "r.html").read_text()
+    row = page[page.index("<b>total</b>"):].split("</tr>")[0].split("<td>")
+    assert row[8:10] == ["n/a</td>", "n/a</td>"], row  # MBps_mean, MBps_peak

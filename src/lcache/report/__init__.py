@@ -89,11 +89,14 @@ def print_summary(summary: dict[str, Any]) -> None:
             n //= 1024
         return f"{n}T"
 
+    def rate(r: float | None, digits: int = 0) -> str:
+        return "-" if r is None else f"{r:,.{digits}f}"  # None: over no time, undefined
+
     for name, c in [*summary["classes"].items(), ("total", summary["total"])]:
         table.add_row(name, f"{c['ops']:,}", f"{c['read_bytes'] / 2**20:,.1f}",
                       f"{c['write_bytes'] / 2**20:,.1f}",
                       f"{size(c['size_p50'])}/{size(c['size_p99'])}", f"{c['seq_fraction']:.2f}",
-                      f"{c['MBps_mean']:,.0f}/{c['MBps_peak']:,.0f}",
+                      f"{rate(c['MBps_mean'])}/{rate(c['MBps_peak'])}",
                       f"{c['lat_p50_us']:,.0f}/"
                       + ("-" if c["lat_p99_us"] is None else f"{c['lat_p99_us']:,.0f}"))
     Console().print(table)
@@ -106,4 +109,4 @@ def print_summary(summary: dict[str, Any]) -> None:
         if d["read_bytes"] or d["write_bytes"]:
             Console().print(f"device {dev}: read {d['read_bytes'] / 2**20:,.1f} MiB, "
                             f"wrote {d['write_bytes'] / 2**20:,.1f} MiB, peak "
-                            f"{d['MBps_peak']:,.1f} MB/s, {d['IOPS_peak']:,.0f} IOPS")
+                            f"{rate(d['MBps_peak'], 1)} MB/s, {rate(d['IOPS_peak'])} IOPS")

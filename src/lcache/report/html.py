@@ -44,7 +44,7 @@ def escape(value: Any) -> str:
 
 
 def _fmt(key: str, value: Any) -> str:
-    if value is None:  # a p99 of fewer than 100 ops
+    if value is None:  # a p99 of fewer than 100 ops, a rate over no time
         return "n/a"
     if isinstance(value, float):
         return f"{value:.3f}" if key == "seq_fraction" else f"{value:,.1f}"

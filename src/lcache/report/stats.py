@@ -12,7 +12,8 @@ Definitions, per class, over its data operations (``read`` and ``write``):
   flight. Several writes in flight in one file (a checkpoint) or several streams through
   one file are sequential however their starts interleave; the first op of a file and
   direction is not.
-- ``MBps_mean``: bytes / 10^6 over the class's active span (first start to last end).
+- ``MBps_mean``: bytes / 10^6 over the class's active span (first start to last end);
+  ``None`` where the span has no length (ops of no duration at one instant).
 - ``MBps_peak``: the highest rate over equal time bins that tile the span (100 bins, or one per
   millisecond for spans under 0.1 s), each op counted in the bin where it starts; it is never
   below ``MBps_mean``.
@@ -207,6 +208,8 @@ def _class_stats(trace: Trace, rows: npt.NDArray[np.bool_], data: npt.NDArray[np
             bin_s, nbins = time_bins(span_s)
             mb, _ = rates(time.squeeze(trace.ts_us[d]), moved[d], 0.0, bin_s, nbins)
             out["MBps_peak"] = round(float(mb.max()), 3)
+        else:  # ops of no duration at one instant: a rate over no time is undefined, not 0
+            out["MBps_mean"] = out["MBps_peak"] = None
         out["span_s"] = round(span_s, 6)
     return out
 
@@ -318,7 +321,8 @@ def _disk_summary(trace: Trace) -> dict[str, Any]:
         secs = float(np.nansum(dt))
         f = {k: int(d[i]) for i, k in enumerate(DISK_FIELDS)}
         ops = f["reads"] + f["writes"]
-        peak_mb = peak_iops = 0.0
+        peak_mb: float | None = None  # no interval with a length: no rate (not 0)
+        peak_iops: float | None = None
         # Two samples at one time (a repeated sample) make an interval of no length: it is
         # skipped, not taken for a reason to give no peak at all.
         timed = dt > 0  # False for NaN: an interval between two files
@@ -331,11 +335,11 @@ def _disk_summary(trace: Trace) -> dict[str, Any]:
                     "write_bytes": f["write_sectors"] * SECTOR,
                     "reads": f["reads"], "writes": f["writes"], "seconds": round(secs, 3),
                     "MBps_mean": round((f["read_sectors"] + f["write_sectors"]) * SECTOR / 1e6
-                                       / secs, 3) if secs > 0 else 0.0,
-                    "MBps_peak": round(peak_mb, 3),
-                    "IOPS_mean": round(ops / secs, 1) if secs > 0 else 0.0,
-                    "IOPS_peak": round(peak_iops, 1),
-                    "busy_fraction": round(f["io_ms"] / 1000 / secs, 4) if secs > 0 else 0.0}
+                                       / secs, 3) if secs > 0 else None,
+                    "MBps_peak": None if peak_mb is None else round(peak_mb, 3),
+                    "IOPS_mean": round(ops / secs, 1) if secs > 0 else None,
+                    "IOPS_peak": None if peak_iops is None else round(peak_iops, 1),
+                    "busy_fraction": round(f["io_ms"] / 1000 / secs, 4) if secs > 0 else None}
     return out
 
 
