@@ -148,3 +148,21 @@ def test_a_rate_over_no_time_is_undefined_not_zero(tmp_path: Path) -> None:
     page = (tmp_path / "r.html").read_text()
     row = page[page.index("<b>total</b>"):].split("</tr>")[0].split("<td>")
     assert row[8:10] == ["n/a</td>", "n/a</td>"], row  # MBps_mean, MBps_peak
+
+
+def test_the_page_runs_only_its_own_script(tmp_path: Path) -> None:
+    """The page allowed any inline script ('unsafe-inline') where docs/trace.md promised
+    default-src 'none'; only its one script, by hash, may run now."""
+    import base64
+    import hashlib
+    import re
+
+    from lcache.report import write_report
+
+    write_report(_write(tmp_path / "t.trace", [_op(0.0, 0)]), tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    policy = re.search(r'Content-Security-Policy" content="([^"]*)"', page)
+    assert policy is not None and "script-src 'unsafe-inline'" not in policy[1], policy
+    (script,) = re.findall(r"<script>(.*?)</script>", page, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert f"script-src 'sha256-{digest}'" in policy[1]
