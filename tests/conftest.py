@@ -180,14 +180,15 @@ def nobody_dir() -> Iterator[Path]:
 
 
 @contextmanager
-def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (e.g. "3m") mounted at ``where`` (skips the test without root)."""
+def mounted_tmpfs(where: Path, size: str, options: str = "") -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "3m") mounted at ``where`` with mount ``options`` (e.g.
+    ",ro"; skips the test without root)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
     where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700{options}", "tmpfs",
                            str(where)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")

@@ -11,6 +11,8 @@ from lcache.errors import ConfigError, StorePermissionError
 from lcache.io import atomic_write
 from lcache.io.dirs import private_dir
 
+from .conftest import mounted_tmpfs
+
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
@@ -113,3 +115,29 @@ def test_atomic_write_never_follows_a_symlink_at_its_temp_name(tmp_path: Path) -
     with pytest.raises(OSError):
         atomic_write(str(tmp_path / "out.json"), b"{}")
     assert target.read_bytes() == b"keep"
+
+
+def test_a_directory_that_cannot_be_written_is_a_permission_error(tmp_path: Path) -> None:
+    """The finding: on a read-only mount (or an immutable directory: root passes permission
+    bits, not those) the cache, a checkpoint save, the offload swap file and the store each
+    failed with a bare OSError from their first file, where docs promise
+    StorePermissionError."""
+    torch = pytest.importorskip("torch")
+    from lcache import checkpoint
+    from lcache.data import CachedDataset
+    from lcache.offload import OffloadedOptimizer
+    from lcache.store import Store
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 100)
+    with mounted_tmpfs(tmp_path / "ro", "1m", ",ro") as ro:
+        for where in (ro, ro / "sub"):
+            with pytest.raises(StorePermissionError, match=r"(?i)read-only file system"):
+                CachedDataset(str(src), where, "8MiB")
+            with pytest.raises(StorePermissionError, match=r"(?i)read-only file system"):
+                checkpoint.save({"a": 1}, where / "ckpt")
+            with pytest.raises(StorePermissionError, match=r"(?i)read-only file system"):
+                OffloadedOptimizer([torch.nn.Parameter(torch.ones(4))], dir=where, lr=0.1)
+            with pytest.raises(StorePermissionError, match=r"(?i)read-only file system"):
+                Store.open(str(where / "store"), capacity="1GiB")

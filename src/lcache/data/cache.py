@@ -310,10 +310,6 @@ class SampleCache:
                 "capacity" + ("" if segment_size is None else " or lower segment_size"))
         identity = identify(self.source, name, fingerprint)
         self.cache_dir = private_dir(self.cache_dir, "cache directory")
-        if not os.access(self.cache_dir, os.W_OK | os.X_OK):
-            raise StorePermissionError(
-                f"the cache directory {self.cache_dir} is not writable by this user; fix its "
-                "permissions or choose another directory")
         store_dir = os.path.join(self.cache_dir, "store")
         if os.path.islink(store_dir):
             raise StorePermissionError(f"{store_dir} is a symbolic link; a cache directory "

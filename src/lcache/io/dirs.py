@@ -92,7 +92,8 @@ def private_dir(path: str | os.PathLike[str], what: str = "directory",
     """The absolute path of a checked private directory, created 0700 (parents too) if missing.
 
     Raises:
-        StorePermissionError: see :func:`check_private_dir`, or it cannot be created.
+        StorePermissionError: see :func:`check_private_dir`, or it cannot be created or
+            written.
         FileNotFoundError: it does not exist and ``create`` is false.
     """
     full = os.path.abspath(os.fspath(path))
@@ -104,11 +105,18 @@ def private_dir(path: str | os.PathLike[str], what: str = "directory",
             _check_ancestors(full, what, os.geteuid(), existing)
         try:
             make_private_dirs(full)
-        except PermissionError as exc:
-            raise StorePermissionError(f"cannot create the {what} {full}: {exc.strerror}; "
-                                       "choose a directory you can write") from exc
         except NotADirectoryError as exc:
             raise ConfigError(f"cannot create the {what} {full}: a parent is not a "
                               "directory") from exc
+        except OSError as exc:  # no permission, a read-only file system, an immutable parent
+            raise StorePermissionError(f"cannot create the {what} {full}: {exc.strerror}; "
+                                       "choose a directory you can write") from exc
     check_private_dir(full, what)
+    # Every caller writes there: say so now, not as a bare OSError from the first file made
+    # (root passes permission bits, not a read-only mount or an immutable directory).
+    if not os.access(full, os.W_OK | os.X_OK):
+        os.stat(full)  # removed meanwhile (a closing process's staging dir): the caller retries
+        raise StorePermissionError(f"the {what} {full} is not writable by this user (its "
+                                   "permissions, a read-only file system or an immutable "
+                                   "directory); fix its permissions or choose another directory")
     return full
