@@ -275,6 +275,11 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
         CachedDataset([b"x" * 1000] * 10, cache, "16MiB", segment_size="1MiB")
     with pytest.raises(ConfigError, match="cannot read 'big' as a size"):
         CachedDataset([b"x"], cache, "big")
+    # the finding: segments hold 4 of the largest sample, and only a segment_size given
+    # already was said to matter
+    with pytest.raises(ConfigError, match=r"20.0 MiB \(40 segments of 512.0 KiB\); raise the "
+                       r"capacity or lower segment_size \(down to 97.7 KiB, the largest"):
+        CachedDataset([b"x" * 100_000] * 30, cache, "2MiB")
     # the finding: "2.5 MiB is below the minimum 2.5 MiB"
     with pytest.raises(ConfigError, match="2,600,000 bytes is below the minimum 2,621,440"):
         CachedDataset([b"x" * 1000] * 10, cache, 2_600_000)

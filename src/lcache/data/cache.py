@@ -303,11 +303,14 @@ class SampleCache:
             have, need = format_size(self.capacity), format_size(minimum)
             if have == need:  # "2.5 MiB is below the minimum 2.5 MiB": say the bytes
                 have, need = f"{self.capacity:,} bytes", f"{minimum:,} bytes"
+            # Segments are sized to hold 4 of the largest sample: with large samples the
+            # minimum is a large share of a small dataset; a smaller segment_size lowers it.
+            smallest = format_size(largest + HEADER_SIZE)
             raise ConfigError(
                 f"cache capacity {have} is below the minimum {need} ({MIN_SEGMENTS} segments of "
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
-                "capacity" + ("" if segment_size is None else " or lower segment_size"))
+                f"capacity or lower segment_size (down to {smallest}, the largest sample)")
         identity = identify(self.source, name, fingerprint)
         self.cache_dir = private_dir(self.cache_dir, "cache directory")
         store_dir = os.path.join(self.cache_dir, "store")
