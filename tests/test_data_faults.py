@@ -264,6 +264,17 @@ open(os.path.join(sys.argv[1], "users"), "w").close()
         shutil.rmtree(theirs, ignore_errors=True)
 
 
+def test_a_capacity_typo_is_refused_before_the_source_is_listed(tmp_path: Path) -> None:
+    """The finding: "10XB" was refused only after a full listing (on S3, minutes)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.bin").write_bytes(b"x" * 100)
+    with ThrottledServer(str(tmp_path)) as server:
+        for capacity in ("10XB", -5, float("nan")):
+            with pytest.raises(ConfigError, match="capacity"):
+                CachedDataset(server.url + "/d/", tmp_path / "cache", capacity)
+        assert not server.paths, server.paths
+
+
 def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ConfigError) as info:

@@ -196,7 +196,10 @@ def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
     elif isinstance(capacity, float):
         fraction, what = capacity, str(capacity)
     else:
-        return parse_size(capacity)
+        try:
+            return parse_size(capacity)
+        except ConfigError as exc:
+            raise ConfigError(f"capacity: {exc}") from None
     if not (math.isfinite(fraction) and fraction > 0):
         raise ConfigError(f"cannot read {what!r} as a capacity: a fraction of the dataset is "
                           "a float above 0 (0.4) or a percentage (\"40%\")")
@@ -269,6 +272,7 @@ class SampleCache:
         name, fingerprint = text_argument(name, "name"), text_argument(fingerprint, "fingerprint")
         self.on_error = on_error
         check_locations(source, cache_dir)
+        cache_capacity(capacity, 1)  # a typo is refused before a listing of the source
         self.source: Source = as_source(source)
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         sizes = self.source.sizes()

@@ -8,7 +8,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lcache.data.cache import DEFAULT_STAGING, SKIPPED, Access, SampleCache, check_locations
+from lcache.data.cache import (
+    DEFAULT_STAGING,
+    SKIPPED,
+    Access,
+    SampleCache,
+    cache_capacity,
+    check_locations,
+)
 from lcache.data.sources import SourceError, as_source
 from lcache.errors import ConfigError
 
@@ -50,6 +57,7 @@ class CachedDataset:
             raise ConfigError(f"transform={transform!r:.200}: give a function of a sample "
                               "(or None)")
         check_locations(source, cache_dir)
+        cache_capacity(capacity, 1)  # a typo is refused before a listing of the source
         self.cache = SampleCache(as_source(source, cache_dir=cache_dir, **source_options),
                                  cache_dir, capacity,
                                  segment_size=segment_size, staging_bytes=staging_bytes,
