@@ -24,6 +24,7 @@ from lcache.data import (
     CachedDataset,
     FileSource,
     RangeSource,
+    SeedAwareSampler,
     SourceError,
 )
 from lcache.errors import ConfigError, StorePermissionError
@@ -554,6 +555,8 @@ def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
     ({"transform": 5}, "transform=5"),
     ({"listing_ttl": "3600"}, "listing_ttl='3600'"),
     ({"listing_ttl": None}, "listing_ttl=None"),
+    ({"check": "no"}, "check='no'"),  # was taken as True
+    ({"files": {"s0000.bin": 10**20}}, "must be an int in"),  # was an OverflowError
     ({"listing_ttl": float("nan")}, "listing_ttl=nan"),
     ({"files": "s0000.bin"}, "files='s0000.bin'"),
     ({"files": ["../../etc/hostname"]}, "'../../etc/hostname' is not a name under"),
@@ -569,6 +572,23 @@ def test_arguments_of_the_wrong_kind_are_config_errors(tmp_path: Path, options: 
         CachedDataset(str(src), tmp_path / "c", CAPACITY, **options)
 
 
+def test_sampler_arguments_of_the_wrong_kind(tmp_path: Path) -> None:
+    """The findings: SeedAwareSampler(a list) was an AttributeError, local_world_size=0 was
+    taken as "not given", and state_dict(consumed=-1) was stored and only refused when the
+    checkpoint holding it was loaded."""
+    ds = CachedDataset(str(_local_samples(tmp_path / "src")), tmp_path / "c", CAPACITY)
+    for dataset in ([1, 2, 3], None):
+        with pytest.raises(ConfigError, match="give the CachedDataset it samples"):
+            SeedAwareSampler(dataset)
+    with pytest.raises(ConfigError, match="local_world_size=0"):
+        SeedAwareSampler(ds, local_world_size=0)
+    sampler = SeedAwareSampler(ds)
+    for consumed in (-1, "5", float("nan"), 10**6):
+        with pytest.raises(ConfigError, match="consumed"):
+            sampler.state_dict(consumed=consumed)
+    assert sampler.state_dict(consumed=3)["consumed"] == 3
+
+
 def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(bytes(100))
     for offsets in ([2**63], ["a"], [0.5], [True]):
@@ -580,7 +600,7 @@ def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
         CachedDataset(str(tmp_path) + "\0x", tmp_path / "c", CAPACITY)
     ds = CachedDataset(RangeSource(str(tmp_path), "a.bin", [0, 50], [50, 50]), tmp_path / "c",
                        CAPACITY)
-    for key in (1.5, "1", None):  # 1.5 was sample 1, "1" too
+    for key in (1.5, "1", None, True):  # 1.5 was sample 1, "1" and True too
         with pytest.raises(TypeError, match="give a whole number"):
             ds[key]
     mark = ds.stats()

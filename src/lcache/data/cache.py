@@ -269,6 +269,8 @@ class SampleCache:
                  on_error: str = "raise") -> None:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error={on_error!r}: use \"raise\" or \"skip\"")
+        if not isinstance(check, bool):  # check="no" would check
+            raise ConfigError(f"check={check!r:.100}: give True or False")
         name, fingerprint = text_argument(name, "name"), text_argument(fingerprint, "fingerprint")
         self.on_error = on_error
         check_locations(source, cache_dir)

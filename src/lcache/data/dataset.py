@@ -94,6 +94,8 @@ class CachedDataset:
                 index, keep = key.sample, key.keep
             else:
                 try:
+                    if isinstance(key, bool):  # ds[True] was sample 1
+                        raise TypeError
                     index, keep = operator.index(key), None
                 except TypeError:
                     raise TypeError(f"sample {key!r:.100}: give a whole number (or the "

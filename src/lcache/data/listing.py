@@ -301,8 +301,9 @@ def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
             raise ConfigError(f"files= takes names, (name, size) pairs or a name->size "
                               f"mapping, not {item!r}")
         name, size = item
-        if not isinstance(size, (int, np.integer)) or size < 0:
-            raise ConfigError(f"files=: the size of {name!r} must be an int >= 0, not {size!r}")
+        if not isinstance(size, (int, np.integer)) or not 0 <= size < 1 << 62:
+            raise ConfigError(f"files=: the size of {name!r} must be an int in [0, 2**62), "
+                              f"not {size!r}")
         pairs.append((remote.path(str(name)), int(size)))
     return Listing([p for p, _ in pairs], np.array([n for _, n in pairs], np.int64),
                    [""] * len(pairs))

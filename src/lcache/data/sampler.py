@@ -75,7 +75,11 @@ class SeedAwareSampler:
                  prefetch: bool = True, prefetch_threads: int = 2,
                  prefetch_window: int = 256, prefetch_bytes: int = 64 << 20,
                  loader_workers: int = 4, shard_window: int = 0) -> None:
-        self.cache: SampleCache = dataset if isinstance(dataset, SampleCache) else dataset.cache
+        cache = dataset if isinstance(dataset, SampleCache) else getattr(dataset, "cache", None)
+        if not isinstance(cache, SampleCache):
+            raise ConfigError(f"SeedAwareSampler({type(dataset).__name__}): give the "
+                              "CachedDataset it samples (or its .cache)")
+        self.cache: SampleCache = cache
         d_rank, d_world = _distributed()
         self.world = d_world if num_replicas is None else \
             whole_number(num_replicas, "num_replicas", 1)
@@ -88,8 +92,8 @@ class SeedAwareSampler:
                                  (prefetch_bytes, "prefetch_bytes", 1),
                                  (loader_workers, "loader_workers", 0)):
             whole_number(value, name, low)
-        local = whole_number(local_world_size, "local_world_size", 1) if local_world_size else \
-            env_number("LOCAL_WORLD_SIZE", self.world, 1)
+        local = env_number("LOCAL_WORLD_SIZE", self.world, 1) if local_world_size is None \
+            else whole_number(local_world_size, "local_world_size", 1)
         node = self.rank // local
         self.node_ranks = range(node * local, min((node + 1) * local, self.world))
         self.n = len(self.cache.source)
@@ -244,6 +248,11 @@ class SeedAwareSampler:
         loop received. A plain DataLoader with workers pulls indices ahead of the loop: there
         pass ``consumed`` (samples the loop received this epoch), or use StatefulDataLoader.
         """
+        if consumed is not None:  # refused now, not when the checkpoint holding it is loaded
+            whole_number(consumed, "consumed", 0)
+            if consumed > self.num_samples:
+                raise ConfigError(f"consumed={consumed}: this rank's epoch has "
+                                  f"{self.num_samples} samples")
         return {"epoch": self.epoch, "consumed": self._yielded if consumed is None else consumed,
                 "seed": self.seed, "samples": self.n, "world": self.world,
                 "shuffle": self.shuffle, "drop_last": self.drop_last,
