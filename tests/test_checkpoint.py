@@ -222,6 +222,12 @@ def test_like_mismatch_lists_the_keys(tmp_path: Path) -> None:
                    "/model/b:", "float16", "/model/extra: missing", "/arr:", "float64"):
         assert needle in text, text
     assert isinstance(info.value, ValueError)
+    # the finding: like= a plain value where the checkpoint holds structure was ignored
+    for junk in ("junk", 3):
+        with pytest.raises(ck.StateMismatchError, match="<root>: checkpoint has dict, like= "):
+            ck.load(tmp_path / "c" / "s", like=junk)
+    with pytest.raises(ck.StateMismatchError, match="/model/w: checkpoint has tensor"):
+        ck.load(tmp_path / "c" / "s", like={**state, "model": {"w": None, "b": None}})
 
 
 def test_missing_checkpoint_and_partial_dir(tmp_path: Path) -> None:
@@ -477,7 +483,7 @@ def test_load_into_checks_before_writing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("dest", "why"), [
-    (5, "a: like= holds int, not a tensor"),
+    (5, r"/a: checkpoint has tensor float32\[4\], like= int"),
     (torch.zeros(1).expand(4), "a: like= holds an array whose elements share memory"),
 ], ids=["int", "expanded"])
 def test_load_into_a_destination_that_cannot_take_the_array_writes_nothing(

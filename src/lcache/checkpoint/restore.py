@@ -393,6 +393,10 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
         if not (hasattr(got, "dtype") and same_kind and got.dtype == want.dtype
                 and tuple(got.shape) == tuple(want.shape)):
             diffs.append(f"{key}: checkpoint has {_describe(got)}, like= {_describe(want)}")
+    elif isinstance(got, (dict, list, tuple)) or hasattr(got, "shape"):
+        # like= a plain value where the checkpoint holds structure (like="junk" was ignored)
+        diffs.append(f"{key or '<root>'}: checkpoint has {_describe(got)}, like= "
+                     f"{_describe(want)}")
 
 
 def _to_devices(got: Any, want: Any) -> Any:
