@@ -11,6 +11,7 @@ same order and capacity (the most any cache could hit).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -19,12 +20,45 @@ from typing import Any, cast
 import numpy as np
 
 from lcache.data import CachedDataset, FileSource, SeedAwareSampler
+from lcache.data.cache import MIN_SEGMENTS, choose_segment_size
 from lcache.data.order import rank_order
 from lcache.data.plan import belady
+from lcache.errors import ConfigError
+from lcache.store import format_size
 from lcache.store.record import HEADER_SIZE
 from lcache.testing.remote import ThrottledServer
 
 CLASSES = 10
+#: the sample sizes the demo writes: a label and at least three features, up to 2 MiB
+SAMPLE_BYTES = (16, 2 << 20)
+
+
+def check_demo_size(samples: int, sample_bytes: int, cache_fraction: float,
+                    directory: str) -> None:
+    """Refuse, before anything is written, a sample size the demo cannot use and a dataset
+    whose files (the remote's copy and the cache) do not fit the free space of
+    ``directory``."""
+    low, high = SAMPLE_BYTES
+    if not low <= sample_bytes <= high:
+        raise ConfigError(f"--sample-size {sample_bytes:,} bytes: the demo writes samples "
+                          f"of {low} B to {high >> 20} MiB")
+    dataset = samples * sample_bytes
+    capacity = int(dataset * cache_fraction)
+    # the least the cache takes (its segments are sized from the capacity and the samples)
+    least = MIN_SEGMENTS * choose_segment_size(capacity, 512, sample_bytes)
+    if capacity < least:
+        raise ConfigError(f"the demo's cache, --cache-fraction {cache_fraction:g} x the dataset "
+                          f"(--samples {samples} x --sample-size {format_size(sample_bytes)}), "
+                          f"is below the minimum cache capacity {format_size(least)}: raise "
+                          "--samples, --sample-size or --cache-fraction")
+    need = int(dataset * (1 + cache_fraction)) + (64 << 20)
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise ConfigError(f"--samples {samples} x --sample-size {format_size(sample_bytes)} "
+                          f"is a {format_size(dataset)} dataset; with its cache the demo needs "
+                          f"about {format_size(need)} in {directory}, which has "
+                          f"{format_size(free)} free: lower --samples or --sample-size, or "
+                          "choose another --dir")
 
 
 def write_dataset(root: str, samples: int, sample_bytes: int, seed: int = 0) -> None:
@@ -133,6 +167,7 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
         import torch  # noqa: F401 (fail early with the install hint)
     except ImportError:
         raise SystemExit("lcache demo needs PyTorch: pip install 'lcache[torch]'") from None
+    check_demo_size(samples, sample_bytes, cache_fraction, directory or tempfile.gettempdir())
     report_dir = report_dir or directory or tempfile.gettempdir()
     active = recorder._active
     own_trace = active is None
@@ -181,8 +216,15 @@ def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction:
             url = f"{server.url}/train/"
             source = FileSource(url)
             # made first, so a capacity below the minimum is said before the uncached run
-            cached = CachedDataset(source, os.path.join(tmp, "cache"), capacity,
-                                   transform=decode)
+            try:
+                cached = CachedDataset(source, os.path.join(tmp, "cache"), capacity,
+                                       transform=decode)
+            except ConfigError as exc:  # the demo has no capacity option: name its own
+                raise ConfigError(str(exc).replace(
+                    "raise the capacity",
+                    f"the demo's cache is --cache-fraction {cache_fraction:g} x the dataset "
+                    f"({samples} x {format_size(sample_bytes)}): raise --samples, "
+                    "--sample-size or --cache-fraction")) from None
             plain = RemoteDataset(source)
             order = FixedOrder(len(plain), seed)
             loader = DataLoader(cast(Any, plain), batch_size=batch_size, sampler=order,
