@@ -2,17 +2,23 @@
 
 Regressions: ``--samples 1 --sample-size 1`` was a ValueError traceback, ``--sample-size 1TB``
 an 18 TiB MemoryError traceback, a dataset larger than the disk filled it; a capacity below the
-minimum said "raise the capacity", which the demo has no option for.
+minimum said "raise the capacity", which the demo has no option for; without ``--dir`` the
+trace and report had fixed names in the shared temporary directory, and a failed run left its
+trace there.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache
+from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache, subprocess_env
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -35,3 +41,59 @@ def test_a_dataset_larger_than_the_free_space_is_refused_before_writing(tmp_path
         out = run_lcache("demo", "--dir", str(fs), "--samples", "4000", cwd=tmp_path)
         assert_one_line_error(out, "--samples 4000", "free", str(fs))
         assert os.listdir(fs) == []
+
+
+def _demo(tmp: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**subprocess_env(), "TMPDIR": str(tmp)}
+    env.pop("LCACHE_TRACE", None)
+    return subprocess.Popen([sys.executable, "-m", "lcache", "demo", "--samples", "800",
+                             "--latency", "0", "--workers", "0", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ours(tmp: Path) -> list[str]:
+    """What the demo left in the temporary directory (torch adds a folder of its own)."""
+    return [name for name in os.listdir(tmp) if not name.startswith("torch")]
+
+
+def test_without_dir_the_report_goes_to_a_private_folder_it_names(tmp_path: Path) -> None:
+    proc = _demo(tmp_path, "--epochs", "1")
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    (folder,) = _ours(tmp_path)
+    assert folder.startswith("lcache-demo-")
+    private = tmp_path / folder
+    assert private.stat().st_mode & 0o077 == 0
+    assert sorted(os.listdir(private)) == ["lcache-demo-report.html",
+                                           "lcache-demo-summary.json",
+                                           "lcache-demo.trace.gz"]
+    assert f"I/O report of this run: {private / 'lcache-demo-report.html'}" in err
+
+
+def test_without_dir_the_json_names_the_private_report(tmp_path: Path) -> None:
+    proc = _demo(tmp_path, "--epochs", "1", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    report = json.loads(out)["report"]
+    (folder,) = _ours(tmp_path)
+    assert Path(report["html"]).parent == tmp_path / folder
+    assert Path(report["html"]).is_file() and Path(report["trace"]).is_file()
+
+
+def test_an_interrupted_demo_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = _demo(tmp_path, "--epochs", "1000")
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            if "no cache: epoch 1 " in line:
+                break
+        else:
+            pytest.fail("the demo ended before its first epoch")
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert _ours(tmp_path) == []

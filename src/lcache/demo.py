@@ -159,7 +159,8 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
                       progress: Callable[[str], None] = lambda s: None,
                       report_dir: str | None = None) -> dict[str, Any]:
     """Run the demo; it ends by writing the I/O report of its own run (docs/trace.md) to
-    ``report_dir`` (default: ``directory``, else the system's temporary directory)."""
+    ``report_dir`` (default: ``directory``, else a new private folder in the system's
+    temporary directory). A run that fails removes the trace it wrote."""
     import lcache.trace
     from lcache.trace import recorder
 
@@ -168,11 +169,14 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
     except ImportError:
         raise SystemExit("lcache demo needs PyTorch: pip install 'lcache[torch]'") from None
     check_demo_size(samples, sample_bytes, cache_fraction, directory or tempfile.gettempdir())
-    report_dir = report_dir or directory or tempfile.gettempdir()
+    # Without a folder of its own, the run writes into a new private one (fixed names in the
+    # shared temporary directory were overwritten by a concurrent demo).
+    private = None if report_dir or directory else tempfile.mkdtemp(prefix="lcache-demo-")
+    report_dir = report_dir or directory or cast(str, private)
     active = recorder._active
     own_trace = active is None
+    trace_path = os.path.join(report_dir, "lcache-demo.trace.gz")
     if active is None:
-        trace_path = os.path.join(report_dir, "lcache-demo.trace.gz")
         if os.path.exists(trace_path):
             os.unlink(trace_path)
         lcache.trace.enable(trace_path)
@@ -181,11 +185,18 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
     try:
         figures = _run(directory, samples, sample_bytes, cache_fraction, epochs, latency,
                        bandwidth, workers, batch_size, seed, progress)
-    finally:
-        if own_trace:
+    except BaseException:
+        if own_trace:  # a failed run leaves nothing behind
             lcache.trace.disable()
-        else:
-            lcache.trace.flush()
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
+            elif os.path.exists(trace_path):
+                os.unlink(trace_path)
+        raise
+    if own_trace:
+        lcache.trace.disable()
+    else:
+        lcache.trace.flush()
     from lcache.report import write_report
 
     html_path = os.path.join(report_dir, "lcache-demo-report.html")

@@ -241,7 +241,7 @@ def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: 
     from lcache.demo import run_training_demo
 
     progress = (lambda s: None) if as_json else \
-        (lambda s: err_console.print(f"[dim]{s}[/]", highlight=False))
+        (lambda s: err_console.print(f"[dim]{s}[/]", highlight=False, soft_wrap=True))
     figures = run_training_demo(
         directory, samples=samples, sample_bytes=parse_size(sample_size),
         cache_fraction=cache_fraction, epochs=epochs, latency=latency,
