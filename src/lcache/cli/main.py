@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -78,10 +80,22 @@ def _error(line: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
+#: errors that only writing gives
+_WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and not isinstance(exc, LCacheError) and exc.strerror:
-        where = f": {exc.filename}" if exc.filename else ""
-        return f"{exc.strerror}{where}"
+        reason = exc.strerror[:1].lower() + exc.strerror[1:]
+        name = exc.filename2 if exc.filename2 is not None else exc.filename
+        if name is None:
+            return reason
+        path = os.fsdecode(name)
+        # an atomic write goes through NAME.tmpPID: name the file the user asked for
+        temp = re.fullmatch(r"(.+)\.tmp\d+", path)
+        written = temp is not None or exc.errno in _WRITE_ERRNOS
+        path = temp.group(1) if temp else path
+        return f"cannot {'write' if written else 'access'} {path}: {reason}"
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
