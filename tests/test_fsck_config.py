@@ -112,3 +112,32 @@ def test_cli_fsck_reports_and_repairs_an_out_of_range_config(store_dir: Path, na
     again = _lcache("fsck", str(store_dir))
     assert again.returncode == 0 and "clean" in again.stdout, again.stdout
     assert _lcache("stats", str(store_dir)).returncode == 0
+
+
+def test_unreadable_config_without_segments_is_reported_and_not_repaired(tmp_path: Path) -> None:
+    """Regression: a folder holding only a garbage store.json was made a fresh 8 GiB store by
+    ``fsck --repair`` and called clean; without --repair fsck said the index files were
+    "missing while segments hold records" when there were no segments."""
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    garbage = bytes(range(256)) * 4
+    (store_dir / "store.json").write_bytes(garbage)
+
+    report = fsck(store_dir)
+    assert not report.clean
+    assert len(report.problems) == 1 and "store.json is unreadable" in report.problems[0]
+    assert "no segments" in report.problems[0]
+    with pytest.raises(CorruptionError, match="cannot repair"):
+        fsck(store_dir, repair=True)
+
+    check = _lcache("fsck", str(store_dir))
+    assert check.returncode == 2, check.stdout + check.stderr
+    assert "segments hold records" not in check.stdout and "NOT clean" in check.stdout
+    repair = _lcache("fsck", "--repair", str(store_dir))
+    assert repair.returncode == 2 and repair.stdout == "", repair.stdout
+    assert repair.stderr.startswith(f"error: cannot repair {store_dir}: ")
+    assert repair.stderr.count("\n") == 1 and "Traceback" not in repair.stderr
+    assert "no segments" in repair.stderr
+    # nothing was created or changed
+    assert [p.name for p in store_dir.iterdir()] == ["store.json"]
+    assert (store_dir / "store.json").read_bytes() == garbage

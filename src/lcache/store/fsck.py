@@ -7,11 +7,12 @@ segments left unsealed by a crashed writer; the index files (header, size) and e
 journal; leftover temp files and files of a replaced generation.
 
 Repair removes the links, rewrites a damaged or missing ``store.json`` (``layout.salvage_config``
-says from what), seals orphans (cutting torn tails), rebuilds bad summaries by a scan, drops
-index entries that cannot be served (those keys become misses), truncates trailing garbage,
-deletes leftovers, rewrites a damaged journal with its intact entries, and rebuilds a damaged
-or missing index from the intact records of the segments and the delete journal (see
-``_rebuild``). Segments held by a live writer are not judged.
+says from what; a store whose ``store.json`` cannot be read and that holds no segment is
+refused, not made a fresh store), seals orphans (cutting torn tails), rebuilds bad summaries
+by a scan, drops index entries that cannot be served (those keys become misses), truncates
+trailing garbage, deletes leftovers, rewrites a damaged journal with its intact entries, and
+rebuilds a damaged or missing index from the intact records of the segments and the delete
+journal (see ``_rebuild``). Segments held by a live writer are not judged.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
     root = os.path.abspath(path)
     if not has_store(root):
         raise StoreNotFoundError(f"no lcache store in {root}")
+    unreadable = _config_without_segments(root)
+    if unreadable is not None:
+        # Nothing to rebuild a configuration from: repair would invent one (a fresh empty
+        # store of the default size) and call it clean. Nothing is created or changed.
+        if repair:
+            raise CorruptionError(f"cannot repair {root}: {unreadable} and the store holds "
+                                  "no segments to rebuild one from; restore store.json, or "
+                                  "remove the folder and open a new store")
+        return FsckReport(root, problems=[f"{unreadable}; the store holds no segments, so "
+                                          "there is nothing else to check"])
     prepare_dir(root, create=False)
     fixed_lock = _check_lock_file(root, repair)
     meta = MetaPage(os.path.join(root, "lock"))
@@ -106,6 +117,23 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
         return final
     finally:
         meta.close()
+
+
+def _config_without_segments(root: str) -> str | None:
+    """What is wrong with ``store.json`` when it cannot be read and no segment file is there
+    (the store's data, from which a configuration could be rebuilt); else None."""
+    try:
+        load_config(root)
+        return None
+    except CorruptionError as exc:
+        damage = str(exc).split("; run `lcache fsck")[0]
+    try:
+        names = os.listdir(segments_dir(root))
+    except OSError:
+        names = []
+    if any(name.endswith((".log", ".sum")) for name in names):
+        return None
+    return damage
 
 
 def _check_lock_file(root: str, repair: bool) -> list[str]:
@@ -334,7 +362,10 @@ class _Checker:
         try:
             return cls(self.root, self.meta, create=False)
         except CorruptionError as exc:
-            self.problem(str(exc).split("; run `lcache fsck")[0])
+            text = str(exc).split("; run `lcache fsck")[0]
+            if not self.report.records:  # not "while segments hold records" when none do
+                text = text.replace(" while segments hold records", "")
+            self.problem(text)
             if not self.fix:
                 return None
         self._rebuild(kind, floors[kind])
