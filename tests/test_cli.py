@@ -195,3 +195,15 @@ def test_stats_of_a_cache_whose_identity_is_a_fifo_does_not_hang(tmp_path: Path)
 def test_an_empty_directory_argument_is_refused(tmp_path: Path, args: tuple[str, ...]) -> None:
     """Regression: ``lcache stats ''`` looked at the current directory."""
     assert_one_line_error(run_lcache(*args, cwd=tmp_path), "an empty path; give a directory")
+
+
+def test_warm_checks_capacity_before_listing_the_source(tmp_path: Path) -> None:
+    """Regression: ``--capacity 10XB`` was parsed after the whole source was listed (here the
+    listing's warning about a FIFO came first; on S3 a typo cost a full listing)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    os.mkfifo(tmp_path / "src" / "fifo")
+    out = run_lcache("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"),
+                     "--capacity", "10XB", cwd=tmp_path)
+    assert_one_line_error(out, "--capacity", "'10XB'")
+    assert not (tmp_path / "c").exists()

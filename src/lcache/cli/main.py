@@ -21,7 +21,7 @@ from lcache.cli.checks import Folder, number_option
 from lcache.cli.ckpt import ckpt
 from lcache.cli.model import model_cmd
 from lcache.cli.trace import report_cmd, trace_cmd
-from lcache.errors import CorruptionError, LCacheError
+from lcache.errors import ConfigError, CorruptionError, LCacheError
 from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
 
@@ -189,8 +189,13 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
 def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tuple[str, ...],
          as_json: bool) -> None:
     """Fetch SOURCE's samples (in path order) into the cache until it is full."""
+    from lcache.data.cache import cache_capacity
     from lcache.data.warm import warm_cache
 
+    try:  # before the source is listed (a full listing on S3): a size or a percentage
+        cache_capacity(capacity, 1)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--capacity") from None
     storage_options = {}
     for item in options:
         key, sep, value = item.partition("=")
