@@ -197,6 +197,12 @@ def test_an_empty_directory_argument_is_refused(tmp_path: Path, args: tuple[str,
     assert_one_line_error(run_lcache(*args, cwd=tmp_path), "an empty path; give a directory")
 
 
+def test_warm_of_an_unreachable_url_names_it(tmp_path: Path) -> None:
+    """Regression: ``lcache warm ftp://x`` printed "error: Name or service not known"."""
+    out = run_lcache("warm", "ftp://x", "--cache", str(tmp_path / "c"), cwd=tmp_path)
+    assert_one_line_error(out, "ftp://x")
+
+
 def test_warm_checks_capacity_before_listing_the_source(tmp_path: Path) -> None:
     """Regression: ``--capacity 10XB`` was parsed after the whole source was listed (here the
     listing's warning about a FIFO came first; on S3 a typo cost a full listing)."""

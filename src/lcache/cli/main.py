@@ -74,6 +74,12 @@ class _Group(click.Group):
             _error(_one_line(exc))
 
 
+class _Failed(click.ClickException):
+    """A failure said in one line, exit status 2 (like an LCacheError)."""
+
+    exit_code = 2
+
+
 def _error(line: str, code: int = 2) -> NoReturn:
     # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
     err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
@@ -204,8 +210,14 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
         if key in storage_options:
             raise click.BadParameter(f"{key!r} is given twice", param_hint="--option")
         storage_options[key] = value
-    figures = warm_cache(source, cache_dir, capacity, threads=threads,
-                         storage_options=storage_options, show_progress=not as_json)
+    try:
+        figures = warm_cache(source, cache_dir, capacity, threads=threads,
+                             storage_options=storage_options, show_progress=not as_json)
+    except OSError as exc:
+        if isinstance(exc, LCacheError) or exc.filename is not None:
+            raise
+        # no file named (a host that does not resolve, a refused connection): name the URL
+        raise _Failed(f"cannot read {source}: {_one_line(exc)}") from None
     if as_json:
         _emit_json(figures)
     else:
