@@ -213,3 +213,17 @@ def test_warm_checks_capacity_before_listing_the_source(tmp_path: Path) -> None:
                      "--capacity", "10XB", cwd=tmp_path)
     assert_one_line_error(out, "--capacity", "'10XB'")
     assert not (tmp_path / "c").exists()
+
+
+def test_warm_into_a_cache_of_another_source_says_which_field_differs(tmp_path: Path) -> None:
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            (tmp_path / name / f"{i}.bin").write_bytes(os.urandom(3000))
+    cache = str(tmp_path / "c")
+    first = run_lcache("warm", str(tmp_path / "one"), "--cache", cache, "--capacity", "64MB",
+                       "--json", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    out = run_lcache("warm", str(tmp_path / "two"), "--cache", cache, "--capacity", "64MB",
+                     cwd=tmp_path)
+    assert_one_line_error(out, "(its source differs)")

@@ -280,7 +280,8 @@ class DirectoryIdentity:
         if not differs:
             return
         why = ("the contents of its items differ" if differs == ["content"]
-               else "its " + ", ".join(differs) + " differ")
+               else "its " + ", ".join(differs) + (" differs" if len(differs) == 1
+                                                   else " differ"))
         raise ConfigError(
             f"{self.cache_dir} caches {_describe(stored)}, not {_describe(doc)} ({why}); "
             "use another cache directory (one per dataset and split) or delete it")
