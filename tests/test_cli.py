@@ -227,3 +227,21 @@ def test_warm_into_a_cache_of_another_source_says_which_field_differs(tmp_path: 
     out = run_lcache("warm", str(tmp_path / "two"), "--cache", cache, "--capacity", "64MB",
                      cwd=tmp_path)
     assert_one_line_error(out, "(its source differs)")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_ckpt_ls_of_a_checkpoint_says_it_lists_a_folder(tmp_path: Path,
+                                                        json_flag: list[str]) -> None:
+    """Regression: ``lcache ckpt ls CKPT/step-3`` (a checkpoint, not its folder) printed an
+    empty table and exited 0, while ``ckpt verify`` took the same path."""
+    import numpy as np
+
+    from lcache import checkpoint
+
+    checkpoint.save({"w": np.ones(10)}, tmp_path / "ckpts" / "step-3")
+    step = str(tmp_path / "ckpts" / "step-3")
+    out = run_lcache("ckpt", "ls", step, *json_flag, cwd=tmp_path)
+    assert_one_line_error(out, f"{step} is a checkpoint", f"give {tmp_path / 'ckpts'}")
+    assert run_lcache("ckpt", "verify", step, cwd=tmp_path).returncode == 0
+    listed = run_lcache("ckpt", "ls", str(tmp_path / "ckpts"), "--json", cwd=tmp_path)
+    assert [c["name"] for c in json.loads(listed.stdout)["checkpoints"]] == ["step-3"]

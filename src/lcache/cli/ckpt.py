@@ -36,7 +36,14 @@ def ckpt() -> None:
 def ls_cmd(directory: str, as_json: bool) -> None:
     """List the complete checkpoints in DIRECTORY, oldest first (partial saves never)."""
     from lcache.checkpoint import leftovers, list_checkpoints
+    from lcache.checkpoint.format import MANIFEST
+    from lcache.errors import ConfigError
 
+    if os.path.lexists(os.path.join(directory, MANIFEST)):  # not an empty table, exit 0
+        folder = os.path.dirname(os.path.abspath(directory))
+        raise ConfigError(f"{directory} is a checkpoint; `lcache ckpt ls` lists the checkpoints "
+                          f"in a folder: give {folder} (`lcache ckpt verify {directory}` checks "
+                          "this one)")
     good, bad = list_checkpoints(directory)  # a missing directory: one line, exit status 2
     left = [os.path.basename(p) for p in leftovers(directory)]
     if as_json:
