@@ -17,6 +17,8 @@ from lcache.cli.main import cli
 from lcache.errors import ConfigError
 from lcache.model import CLASSES, config_from_preset, load_model_file, predict
 
+from .conftest import assert_one_line_error, run_lcache
+
 CLASS_KEYS = {"direction", "bytes_per_step", "bytes_per_event", "bytes_per_day", "per_node",
               "per_gpu", "per_node_bytes_per_day", "per_gpu_bytes_per_day",
               "MBps_needed_overlap", "MBps_needed_no_overlap"}
@@ -253,3 +255,16 @@ def test_model_file_that_is_not_plain_yaml_is_one_line(tmp_path: Path, text: str
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.stderr.count("\n") == 1 and words in run.stderr, run.stderr
 
+
+
+@pytest.mark.parametrize("line", ["layers: 99999999999999999999999999999", "hidden: 4294967296",
+                                  "seq_len: 1000000000", "vocab: 10000000000"])
+def test_model_file_dimensions_out_of_range_are_one_line(tmp_path: Path, line: str) -> None:
+    """Regression: ``layers: 99999999999999999999999999999`` printed 10^29-second steps."""
+    key = line.split(":")[0]
+    shape = {"layers": 32, "hidden": 4096, "ffn_hidden": 14336, "heads": 32, "vocab": 128256,
+             "seq_len": 8192}
+    text = "\n".join([line] + [f"{k}: {v}" for k, v in shape.items() if k != key]) + "\n"
+    (tmp_path / "m.yaml").write_text(text)
+    out = run_lcache("model", "--model-file", str(tmp_path / "m.yaml"), cwd=tmp_path)
+    assert_one_line_error(out, key, "out of range")

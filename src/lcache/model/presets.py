@@ -15,6 +15,13 @@ from lcache.errors import ConfigError
 NORMS = ("rmsnorm", "layernorm")
 
 
+#: the largest each dimension may be: far past any published model, and small enough that
+#: the figures stay finite and readable
+MAX_DIMENSIONS = {"layers": 10_000, "hidden": 1 << 20, "ffn_hidden": 1 << 22,
+                  "heads": 1 << 16, "kv_heads": 1 << 16, "vocab": 1 << 24, "seq_len": 1 << 24,
+                  "position_embeddings": 1 << 24, "extra_params": 10**12}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """A decoder- or encoder-only transformer's shape.
@@ -59,6 +66,9 @@ class ModelShape:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model {self.name!r}: {key} must be a positive integer, "
                                   f"got {value!r}")
+            if value > MAX_DIMENSIONS[key]:
+                raise ConfigError(f"model {self.name!r}: {key} {value:,} is out of range: "
+                                  f"give 1 to {MAX_DIMENSIONS[key]:,}")
         for key in ("gated_mlp", "tied_embeddings", "bias"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"model {self.name!r}: {key} must be true or false, "
@@ -68,6 +78,9 @@ class ModelShape:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"model {self.name!r}: {key} must be an integer >= 0, "
                                   f"got {value!r}")
+            if value > MAX_DIMENSIONS[key]:
+                raise ConfigError(f"model {self.name!r}: {key} {value:,} is out of range: "
+                                  f"give 0 to {MAX_DIMENSIONS[key]:,}")
         if self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden {self.hidden} is not a multiple of "
                               f"heads {self.heads}; the head size must be a whole number")
