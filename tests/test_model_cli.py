@@ -257,6 +257,27 @@ def test_model_file_that_is_not_plain_yaml_is_one_line(tmp_path: Path, text: str
 
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    # per-node figures were the job's over "3 nodes" for 8 GPUs
+    (("llama3-8b", "--gpus-per-node", "3"), ("gpus 8 is not a multiple of gpus_per_node 3",)),
+    (("llama3-8b", "--gpus", "12"), ("gpus 12 is not a multiple of gpus_per_node 8",)),
+    # said "global_batch 512 is not a multiple of micro_batch x dp"
+    (("llama3-8b", "--gpus", "99999999999999999999"), ("gpus", "out of range", "1,000,000")),
+])
+def test_gpus_that_fill_no_whole_nodes_or_too_many_are_one_line(tmp_path: Path,
+                                                                args: tuple[str, ...],
+                                                                words: tuple[str, ...]) -> None:
+    err = assert_one_line_error(run_lcache("model", *args, cwd=tmp_path), *words)
+    assert "global_batch" not in err
+
+
+def test_gpus_within_one_node_or_whole_nodes_are_taken(tmp_path: Path) -> None:
+    for args, nodes in ((("--gpus", "4"), 1), (("--gpus", "16", "--gpus-per-node", "4"), 4)):
+        out = run_lcache("model", "llama3-8b", *args, "--json", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["nodes"] == nodes
+
+
 @pytest.mark.parametrize("line", ["layers: 99999999999999999999999999999", "hidden: 4294967296",
                                   "seq_len: 1000000000", "vocab: 10000000000"])
 def test_model_file_dimensions_out_of_range_are_one_line(tmp_path: Path, line: str) -> None:

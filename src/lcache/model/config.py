@@ -25,6 +25,11 @@ DEFAULT_CHECKPOINT_MINUTES = 30.0
 DAY_S = 86_400.0
 
 # Fields that take a size: YAML and overrides may write "3.84TB" or "7GB" for them.
+#: the most each count may be (past these the figures mean nothing, and huge values overflow)
+_MAX_COUNT = {"gpus": 1_000_000, "global_batch": 1 << 30, "micro_batch": 1 << 20,
+              "tp": 1 << 16, "pp": 1 << 16, "gpus_per_node": 1024, "ssds_per_node": 1024,
+              "retention": 1_000_000}
+
 _SIZE_FIELDS = ("ssd_capacity_bytes", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s",
                 "hbm_bytes")
 
@@ -166,6 +171,9 @@ class TrainingConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+            if value > _MAX_COUNT[key]:
+                raise ConfigError(f"{key} {value:,} is out of range: give 1 to "
+                                  f"{_MAX_COUNT[key]:,}")
         for key in ("ssd_capacity_bytes", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s",
                     "ssd_rated_dwpd", "restart_budget_s", "max_stall_fraction"):
             if not getattr(self, key) > 0:
@@ -207,6 +215,12 @@ class TrainingConfig:
             raise ConfigError(f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = "
                               f"{model_parallel * self.dp} but gpus is {self.gpus}; "
                               "they must be equal (or leave dp out to derive it)")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            # per-node figures are the job's divided by whole nodes: a part node would be
+            # counted as a full one
+            raise ConfigError(f"gpus {self.gpus} is not a multiple of gpus_per_node "
+                              f"{self.gpus_per_node} (nodes are counted full); change gpus "
+                              "or gpus_per_node")
         if self.global_batch % (self.micro_batch * self.data_parallel):
             raise ConfigError(f"global_batch {self.global_batch} is not a multiple of "
                               f"micro_batch x dp = {self.micro_batch} x {self.data_parallel}")
