@@ -9,7 +9,7 @@ from typing import Any
 
 from lcache.io import atomic_write
 from lcache.report.load import Trace, load
-from lcache.report.stats import summarize_trace
+from lcache.report.stats import summarize_trace, unfinished_note
 
 PathLike = str | os.PathLike[str]
 
@@ -100,6 +100,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                       f"{c['lat_p50_us']:,.0f}/"
                       + ("-" if c["lat_p99_us"] is None else f"{c['lat_p99_us']:,.0f}"))
     Console().print(table)
+    note = unfinished_note(summary)
+    if note is not None:
+        Console().print(f"warning: {note}", style="yellow", markup=False, highlight=False,
+                        soft_wrap=True)
     for f in summary["filesystems"].values():
         Console().print(f"filesystem {f['mount']} ({f['fs'] or 'type unknown'}"
                         f"{', in memory' if f['memory'] else ''}): read "

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from lcache.report.plots import Plot
+from lcache.report.stats import unfinished_note
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;
@@ -23,6 +24,7 @@ th{background:#f2f2f2}td.l,th.l{text-align:left}
 figure{margin:16px 0}figcaption{font-size:12px;color:#555}
 img.plot{max-width:100%;border:1px solid #eee}
 .small{font-size:12px;color:#555}
+.warn{background:#fff3cd;border:1px solid #e0b400;padding:6px 10px}
 """
 
 # Tells a headless browser (and the report test) that every plot decoded.
@@ -80,8 +82,11 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
         f'{t["span_s"]:.2f} s of I/O'
         + (f'; {t["repeated_events"]:,} exact repeats of an event dropped'
            if t.get("repeated_events") else "") + ".</p>",
-        "<h2>Per class</h2>",
     ]
+    note = unfinished_note(summary)
+    if note is not None:
+        parts.append(f'<p class="warn" id="unfinished">Warning: {escape(note)}.</p>')
+    parts.append("<h2>Per class</h2>")
     rows = [[escape(name)] + [_fmt(k, v.get(k, 0)) for k in _CLASS_COLS]
             for name, v in summary["classes"].items()]
     rows.append(["<b>total</b> (without syscall)"] +

@@ -71,6 +71,9 @@ class Trace:
     ignored: int = 0
     #: exact repeats of an I/O event that were dropped (see :func:`_drop_repeats`)
     repeats: int = 0
+    #: (index in ``paths``, pid) of each process whose ``recorder`` start marker has no end
+    #: after it: killed before its last flush, so its last events may be missing
+    unfinished: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ts_us)
@@ -425,6 +428,7 @@ class _Builder:
         self.disks: dict[str, list[tuple[int, float, list[int]]]] = {}
         self.ignored = 0
         self.events = 0
+        self.recording: dict[tuple[int, int], bool] = {}  # (source, pid) -> started, not ended
 
     def index(self, table: dict[str, int], name: str) -> int:
         i = table.get(name)
@@ -463,6 +467,9 @@ class _Builder:
             elif ph == "M" and ev.get("name") == "io_name":
                 self.io_names[(source, pid, str(args["kind"]), _int(args["id"]))] = \
                     str(args["name"])[:4096]
+            elif ph == "M" and ev.get("name") == "recorder":
+                # the last marker counts: a pid reused after an end starts afresh
+                self.recording[(source, pid)] = args["state"] == "start"
             elif ph == "M" and ev.get("name") == "process_name":
                 self.process_names[pid] = str(args.get("name", ""))
             elif ph == "C" and ev.get("cat") == PROC_IO:
@@ -613,6 +620,7 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         disks={_printable(dev): series(rows) for dev, rows in b.disks.items()},
         file_where=[b.where.get(name, {}) for name in b.files],
         paths=[os.fspath(p) for p in paths], events=b.events, ignored=b.ignored,
+        unfinished=sorted(key for key, open_ in b.recording.items() if open_),
         source=arr(10, np.int32),
         proc_source={pid: sources(rows) for pid, rows in b.proc.items()},
         disk_source={_printable(dev): sources(rows) for dev, rows in b.disks.items()})

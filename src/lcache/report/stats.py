@@ -249,7 +249,8 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
         "trace": {"files": trace.paths, "events": trace.events, "io_events": len(trace),
                   "ignored_events": trace.ignored, "repeated_events": trace.repeats,
                   "span_s": round(span, 6),
-                  "processes": len(set(trace.pid.tolist()) | set(trace.proc))},
+                  "processes": len(set(trace.pid.tolist()) | set(trace.proc)),
+                  "unfinished_processes": [pid for _, pid in trace.unfinished]},
         "classes": classes,
         "total": _class_stats(trace, lib, data, seq, read_code, write_code),
         "top_files": files,
@@ -258,6 +259,17 @@ def summarize_trace(trace: Trace, top_files: int = 10) -> dict[str, Any]:
         "devices": _disk_summary(trace),
         "traced_vs_devices": _traced_vs_devices(trace),
     }
+
+
+def unfinished_note(summary: dict[str, Any]) -> str | None:
+    """The warning for processes that started recording and never wrote their end marker
+    (``kill -9``, ``os._exit`` without a flush); ``None`` for a trace without (older traces
+    have no markers, so nothing is known)."""
+    pids = summary["trace"].get("unfinished_processes") or []
+    if not pids:
+        return None
+    return (f"events may be missing for {len(pids)} process(es) (pids "
+            f"{', '.join(str(p) for p in pids)}): killed before they flushed")
 
 
 def file_system(trace: Trace, i: int) -> dict[str, Any]:
