@@ -81,13 +81,15 @@ def test_too_short_says_how_long(tmp_path: Path) -> None:
 
 
 def test_capacity_for_a_hit_ratio(tmp_path: Path) -> None:
-    """hit ratio = C/N: 0.75 of 40 samples is 30 records of sample + header."""
+    """hit ratio = C/N: 0.75 of 40 samples is 30 records of sample + header for the plan;
+    the cache is the store's minimum, 40 segments of 512 KiB (4 records of 64 KiB each)."""
     doc = _advise(tmp_path, loop(30, 4, period_ms=10, read_ms=1, samples=40),
                   targets=Targets(hit_ratio=0.75))
     cap = doc["advice"][0]
-    assert cap["value"] == 30 * (SAMPLE + HEADER_SIZE)
-    assert cap["fraction_of_dataset"] == pytest.approx(30 * (SAMPLE + HEADER_SIZE)
-                                                       / (40 * SAMPLE), abs=1e-4)
+    assert cap["plan_bytes"] == 30 * (SAMPLE + HEADER_SIZE)
+    assert cap["value"] == 40 * (512 << 10)
+    assert cap["fraction_of_dataset"] == pytest.approx(40 * (512 << 10) / (40 * SAMPLE),
+                                                       abs=1e-4)
 
 
 def test_checkpoints_and_interval(tmp_path: Path) -> None:

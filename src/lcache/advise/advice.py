@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lcache.data.cache import MIN_SEGMENTS, SampleCache, choose_segment_size
 from lcache.store.record import HEADER_SIZE
 
 DAY_S = 86_400.0
@@ -32,24 +33,54 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.3f} GB"
 
 
+def _loader_workers() -> int:
+    """DataLoader workers per rank that ``SeedAwareSampler`` leaves room for by default."""
+    import inspect
+
+    from lcache.data.sampler import SeedAwareSampler
+
+    return int(inspect.signature(SeedAwareSampler).parameters["loader_workers"].default)
+
+
 def cache_capacity(fitted: dict[str, Any], t: Targets) -> dict[str, Any]:
     """Seed-aware eviction hits C/N of an epoch (Belady on the known order; docs/cache.md):
-    to hit ``h``, the cache holds ``ceil(h N)`` samples, each a record (header + sample)."""
+    to hit ``h``, the plan holds ``ceil(h N)`` records (header + sample), and the cache is
+    the smallest whose plan has that room once the store's own overhead is held back
+    (``SampleCache.plan_capacity``: a free segment, one per writer, the index)."""
     topic = "cache capacity"
     ds = fitted["dataset"]
     if ds is None:
         return {"topic": topic, "missing": "no reads from the data source: the dataset's size "
                 "is unknown; trace a run that reads its data through lcache"}
     n, mean = ds["samples"], ds["record_bytes_mean"]
+    largest = ds.get("record_bytes_max", math.ceil(mean))  # fits before it was kept
     keep = math.ceil(t.hit_ratio * n - 1e-9)
-    cap = keep * (mean + HEADER_SIZE)
-    return {"topic": topic, "figure": "capacity_bytes", "value": math.ceil(cap),
+    need = math.ceil(keep * (mean + HEADER_SIZE))
+    workers = _loader_workers()
+    writers = 1 + workers  # one rank per trace: its sampler and its loader workers
+    cap = SampleCache.capacity_for(need, n, largest, writers, staging_on_ssd=False)
+    on_ssd = SampleCache.capacity_for(need, n, largest, writers, staging_on_ssd=True)
+    segment = choose_segment_size(cap, 512, largest)
+    held = SampleCache.plan_overhead(segment, n, writers)
+    total = (f"capacity = {need:,} + {held:,} = {cap:,} B" if cap == need + held else
+             f"{need + held:,} B is below a cache's minimum of {MIN_SEGMENTS} segments: "
+             f"capacity = {MIN_SEGMENTS} x {segment:,} = {cap:,} B")
+    return {"topic": topic, "figure": "capacity_bytes", "value": cap,
             "fraction_of_dataset": round(cap / ds["bytes"], 4),
+            "plan_bytes": need, "overhead_bytes": cap - need,
+            "capacity_bytes_staging_on_ssd": on_ssd,
             "arithmetic": (f"hit ratio = C/N with seed-aware eviction: {t.hit_ratio:g} x "
                            f"{n:,} samples = {keep:,} samples x ({mean:,.0f} B + "
-                           f"{HEADER_SIZE} B record header) = {_gb(cap)} "
+                           f"{HEADER_SIZE} B record header) = {need:,} B the plan holds; "
+                           f"the store holds back (2 spare + {writers} writers: 1 rank + "
+                           f"{workers} DataLoader workers) x {segment:,} B segments (capacity "
+                           f"/ 512 down to a power of two in 64 KiB..64 MiB, at least 4 x the "
+                           f"largest record {largest + HEADER_SIZE:,} B) + 16 B x {n:,} "
+                           f"samples + 64 KiB of index = {held:,} B; {total} = {_gb(cap)} "
                            f"({cap / ds['bytes']:.3f} x the {_gb(ds['bytes'])} dataset); "
-                           f"the source then sends (1 - {t.hit_ratio:g}) x dataset = "
+                           f"where /dev/shm cannot hold the prefetch staging area it is "
+                           f"carved out of the capacity: {on_ssd:,} B; the source then sends "
+                           f"(1 - {t.hit_ratio:g}) x dataset = "
                            f"{_gb((1 - t.hit_ratio) * ds['bytes'])} per epoch")}
 
 

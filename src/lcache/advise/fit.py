@@ -120,6 +120,7 @@ def _dataset(trace: Trace, reads: Mask) -> dict[str, Any] | None:
         "record_bytes_p50": int(nearest_rank(sizes, 50)),
         "record_bytes_mean": round(float(sizes.mean()), 1),
         "record_bytes_stdev": round(float(sizes.std()), 1),
+        "record_bytes_max": int(sizes.max()),
         "epochs_seen": round(float(counts.mean()), 3),
         "source_reads": int(reads.sum()),
     }

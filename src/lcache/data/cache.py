@@ -502,9 +502,44 @@ class SampleCache:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
         an active segment per writer, the index, and ``early`` bytes of kept samples that
         prefetchers bring in before their turn."""
-        index = 16 * len(self.source) + (64 << 10)
-        overhead = self.segment_size * (2 + writers) + index + early
-        return max(0, self.main_capacity - overhead)
+        overhead = SampleCache.plan_overhead(self.segment_size, len(self.source), writers)
+        return max(0, self.main_capacity - overhead - early)
+
+    @staticmethod
+    def plan_overhead(segment_size: int, samples: int, writers: int) -> int:
+        """What ``plan_capacity`` holds back: one free segment, an active one per writer and
+        the index (16 bytes a sample, and 64 KiB)."""
+        return segment_size * (2 + writers) + 16 * samples + (64 << 10)
+
+    @staticmethod
+    def capacity_for(record_bytes: int, samples: int, largest: int, writers: int,
+                     staging_on_ssd: bool = True) -> int:
+        """The smallest capacity whose ``plan_capacity(writers)`` holds ``record_bytes``
+        (records: samples + headers) of a new cache of ``samples`` samples, the largest
+        ``largest`` bytes, sized as ``__init__`` sizes it. ``staging_on_ssd``: the prefetch
+        staging area is carved out of the capacity (when /dev/shm has no room for it).
+
+        The overheads grow with the capacity (segments are sized from it, staging takes a
+        50th), so the shortfall is added until none is left: the plan's room minus the
+        capacity never rises, so no smaller capacity holds the bytes."""
+        def staging(capacity: int) -> int:  # __init__'s staging_bytes when on the SSD
+            if not staging_on_ssd:
+                return 0
+            size = max(DEFAULT_STAGING, (STAGING_WRITERS + 4)
+                       * choose_segment_size(DEFAULT_STAGING, 16, largest))
+            size = min(size, capacity // 50)
+            return max(size, (STAGING_WRITERS + 4) * choose_segment_size(size, 16, largest))
+
+        capacity = max(1, record_bytes)
+        while True:
+            segment = choose_segment_size(capacity, 512, largest)
+            room = capacity - staging(capacity) - SampleCache.plan_overhead(segment, samples,
+                                                                            writers)
+            short = max(record_bytes - room, MIN_SEGMENTS * segment + staging(capacity)
+                        - capacity)
+            if short <= 0:
+                return capacity
+            capacity += short
 
     def staging_window(self, ranks: int) -> int:
         """Bytes each of ``ranks`` prefetchers may stage without FIFO cleaning dropping a
