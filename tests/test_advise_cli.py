@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import lcache.trace
 from lcache.bench import load_workload
 from lcache.cli.main import cli
 from tests.conftest import assert_one_line_error, run_lcache
@@ -46,6 +47,7 @@ def test_json_emit_and_page(trace: Path, tmp_path: Path) -> None:
 
 
 def test_storage_check(trace: Path, tmp_path: Path) -> None:
+    (tmp_path / "nvme").mkdir()
     run = run_lcache("advise", str(trace), "--json", "--storage", str(tmp_path / "nvme"),
                      cwd=tmp_path)
     assert run.returncode == 0, run.stderr
@@ -85,3 +87,25 @@ def test_bad_input_is_one_line(trace: Path, tmp_path: Path, args: tuple[str, ...
 def test_foreign_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello\n")
     assert_one_line_error(run_lcache("advise", "notes.txt", cwd=tmp_path), "notes.txt")
+
+
+def test_storage_must_be_an_existing_directory(trace: Path, tmp_path: Path) -> None:
+    """A missing --storage was created (/nonexistent/{data,output}); a file was accepted
+    silently when the trace had nothing to run. Both are refused before anything runs."""
+    empty = tmp_path / "empty.trace"
+    record_trace(empty, lambda t0: lcache.trace.record("fsync", "/c/meta", 0, 0, "cache-meta",
+                                                       t0, 1000, 0), True)
+    (tmp_path / "a-file").write_text("")
+    for t in (trace, empty):
+        missing = tmp_path / "nope" / "nvme"
+        assert_one_line_error(run_lcache("advise", str(t), "--storage", str(missing),
+                                         cwd=tmp_path), str(missing), "no such directory")
+        assert not (tmp_path / "nope").exists()
+        assert_one_line_error(run_lcache("advise", str(t), "--storage", "a-file",
+                                         cwd=tmp_path), "a-file", "not a directory")
+    # an existing directory, and nothing to run there: said, not taken for a check
+    (tmp_path / "nvme").mkdir()
+    run = run_lcache("advise", str(empty), "--storage", "nvme", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "no check: nothing to check on nvme" in " ".join(run.stdout.split())
+    assert os.listdir(tmp_path / "nvme") == []

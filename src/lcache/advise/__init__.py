@@ -42,9 +42,14 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
 
     Raises:
         lcache.trace.TraceFormatError: a trace file is missing, truncated or not a trace.
-        ConfigError: an unknown ``model``, or a ``storage`` directory that cannot be used.
+        ConfigError: an unknown ``model``, or a ``storage`` that is not an existing
+            directory or cannot be used.
     """
     t = targets or Targets()
+    if storage is not None:
+        from lcache.advise.check import check_storage
+
+        check_storage(storage)  # up front: refused whatever the trace holds, never created
     trace = load(paths)
     fitted = fit(trace)
     doc, notes = workload(fitted)
@@ -64,8 +69,9 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
 
         if not doc["workflow"]["train"] and not doc["workflow"]["checkpoint"]:
             out["check"] = None
-            out["unfitted"].append({"what": "check", "why": "the emitted workload does "
-                                    "nothing (no data reads, no checkpoints) to run"})
+            out["unfitted"].append({"what": "check", "why": f"nothing to check on {storage}: "
+                                    "the emitted workload does nothing (no data reads, no "
+                                    "checkpoints) to run there"})
         else:
             out["check"] = run_check(doc, storage, fitted, t.max_stall, check_epochs,
                                      show_progress)

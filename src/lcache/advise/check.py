@@ -7,6 +7,21 @@ import os
 from typing import Any
 
 from lcache.bench import BenchOptions, parse_workload, run_workload
+from lcache.errors import ConfigError
+
+
+def check_storage(storage: str) -> None:
+    """Refuse a storage path that is not an existing directory, before anything runs: the
+    check makes data/, output/ and checkpoints/ in it, so a mistyped path was created
+    (``--storage /nonexistent`` made /nonexistent/data) and a file was taken silently.
+
+    Raises:
+        ConfigError: ``storage`` does not exist or is not a directory.
+    """
+    if not os.path.isdir(storage):
+        what = "not a directory" if os.path.lexists(storage) else "no such directory"
+        raise ConfigError(f"storage {storage}: {what}; give an existing directory on the "
+                          "storage to check (it is never created)")
 
 
 def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_stall: float,

@@ -39,7 +39,8 @@ class _OneLineErrors(click.Command):
 @click.option("--traced-gpus", default=None, metavar="N",
               help="GPUs (ranks) the traces hold (default: one per trace file).")
 @click.option("--storage", default=None, metavar="DIR",
-              help="Run the emitted workload in DIR and say per class whether it keeps up.")
+              help="Run the emitted workload in DIR (an existing directory) and say per "
+                   "class whether it keeps up.")
 @click.option("--check-epochs", default="1", show_default=True,
               help="Epochs of the emitted workload that --storage runs.")
 @click.option("--hit-ratio", default="0.9", show_default=True,
@@ -111,7 +112,10 @@ def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None) ->
             console.print(f"[bold]{a['topic']}[/]: {a['figure']} = {a['value']}\n  "
                           f"{a['arithmetic']}", highlight=False)
     for u in doc["unfitted"]:
-        console.print(f"[yellow]not fitted:[/] {u['what']}: {u['why']}", highlight=False)
+        if u["what"] == "check":  # --storage was given, and nothing runs: not a fit
+            console.print(f"[yellow]no check:[/] {u['why']}", highlight=False)
+        else:
+            console.print(f"[yellow]not fitted:[/] {u['what']}: {u['why']}", highlight=False)
     if doc["check"]:
         for name, c in doc["check"]["classes"].items():
             console.print(f"[bold]check {name}[/]: "
