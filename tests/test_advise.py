@@ -14,6 +14,7 @@ import yaml
 
 from lcache.advise import Targets, advise
 from lcache.bench import parse_workload
+from lcache.report import summarize
 from lcache.store.record import HEADER_SIZE
 from tests.conftest import subprocess_env
 from tests.test_advise_traces import SAMPLE, loop, record_trace
@@ -212,3 +213,18 @@ def test_scale_per_gpu_node_and_day(tmp_path: Path) -> None:
     assert two["from_trace"]["per_gpu_MBps"]["data"] == pytest.approx(2 * per_gpu, rel=1e-3)
     preset = advise(tmp_path / "run.trace", model="llama3-8b")["scale"]
     assert preset["gpus"] == preset["model"]["gpus"] and preset["model_per_node_MBps"]
+
+
+def test_traces_recorded_apart_are_not_spread_over_the_gap(tmp_path: Path) -> None:
+    """Two runs traced 10 minutes apart: the rate and span are each file's, as the report
+    counts them, not bytes over the 10 minutes between the files."""
+    body = loop(30, 4, period_ms=10, read_ms=1, samples=40)
+    record_trace(tmp_path / "a.trace", body, True)
+    record_trace(tmp_path / "b.trace", lambda t0: body(t0 + 600 * 10**9), True)
+    one = advise(tmp_path / "a.trace")["fit"]
+    two = advise([tmp_path / "a.trace", tmp_path / "b.trace"])["fit"]
+    assert two["groups"]["data"]["MBps_mean"] == pytest.approx(
+        one["groups"]["data"]["MBps_mean"], rel=0.05)
+    assert two["trace"]["span_s"] == pytest.approx(2 * one["trace"]["span_s"], rel=0.05)
+    report = summarize([tmp_path / "a.trace", tmp_path / "b.trace"])
+    assert two["trace"]["span_s"] == pytest.approx(report["trace"]["span_s"], abs=1e-6)

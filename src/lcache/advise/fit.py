@@ -16,7 +16,7 @@ import numpy.typing as npt
 from lcache.advise.runs import SAMPLE_CLASSES, split_runs
 from lcache.advise.steps import Steps, from_markers, from_rhythm, split_idle
 from lcache.report.load import Trace
-from lcache.report.stats import data_mask, nearest_rank, sequential
+from lcache.report.stats import Timeline, data_mask, event_source, nearest_rank, sequential
 
 #: The trace classes behind each group the advice speaks of.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -67,6 +67,16 @@ def _threads(trace: Trace, rows: Mask) -> int:
     return _in_flight(np.array([a for a, _ in spans]), np.array([b for _, b in spans]))[1]
 
 
+def _span_s(trace: Trace, rows: Mask) -> float:
+    """Seconds from first start to last end of ``rows`` within each trace file, files that
+    overlap in time sharing one span: as the report counts spans (its ``Timeline``), so
+    traces recorded minutes apart do not spread their bytes over the gap."""
+    if not rows.any():
+        return 0.0
+    return Timeline(trace.ts_us[rows], (trace.ts_us + trace.dur_us)[rows],
+                    event_source(trace)[rows]).length_us / 1e6
+
+
 def _pow2_histogram(sizes: npt.NDArray[np.int64]) -> dict[str, int]:
     """Requests per power-of-two size bin, keyed by the bin's lower bound in bytes (the
     report's request-size plot uses the same bins)."""
@@ -85,8 +95,7 @@ def _group(trace: Trace, rows: Mask, seq: Mask, steps: int) -> dict[str, Any]:
     known = data & (trace.offset >= 0)
     rb, wb = int(moved[read].sum()), int(moved[data & ~read].sum())
     mean, peak = _in_flight(trace.ts_us[data], trace.ts_us[data] + trace.dur_us[data])
-    span = (float((trace.ts_us[data] + trace.dur_us[data]).max() - trace.ts_us[data].min())
-            / 1e6) if data.any() else 0.0
+    span = _span_s(trace, data)
     return {
         "ops": int(data.sum()), "read_bytes": rb, "write_bytes": wb,
         "read_bytes_per_step": round(rb / steps, 1) if steps else None,
@@ -207,8 +216,7 @@ def fit(trace: Trace) -> dict[str, Any]:
     ckpt = _checkpoints(trace, run, steps, sample_ts)
     return {
         "trace": {"files": trace.paths, "io_events": len(trace),
-                  "span_s": round(float((trace.ts_us + trace.dur_us).max()
-                                        - trace.ts_us.min()) / 1e6, 6) if len(trace) else 0.0},
+                  "span_s": round(_span_s(trace, np.ones(len(trace), dtype=bool)), 6)},
         "runs": runs.to_dict(),
         "steps": steps.to_dict(),
         "dataset": dataset,
