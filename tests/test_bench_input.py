@@ -14,7 +14,7 @@ import yaml
 
 from lcache.bench import BenchOptions, datagen, load_workload, parse_workload, run_workload
 from lcache.bench.config import resolve_config, shipped_configs
-from lcache.errors import ConfigError
+from lcache.errors import ConfigError, StorePermissionError
 
 from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache
 
@@ -131,7 +131,7 @@ def test_checkpoint_folder_that_cannot_hold_files(tmp_path: Path) -> None:
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump(doc))
     assert_one_line_error(run_lcache("bench", "run", str(path), cwd=tmp_path), "/proc/self")
-    with pytest.raises(ConfigError, match="/proc/self cannot hold files"):
+    with pytest.raises(StorePermissionError, match="/proc/self is not writable"):
         run_workload(load_workload(str(path)), BenchOptions(show_progress=False))
 
 

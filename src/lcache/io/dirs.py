@@ -118,5 +118,6 @@ def private_dir(path: str | os.PathLike[str], what: str = "directory",
         os.stat(full)  # removed meanwhile (a closing process's staging dir): the caller retries
         raise StorePermissionError(f"the {what} {full} is not writable by this user (its "
                                    "permissions, a read-only file system or an immutable "
-                                   "directory); fix its permissions or choose another directory")
+                                   "directory); fix its permissions or choose a directory you "
+                                   "can write")
     return full
