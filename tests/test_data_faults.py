@@ -292,6 +292,12 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"20.0 MiB \(40 segments of 512.0 KiB\); raise the "
                        r"capacity or lower segment_size \(down to 97.7 KiB, the largest"):
         CachedDataset([b"x" * 100_000] * 30, cache, "2MiB")
+    # the finding: a server without Content-Length lists 0 bytes; half of it was "1 B"
+    (tmp_path / "empty").mkdir()
+    for i in range(3):
+        (tmp_path / "empty" / f"{i}.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="3 samples are listed as 0 bytes"):
+        CachedDataset(str(tmp_path / "empty"), cache, 0.5)
     # the finding: "2.5 MiB is below the minimum 2.5 MiB"
     with pytest.raises(ConfigError, match="2,600,000 bytes is below the minimum 2,621,440"):
         CachedDataset([b"x" * 1000] * 10, cache, 2_600_000)

@@ -279,6 +279,11 @@ class SampleCache:
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         sizes = self.source.sizes()
         self.dataset_bytes = int(sizes.sum())
+        if self.dataset_bytes == 0 and cache_capacity(capacity, 1 << 40) != cache_capacity(
+                capacity, 1):  # a fraction of nothing ("capacity 1 B is below the minimum")
+            raise ConfigError(f"capacity {capacity!r} is a fraction of the dataset, whose "
+                              f"{len(sizes)} samples are listed as 0 bytes (a server that "
+                              "sends no Content-Length?); give the capacity in bytes")
         self.capacity = cache_capacity(capacity, self.dataset_bytes)
         largest = self._largest = int(sizes.max())
         # Left out, the segment size of an existing cache is kept: sized from the capacity
