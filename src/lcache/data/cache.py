@@ -249,6 +249,18 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
     return size
 
 
+def staging_area(requested: int, capacity: int, largest: int, on_ssd: bool
+                 ) -> tuple[int, int]:
+    """Bytes and segment size of the prefetch staging area: ``requested``, with room for its
+    writers; on the SSD it is carved out of the capacity, so kept to a 50th of it."""
+    def sized(size: int) -> tuple[int, int]:
+        segment = choose_segment_size(size, 16, largest)
+        return max(size, (STAGING_WRITERS + 4) * segment), segment
+
+    size, segment = sized(requested)
+    return sized(min(size, capacity // 50)) if on_ssd else (size, segment)
+
+
 def _stored_segment_size(store_dir: str, largest: int) -> int | None:
     """The segment size of the store in ``store_dir``, if there is one that holds the
     largest sample."""
@@ -298,16 +310,10 @@ class SampleCache:
                 "raise segment_size or leave it out to size segments from the samples")
         # Prefetched samples the plan does not keep are staged in memory (/dev/shm) when it
         # has room, so staging costs no cache capacity; else in a slice of the cache dir.
-        self.staging_bytes = parse_size(staging_bytes)
-        self.staging_segment_size = choose_segment_size(self.staging_bytes, 16, largest)
-        self.staging_bytes = max(self.staging_bytes,
-                                 (STAGING_WRITERS + 4) * self.staging_segment_size)
-        on_ssd = not _shm_has_room(self.staging_bytes)
-        if on_ssd:  # carved out of the capacity: keep it small
-            self.staging_bytes = min(self.staging_bytes, self.capacity // 50)
-            self.staging_segment_size = choose_segment_size(self.staging_bytes, 16, largest)
-            self.staging_bytes = max(self.staging_bytes,
-                                     (STAGING_WRITERS + 4) * self.staging_segment_size)
+        requested = parse_size(staging_bytes)
+        on_ssd = not _shm_has_room(staging_area(requested, self.capacity, largest, False)[0])
+        self.staging_bytes, self.staging_segment_size = staging_area(
+            requested, self.capacity, largest, on_ssd)
         self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
         minimum = MIN_SEGMENTS * self.segment_size + (self.staging_bytes if on_ssd else 0)
         if self.capacity < minimum:
@@ -528,12 +534,8 @@ class SampleCache:
         50th), so the shortfall is added until none is left: the plan's room minus the
         capacity never rises, so no smaller capacity holds the bytes."""
         def staging(capacity: int) -> int:  # __init__'s staging_bytes when on the SSD
-            if not staging_on_ssd:
-                return 0
-            size = max(DEFAULT_STAGING, (STAGING_WRITERS + 4)
-                       * choose_segment_size(DEFAULT_STAGING, 16, largest))
-            size = min(size, capacity // 50)
-            return max(size, (STAGING_WRITERS + 4) * choose_segment_size(size, 16, largest))
+            return staging_area(DEFAULT_STAGING, capacity, largest, True)[0] \
+                if staging_on_ssd else 0
 
         capacity = max(1, record_bytes)
         while True:
