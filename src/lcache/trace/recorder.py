@@ -151,17 +151,21 @@ class Recorder:
             if self.writer.fd >= 0:
                 self.writer.write_lines([_marker(self.pid, "end", how)])
 
-    def flush_from_signal_handler(self, how: str) -> None:
-        """``end`` from a signal handler, which runs in the main thread between two bytecodes:
-        if that thread was inside ``flush`` (holding the lock), waiting would deadlock, so
-        nothing more is written (its interrupted flush is lost, the end marker says nothing);
-        the flush thread holds the lock only for one ``writev``, so it is waited for."""
+    def flush_from_signal_handler(self, how: str | None) -> None:
+        """``end`` (or, ``how`` None, only ``flush``) from a signal handler, which runs in the
+        main thread between two bytecodes: if that thread was inside ``flush`` (holding the
+        lock), waiting would deadlock, so nothing more is written (its interrupted flush is
+        lost, the end marker says nothing); the flush thread holds the lock only for one
+        ``writev``, so it is waited for."""
         if self._flushing == threading.get_ident():
             return
         if not self._flush_lock.acquire(timeout=5.0):
             return
         self._flush_lock.release()
-        self.end(how, tidy=False)
+        if how is None:
+            self.flush(tidy=False)
+        else:
+            self.end(how, tidy=False)
 
     def close(self) -> None:
         self.end("disable")
@@ -334,7 +338,6 @@ def _register_once() -> None:
         return
     _registered = True
     atexit.register(_at_exit)
-    _install_sigterm_handler()
     os.register_at_fork(after_in_child=_after_fork_in_child)
     # multiprocessing children (DataLoader workers) end with os._exit, after running their
     # Finalize hooks but not atexit; the child's bootstrap clears the finalizers inherited
@@ -356,11 +359,13 @@ _prior_sigterm: object = signal.SIG_DFL
 
 
 def _install_sigterm_handler() -> None:
-    """Flush on SIGTERM. ``Pool.terminate()`` (leaving a ``with Pool(...)`` block) and most
-    job schedulers end processes with it, and its default action runs no exit hook: each
-    worker's buffered events were lost. Installed once per process, when tracing starts
-    (forked children inherit it); a handler the program installs later replaces it, and the
-    program's exit path (``sys.exit``: ``atexit``) then flushes."""
+    """Flush on SIGTERM, in ``multiprocessing`` children only. ``Pool.terminate()`` (leaving
+    a ``with Pool(...)`` block) ends its workers with it, and its default action runs no exit
+    hook: each worker's buffered events were lost. Not in other processes: a Python handler
+    runs only between bytecodes of the main thread, so a job a scheduler ends while it waits
+    in a C call (a collective, ``os.system``) would not die until that call returned; there a
+    start marker without an end says the last events may be missing. A handler the program
+    installs later replaces ours, and its exit path (``sys.exit``: ``atexit``) flushes."""
     global _prior_sigterm
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may install handlers; spawned children still do
@@ -371,14 +376,25 @@ def _install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+_in_sigterm = False  # a second SIGTERM during our flush: the first one goes on and ends it
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     # Python runs this in the main thread between two bytecodes, not in the C signal
     # handler, so writing is allowed; the recorder does not wait on a lock this thread holds.
-    rec = _active
-    if rec is not None and rec.pid == os.getpid():
-        with contextlib.suppress(Exception):  # whatever happens, the process must still end
-            rec.flush_from_signal_handler("sigterm")
+    global _in_sigterm
+    if _in_sigterm:
+        return
+    _in_sigterm = True
     prior = _prior_sigterm
+    rec = _active
+    try:
+        if rec is not None and rec.pid == os.getpid():
+            with contextlib.suppress(Exception):  # whatever happens, the process must end
+                # the program's handler may carry on: no end marker then
+                rec.flush_from_signal_handler(None if callable(prior) else "sigterm")
+    finally:
+        _in_sigterm = False
     if callable(prior):
         prior(signum, frame)
         return
@@ -407,6 +423,7 @@ def _register_multiprocessing_finalizer(_: object) -> None:
     import multiprocessing.util as mp_util
 
     mp_util.Finalize(None, _at_exit, exitpriority=-100)
+    _install_sigterm_handler()
 
 
 def enable_from_environment() -> None:
