@@ -117,20 +117,6 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
     return PlanResult(keep, hits, out)
 
 
-def occupancy(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int,
-              result: PlanResult) -> npt.NDArray[np.int64]:
-    """Bytes the plan holds cached after each access of ``seq``: a kept miss adds its
-    sample, a hit not kept removes it (counted back from what the plan carries at the end)."""
-    uniform = np.ndim(sizes) == 0
-    each = np.full(len(seq), sizes, np.int64) if uniform else np.asarray(sizes, np.int64)[seq]
-    carried = list(result.carried)
-    end = int(sizes) * len(carried) if uniform else \
-        int(np.asarray(sizes, np.int64)[carried].sum())
-    after = np.cumsum(np.where(result.keep & ~result.hits, each, 0)
-                      - np.where(result.hits & ~result.keep, each, 0))
-    return end - (int(after[-1]) if len(after) else 0) + after
-
-
 def simulate_opt(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int,
                  capacity: int) -> float:
     """Hit ratio of Belady/OPT over the whole access sequence (the offline reference)."""

@@ -7,16 +7,16 @@ are hits (their samples are cached), and hands consecutive misses to the cache i
 up to ``group`` samples (``SampleCache.prefetch_many``: one claim pass, one ``fetch_many``, so a
 source can coalesce them). In a shard-local order (``shards`` given) a group is instead the
 misses of one shard within ``reach`` positions, fetched when the first of them comes within
-the window: nearly whole shards, in one or a few ranged requests. Fetched samples go into
-the store; claims (``lcache.data.shared``) keep it from fetching what a reader or another rank
-is already fetching. So the first epoch runs at the remote's bandwidth, not its latency.
+the window: nearly whole shards, in one or a few ranged requests. Fetched samples are
+staged (the reader moves those the plan keeps into the main store as it reads them);
+claims (``lcache.data.shared``) keep it from fetching what a reader or another rank is
+already fetching. So the first epoch runs at the remote's bandwidth, not its latency.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -56,10 +56,8 @@ def shard_groups(positions: list[int], samples: list[int], shards: npt.NDArray[n
 
 
 class Prefetcher:
-    def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64],
-                 keep: npt.NDArray[np.bool_], start: int, *,
-                 hits: npt.NDArray[np.bool_] | None = None,
-                 room: npt.NDArray[np.int64] | None = None, threads: int = 2,
+    def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64], start: int, *,
+                 hits: npt.NDArray[np.bool_] | None = None, threads: int = 2,
                  window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP,
                  shards: npt.NDArray[np.int64] | None = None, reach: int = 0) -> None:
         self.cache = cache
@@ -71,11 +69,6 @@ class Prefetcher:
         misses[:start] = False
         positions: list[int] = np.flatnonzero(misses).tolist()
         self._samples: list[int] = order.tolist()
-        self._keep: list[bool] = keep.tolist()
-        self._free = room
-        self._records = cache.record_sizes()  # as the plan counts them
-        self._early: deque[tuple[int, int]] = deque()  # (position, bytes) kept before their turn
-        self._early_bytes = 0
         self._sizes = cache.source.sizes()
         self._groups = consecutive_groups(positions, self.group) if shards is None else \
             shard_groups(positions, self._samples, shards, self._sizes, reach,
@@ -136,9 +129,14 @@ class Prefetcher:
         # keep leaves nothing in the cache; fetching it again would double the traffic.
         try:
             if not self._stopped:
+                # Staged, kept or not: the reader moves a kept one into the main store as it
+                # reads it, when the plan has it enter (SampleCache._read). Put there now, it
+                # would sit beside what the plan deletes before its turn; past its capacity
+                # the store evicted samples the plan keeps (a slow training loop got 0.25 of
+                # the plan's 0.45 hit ratio, and a loader reading 512 samples behind the
+                # sampler lost 3-4% of an epoch's hits).
                 at = {self._samples[p]: p for p in group}
-                early = self._may_keep_early(group)
-                self.cache.prefetch_many(list(at), [self._keep[p] and early for p in group],
+                self.cache.prefetch_many(list(at), [False] * len(group),
                                          wanted=lambda sample: at[sample] > self._reader)
         except Exception as exc:  # the reader fetches them again and raises there
             self._failures += 1
@@ -150,28 +148,6 @@ class Prefetcher:
                 self._inflight -= 1
                 self._inflight_bytes -= size
                 self._cv.notify_all()
-
-    def _may_keep_early(self, group: list[int]) -> bool:
-        """Whether the group's kept samples may go into the main store now, before the reader
-        gets to them. The plan's deletions between the reader and them have not happened
-        yet: the store holds both, and past its capacity it evicts samples the plan keeps (a
-        slow training loop fell from 0.45 to 0.25 of the plan's hits). Kept samples that do
-        not fit what the plan leaves free until their turn are staged, and their reader puts
-        them into the main store (``SampleCache.get_many``)."""
-        if self._free is None:
-            return True
-        kept = sum(int(self._records[self._samples[p]]) for p in group if self._keep[p])
-        with self._cv:
-            reader = self._reader
-            while self._early and self._early[0][0] <= reader:  # the plan holds them now
-                self._early_bytes -= self._early.popleft()[1]
-            # from a window back: DataLoader workers read behind the sampler's position
-            room = int(self._free[max(0, reader - self.window):group[-1] + 1].min())
-            if not kept or self._early_bytes + kept > room:
-                return False
-            self._early.append((group[-1], kept))
-            self._early_bytes += kept
-        return True
 
     def close(self) -> None:
         with self._cv:

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from lcache.checks import env_number, launch_rank_world, whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
-from lcache.data.plan import PlanResult, belady, occupancy
+from lcache.data.plan import PlanResult, belady
 from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
 
@@ -188,17 +188,6 @@ class SeedAwareSampler:
         self._ahead = threading.Thread(target=plan, name="lcache-plan", daemon=True)
         self._ahead.start()
 
-    def _room(self, plan: PlanResult, length: int) -> npt.NDArray[np.int64]:
-        """Per access of this rank, the bytes of the main store its prefetcher may fill with
-        kept samples before their turn: what the plan leaves free at the fullest node access
-        of that step, shared among the node's ranks."""
-        ranks = len(self.node_ranks)
-        held = occupancy(self.node_sequence(self.epoch), self.cache.record_sizes(), plan)
-        steps = np.full(length * ranks, held.max(initial=0), np.int64)
-        steps[:len(held)] = held[:len(steps)]
-        fullest: npt.NDArray[np.int64] = steps.reshape(length, ranks).max(axis=1)
-        return (self.plan_capacity - fullest) // ranks
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_plan_lock"], state["_ahead"]
@@ -221,8 +210,7 @@ class SeedAwareSampler:
         keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
         start, self._start = self._start, 0
         self._yielded = start
-        prefetcher = Prefetcher(self.cache, order, keep, start, hits=hits,
-                                room=self._room(plan, len(order)) if self.prefetch else None,
+        prefetcher = Prefetcher(self.cache, order, start, hits=hits,
                                 threads=self.prefetch_threads, window=self.prefetch_window,
                                 budget_bytes=self.prefetch_bytes, reach=self.prefetch_reach,
                                 shards=None if self.local is None else self.local.shards) \
