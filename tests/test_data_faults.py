@@ -290,7 +290,7 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     # the finding: segments hold 4 of the largest sample, and only a segment_size given
     # already was said to matter
     with pytest.raises(ConfigError, match=r"20.0 MiB \(40 segments of 512.0 KiB\); raise the "
-                       r"capacity or lower segment_size \(down to 97.7 KiB, the largest"):
+                       r"capacity or lower segment_size \(down to 390.8 KiB, 4 of the largest"):
         CachedDataset([b"x" * 100_000] * 30, cache, "2MiB")
     # the finding: a server without Content-Length lists 0 bytes; half of it was "1 B"
     (tmp_path / "empty").mkdir()

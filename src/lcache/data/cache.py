@@ -320,14 +320,16 @@ class SampleCache:
             have, need = format_size(self.capacity), format_size(minimum)
             if have == need:  # "2.5 MiB is below the minimum 2.5 MiB": say the bytes
                 have, need = f"{self.capacity:,} bytes", f"{minimum:,} bytes"
-            # Segments are sized to hold 4 of the largest sample: with large samples the
-            # minimum is a large share of a small dataset; a smaller segment_size lowers it.
-            smallest = format_size(largest + HEADER_SIZE)
+            # Segments are sized to hold 4 of the largest sample, rounded up to a power of
+            # two: with large samples the minimum is a large share of a small dataset. A
+            # segment_size of 4 samples lowers it; fewer leave compaction no room to copy
+            # what it cleans, and it drops samples the plan keeps.
+            smallest = format_size(4 * (largest + HEADER_SIZE))
             raise ConfigError(
                 f"cache capacity {have} is below the minimum {need} ({MIN_SEGMENTS} segments of "
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
-                f"capacity or lower segment_size (down to {smallest}, the largest sample)")
+                f"capacity or lower segment_size (down to {smallest}, 4 of the largest sample)")
         identity = identify(self.source, name, fingerprint)
         self.cache_dir = private_dir(self.cache_dir, "cache directory")
         store_dir = os.path.join(self.cache_dir, "store")
