@@ -231,6 +231,22 @@ def test_an_answer_from_the_wrong_place_is_refused(tmp_path: Path, big: bytes) -
         assert server.paths["/big.bin"] == 1  # not transient: not asked again
 
 
+def test_a_whole_object_answered_for_a_range_after_byte_0_is_refused(tmp_path: Path) -> None:
+    """The finding: a server without Range support answers 200 with the whole object; an
+    object rewritten shorter since it was listed made that the right length for a range
+    from byte 1000, and its first bytes were cached as the sample."""
+    (tmp_path / "f.bin").write_bytes(b"O" * 2000)
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "ignore-range") as server:
+        src = RangeSource(server.url, "f.bin", [1000], [1000])
+        (tmp_path / "f.bin").write_bytes(b"N" * 1000)
+        with pytest.raises(SourceError, match=r"f.bin answered a request for bytes 1000-2000 "
+                           r"with other bytes \(the whole object\)"):
+            src.fetch_many([0])
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "loud-range") as server:
+        src = RangeSource(server.url, "f.bin", [100], [500])  # RFC 9110 case and spacing
+        assert src.fetch_many([0]) == [b"N" * 500]
+
+
 def test_a_server_that_gzips_what_it_sends_still_gives_the_stored_bytes(
         tmp_path: Path, objects: list[bytes], big: bytes) -> None:
     """nginx's gzip compresses a response (and drops Range) for a client that accepts it,

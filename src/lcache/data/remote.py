@@ -174,8 +174,8 @@ async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
     """Bytes ``start:end`` of ``url`` over fsspec's HTTP session, with the place of the answer
     checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that answered a
     range with other bytes of the right length had them cached as the sample. A 200 (the
-    whole object: a server without ranges) is returned as is; the caller refuses it unless
-    it is exactly the range."""
+    whole object: a server without ranges) is taken for a range from byte 0 only, and the
+    caller refuses it unless it is exactly the range."""
     kw = dict(fs.kwargs)
     headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
     session = await fs.set_session()
@@ -184,14 +184,14 @@ async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
         if r.status == 404:
             raise FileNotFoundError(url)
         r.raise_for_status()
-        if r.status == 206:
-            answered = r.headers.get("Content-Range", "")
-            unit, _, span = answered.partition(" ")
-            first = span.partition("-")[0]
-            if unit != "bytes" or not first.isdigit() or int(first) != start:
-                raise SourceCorruptionError(
-                    f"{url} answered a request for bytes {start}-{end} with other bytes "
-                    f"(Content-Range: {answered or 'none'})")
+        # A 206 must say it starts where asked; a 200 is the whole object, from byte 0.
+        answered = r.headers.get("Content-Range", "") if r.status == 206 else "bytes 0-"
+        unit, _, span = answered.strip().partition(" ")
+        first = span.strip().partition("-")[0]
+        if unit.lower() != "bytes" or not first.isdigit() or int(first) != start:
+            raise SourceCorruptionError(
+                f"{url} answered a request for bytes {start}-{end} with other bytes "
+                f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
     return data
 
 

@@ -40,6 +40,7 @@ FAULTS = {
     "ignore-range": "send the whole file with 200, as a server without Range support",
     "misplaced": "answer a range with as many bytes from the start of the file, labelled so "
                  "(right length, wrong place)",
+    "loud-range": "label a range 'BYTES  a-b/size' (RFC 9110 allows any case and spacing)",
     "stall": "wait stall_seconds (30) before closing without an answer (a client timeout)",
     "gzip": "to a client that accepts gzip, send the whole file gzipped with 200 (as nginx's "
             "gzip does, dropping Range)",
@@ -240,6 +241,8 @@ class ThrottledServer:
             if fault == "misplaced" and status == 206:
                 start, end = 0, end - start
                 meta["Content-Range"] = f"bytes 0-{end - 1}/{size}"
+            elif fault == "loud-range" and status == 206:
+                meta["Content-Range"] = f"BYTES  {start}-{end - 1}/{size}"
             announced = end - start
             if fault == "short":
                 announced = (end - start) // 2
