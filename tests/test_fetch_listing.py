@@ -90,6 +90,17 @@ def test_http_listing_walks_directories_concurrently(tmp_path: Path) -> None:
         assert hook.most > 4  # the 12 subdirectories were listed side by side
 
 
+def test_an_http_listing_s_sort_links_are_not_samples(tmp_path: Path) -> None:
+    """The finding: Apache and nginx pages link their sort orders ("?C=N;O=D"); they were
+    listed as files, sorted first, and the listing page was cached as samples 0 and 1
+    (every real sample's number shifted by two)."""
+    written = _tree(tmp_path / "d", ["a.bin", "sub/b.bin"])
+    with ThrottledServer(str(tmp_path), fault=lambda path, nth: "sort-links") as server:
+        src = FileSource(server.url + "/d/")
+        assert src.paths == [server.url + "/d/a.bin", server.url + "/d/sub/b.bin"]
+        assert src.fetch_many([0, 1]) == [written["a.bin"], written["sub/b.bin"]]
+
+
 def test_listing_times_out(tmp_path: Path) -> None:
     _tree(tmp_path / "d", ["a.bin"])
     stall = {"/d/": "stall", "/d": "stall"}

@@ -122,6 +122,8 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
     """Every object under ``root``: one ``_ls`` per directory, concurrently."""
     fs, _ = remote.fs()
     refresh = {"refresh": True} if "refresh" in _params(fs._ls) else {}
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    http = bool({"http", "https"} & set(protocols))  # an HTML page's links, not object names
     sem = asyncio.Semaphore(remote.options.concurrency)
     files: dict[str, dict[str, Any]] = {}
     seen = {root.rstrip("/")}
@@ -136,8 +138,9 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
         subdirs = []
         for entry in entries:
             name = str(entry["name"]).rstrip("/")
-            if name.startswith(below) and climbs(name[len(below):]):
-                continue  # "%2e%2e/x" is fetched as "../x": not below this folder
+            rest = name[len(below):] if name.startswith(below) else ""
+            if climbs(rest) or (http and ("?" in rest or "#" in rest)):
+                continue  # "%2e%2e/x" is "../x"; "?C=N;O=D" is the page sorted, not a file
             if entry.get("type") == "directory":
                 # Only below this folder: an HTML listing also links to parents and siblings.
                 if name.startswith(below) and name not in seen:

@@ -41,6 +41,7 @@ FAULTS = {
     "misplaced": "answer a range with as many bytes from the start of the file, labelled so "
                  "(right length, wrong place)",
     "loud-range": "label a range 'BYTES  a-b/size' (RFC 9110 allows any case and spacing)",
+    "sort-links": "a listing also links its sort orders (?C=N;O=D), as Apache and nginx do",
     "stall": "wait stall_seconds (30) before closing without an answer (a client timeout)",
     "gzip": "to a client that accepts gzip, send the whole file gzipped with 200 (as nginx's "
             "gzip does, dropping Range)",
@@ -207,7 +208,7 @@ class ThrottledServer:
             if not url_path.endswith("/"):
                 self._send(writer, 301, {"Location": url_path + "/"}, b"")
                 return
-            listing = _listing(path, url_path)
+            listing = _listing(path, url_path, sort_links=fault == "sort-links")
             self._send(writer, 200, {"Content-Type": "text/html; charset=utf-8"},
                        listing if body else b"", length=len(listing))
             return
@@ -276,11 +277,11 @@ class ThrottledServer:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
 
 
-def _listing(path: str, url_path: str) -> bytes:
+def _listing(path: str, url_path: str, sort_links: bool = False) -> bytes:
     """An HTML page of the directory's entries (directories end in "/"), as
     ``http.server`` writes it: what fsspec's HTTP filesystem reads links from."""
     names = sorted(os.listdir(path), key=str.lower)
-    items = []
+    items = [f'<li><a href="?C={c};O=D">sort</a></li>' for c in "NM"] if sort_links else []
     for name in names:
         link = name + "/" if os.path.isdir(os.path.join(path, name)) else name
         items.append(f'<li><a href="{urllib.parse.quote(link)}">{html.escape(link)}</a></li>')
