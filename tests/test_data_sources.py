@@ -330,16 +330,34 @@ def test_one_bucket_behind_two_endpoints_is_two_datasets(s3_endpoint: str,
     assert ds[0] == b"A" * 100
     ds.cache.close()
     other = _s3_options(s3_endpoint.replace("127.0.0.1", "localhost"))  # another endpoint
-    with pytest.raises(ConfigError, match="location 'endpoint_url=http://localhost"):
+    with pytest.raises(ConfigError, match="location 'endpoint=http://localhost"):
         CachedDataset("s3://twice/d/", tmp_path / "cache", CAPACITY, storage_options=other,
                       check=False)
-    # Credentials are not where the data is: a rotated key keeps the cache.
+    # Credentials are not where the data is: a rotated key keeps the cache; nor is how the
+    # endpoint is written (a trailing slash, in client_kwargs or AWS_ENDPOINT_URL).
     again = CachedDataset("s3://twice/d/", tmp_path / "cache", CAPACITY, check=False,
-                          storage_options={**_s3_options(s3_endpoint), "secret": "rotated"})
+                          storage_options={**_s3_options(s3_endpoint + "/"),
+                                           "secret": "rotated"})
     assert again[0] == b"A" * 100
+    where = f"endpoint={s3_endpoint}"
     assert FileSource("s3://twice/d/", storage_options={
         "client_kwargs": {"endpoint_url": s3_endpoint}, "key": "x", "secret": "y"}
-    ).location == f"endpoint_url={s3_endpoint}"
+    ).location == where
+    creds = {"key": "x", "secret": "y"}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+        assert FileSource("s3://twice/d/", storage_options=creds).location == where
+        # an explicit option wins over the environment, as in botocore
+        assert FileSource("s3://twice/d/", storage_options=_s3_options(s3_endpoint)
+                          ).location == where
+        # the finding: an endpoint in the AWS profile's config went unseen (check=False
+        # then served endpoint A's bytes under the profile of endpoint B)
+        env.delenv("AWS_ENDPOINT_URL")
+        config = tmp_path / "aws-config"
+        config.write_text(f"[profile other]\nendpoint_url = {s3_endpoint}\n")
+        env.setenv("AWS_CONFIG_FILE", str(config))
+        env.setenv("AWS_PROFILE", "other")
+        assert FileSource("s3://twice/d/", storage_options=creds).location == where
 
 
 def _as_list(batch: list[Any]) -> list[Any]:

@@ -89,15 +89,53 @@ VERSION_FIELDS = ("ETag", "etag", "md5Hash", "generation", "VersionId", "version
 
 
 # Storage options (at any depth: s3fs's client_kwargs) that say where the data is, not who
-# may read it.
-LOCATION_OPTIONS = frozenset({"endpoint_url", "endpoint", "account_name", "account_url",
-                              "account_host", "host", "port", "base_url",
-                              "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"})
+# may read it: an endpoint, whatever its option is called, and an Azure account.
+ENDPOINT_OPTIONS = frozenset({"endpoint_url", "endpoint", "account_url", "account_host",
+                              "base_url"})
+ACCOUNT_OPTIONS = frozenset({"account_name"})
 
 
 def object_version(info: dict[str, Any]) -> str:
     """The version fields of an fsspec info dict, as one string ("" if it has none)."""
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
+
+
+def _normal_url(url: str) -> str:
+    """``url`` with its scheme and host in lower case, without a default port or a trailing
+    slash."""
+    parts = urllib.parse.urlsplit(url.strip())
+    host = (parts.hostname or "").lower()
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = host if port in (None, default) else f"{host}:{port}"
+    return urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"),
+                                    parts.query, ""))
+
+
+def _implicit_endpoint(scheme: str, options: dict[str, Any]) -> str:
+    """The endpoint an S3 or GCS client takes from the environment when no option gives one:
+    botocore's ``AWS_ENDPOINT_URL(_S3)`` and the profile's config file, or gcsfs's
+    ``STORAGE_EMULATOR_HOST``."""
+    if scheme in ("gs", "gcs"):
+        return os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if scheme not in ("s3", "s3a"):
+        return ""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        import botocore.session
+
+        profile = options.get("profile") or os.environ.get("AWS_PROFILE") or None
+        config = botocore.session.Session(profile=profile).get_scoped_config()
+    except Exception:  # no botocore, no such profile, an unreadable config: none known
+        return ""
+    service = config.get("s3")
+    nested = service.get("endpoint_url") if isinstance(service, dict) else None
+    return str(nested or config.get("endpoint_url") or "")
 
 
 def climbs(name: str) -> bool:
@@ -256,26 +294,41 @@ class Remote:
         return self._fs, self._root
 
     def location(self) -> str:
-        """The storage options that choose which store the URL names (an S3-compatible
-        endpoint, an Azure account), as ``key=value`` pairs; "" when there are none. One
-        bucket and key behind two endpoints are two datasets. Credentials are left out: a
-        rotated key names the same data."""
-        found: list[str] = []
+        """Where the store the URL names is, besides the URL: its endpoint (an S3-compatible
+        one, from the storage options, fsspec's config, ``AWS_ENDPOINT_URL`` or the AWS
+        profile's config; GCS's emulator host) and Azure account, normalised (``http://H/``
+        and ``http://h:80`` are one); "" when none is set. One bucket and key behind two
+        endpoints are two datasets. Credentials are left out: a rotated key names the same
+        data."""
         scheme = self.url.partition("://")[0].lower() if "://" in self.url else "file"
         from fsspec.config import conf  # options fsspec applies from its config and env
 
+        endpoints: set[str] = set()
+        accounts: set[str] = set()
         todo: list[Any] = [conf.get(scheme, {}), self.storage_options]
-        if scheme in ("s3", "s3a"):  # botocore's own: an endpoint for every AWS client
-            todo.append({k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3",
-                                                        "AWS_ENDPOINT_URL")})
         while todo:
             options = todo.pop()
             for key, value in options.items():
                 if isinstance(value, dict):
                     todo.append(value)
-                elif key in LOCATION_OPTIONS and value not in (None, ""):
-                    found.append(f"{key}={value}")
-        return ";".join(sorted(set(found)))
+                elif value in (None, ""):
+                    continue
+                elif key in ENDPOINT_OPTIONS:
+                    endpoints.add(_normal_url(str(value)))
+                elif key in ACCOUNT_OPTIONS:
+                    accounts.add(str(value))
+                elif key == "connection_string":  # Azure: "AccountName=a;BlobEndpoint=u;..."
+                    parts = dict(p.partition("=")[::2] for p in str(value).split(";"))
+                    if parts.get("BlobEndpoint"):
+                        endpoints.add(_normal_url(parts["BlobEndpoint"]))
+                    if parts.get("AccountName"):
+                        accounts.add(parts["AccountName"])
+        if not endpoints:  # the clients' own defaults, which explicit options override
+            implicit = _implicit_endpoint(scheme, self.storage_options)
+            if implicit:
+                endpoints.add(_normal_url(implicit))
+        return ";".join([*(f"endpoint={e}" for e in sorted(endpoints)),
+                         *(f"account={a}" for a in sorted(accounts))])
 
     @property
     def is_async(self) -> bool:
