@@ -115,7 +115,8 @@ class FileSource:
         self.location = self._remote.location()
         suffix_filter(suffixes)  # checks them before they are used
         listing_ttl = seconds(listing_ttl, "listing_ttl")
-        key = {"kind": type(self).__name__, "url": self.url, "files": files,
+        key = {"kind": type(self).__name__, "url": self.url, "location": self.location,
+               "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
         with kept_listing(None if cache_dir is None else os.fspath(cache_dir), key,

@@ -79,8 +79,8 @@ def shard_names(remote: Remote, shards: str | Sequence[str] | None, suffix: str,
         if not names:
             raise ConfigError(f"shards= names no shards under {remote.url}")
         return names
-    key = {"kind": "shards", "url": remote.url, "suffix": suffix,
-           "storage_options": remote.storage_options}
+    key = {"kind": "shards", "url": remote.url, "location": remote.location(),
+           "suffix": suffix, "storage_options": remote.storage_options}
     with kept_listing(cache_dir, key, 0.0) as (kept, keep):
         if kept is not None:
             return kept.paths
