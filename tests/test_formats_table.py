@@ -77,7 +77,14 @@ def test_percent_encoded_parents_do_not_leave_the_url(tmp_path: Path,
             TableSource(server.url + "/data", "t.csv")
         with pytest.raises(ConfigError, match=r"'%2e%2e/secret\.bin' is not a name"):
             FileSource(server.url + "/data", files=["%2e%2e/secret.bin"])
+        # a path parameter: Tomcat and Spring resolve "..;" as ".."
+        with pytest.raises(ConfigError, match=r"'\.\.;/secret\.bin' is not a name"):
+            FileSource(server.url + "/data", files=["..;/secret.bin"])
         assert server.paths["/secret.bin"] == 0
+    # A local file system decodes nothing: a file named "%2e%2e" is a name like any other.
+    (tmp_path / "data" / "%2e%2e").mkdir()
+    (tmp_path / "data" / "%2e%2e" / "x.bin").write_bytes(b"local")
+    assert FileSource(str(tmp_path / "data"), files=["%2e%2e/x.bin"]).fetch(0) == b"local"
 
 
 @pytest.mark.parametrize("body,why", [

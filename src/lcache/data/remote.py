@@ -138,11 +138,13 @@ def _implicit_endpoint(scheme: str, options: dict[str, Any]) -> str:
     return str(nested or config.get("endpoint_url") or "")
 
 
-def climbs(name: str) -> bool:
-    """Whether the relative name ``name`` has a ``..`` segment, as written or percent-encoded
-    (HTTP clients decode ``%2e%2e`` and normalise the path: ``d/%2e%2e/x`` is fetched as
-    ``x``, outside ``d``)."""
-    return any(".." in form.split("/") for form in (name, urllib.parse.unquote(name)))
+def climbs(name: str, decoded: bool = True) -> bool:
+    """Whether the relative name ``name`` has a ``..`` segment: as written, with a path
+    parameter (``..;``, which Tomcat and Spring resolve as ``..``), or, ``decoded``, also
+    percent-encoded (HTTP clients decode ``%2e%2e`` and normalise the path: ``d/%2e%2e/x``
+    is fetched as ``x``, outside ``d``). A local file system decodes nothing."""
+    forms = (name, urllib.parse.unquote(name)) if decoded else (name,)
+    return any(part.split(";", 1)[0] == ".." for form in forms for part in form.split("/"))
 
 
 def _absolute(url: str) -> str:
@@ -356,11 +358,11 @@ class Remote:
             ConfigError: ``relative`` is not a name under the URL (``..``, a URL, a NUL):
                 ``files=["../../etc/x"]`` would have read and cached a file outside it.
         """
+        fs, root = self.fs()
         if not isinstance(relative, str) or "\0" in relative or "://" in relative or \
-                climbs(relative):
+                climbs(relative, decoded="file" not in _protocols(fs)):
             raise ConfigError(f"{relative!r:.200} is not a name under {self.url}: give names "
                               "relative to it, without '..'")
-        _, root = self.fs()
         return f"{root.rstrip('/')}/{relative.lstrip('/')}"
 
     # ------------------------------------------------------------------- running requests
