@@ -9,6 +9,7 @@ typed the value instead of naming the file as damaged.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,9 @@ def test_unreadable_config_without_segments_is_reported_and_not_repaired(tmp_pat
     # nothing was created or changed
     assert [p.name for p in store_dir.iterdir()] == ["store.json"]
     assert (store_dir / "store.json").read_bytes() == garbage
+    # the finding: a FIFO (or folder, or link) there was told to run this very command
+    (store_dir / "store.json").unlink()
+    os.mkfifo(store_dir / "store.json")
+    with pytest.raises(CorruptionError, match="is a FIFO") as info:
+        fsck(store_dir, repair=True)
+    assert "lcache fsck" not in str(info.value)

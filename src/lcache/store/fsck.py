@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -126,7 +127,8 @@ def _config_without_segments(root: str) -> str | None:
         load_config(root)
         return None
     except CorruptionError as exc:
-        damage = str(exc).split("; run `lcache fsck")[0]
+        # its advice to run fsck --repair is this very command: cut, however it is put
+        damage = re.split(r";? \(?run `lcache fsck", str(exc))[0]
     try:
         names = os.listdir(segments_dir(root))
     except OSError:
