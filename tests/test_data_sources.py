@@ -360,6 +360,27 @@ def test_one_bucket_behind_two_endpoints_is_two_datasets(s3_endpoint: str,
         assert FileSource("s3://twice/d/", storage_options=creds).location == where
 
 
+def test_a_kept_listing_is_not_reused_for_another_endpoint(s3_endpoint: str,
+                                                           tmp_path: Path) -> None:
+    """The finding: the kept listing's key held the storage options, not the endpoint an
+    AWS_ENDPOINT_URL or profile gives, so another endpoint's run reused the listing."""
+    import json
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("kept")
+    fs.pipe_file("kept/d/s0.bin", b"A" * 100)
+    creds = {"key": "x", "secret": "y"}
+    with pytest.MonkeyPatch.context() as env:
+        for endpoint in (s3_endpoint, s3_endpoint.replace("127.0.0.1", "localhost")):
+            env.setenv("AWS_ENDPOINT_URL", endpoint)
+            FileSource("s3://kept/d/", storage_options=creds, cache_dir=tmp_path / "c",
+                       listing_ttl=3600)
+    kept = json.loads((tmp_path / "c" / "source-listing.json").read_text())
+    assert len(kept["listings"]) == 2  # one per endpoint
+
+
 def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 
