@@ -308,8 +308,8 @@ class SampleCache:
                 f"segment_size {format_size(self.segment_size)} cannot hold the largest sample "
                 f"of {self.source.url} ({format_size(largest)} + a {HEADER_SIZE}-byte header); "
                 "raise segment_size or leave it out to size segments from the samples")
-        # Prefetched samples the plan does not keep are staged in memory (/dev/shm) when it
-        # has room, so staging costs no cache capacity; else in a slice of the cache dir.
+        # Prefetched samples are staged in memory (/dev/shm) when it has room, so staging
+        # costs no cache capacity; else in a slice of the cache dir.
         requested = parse_size(staging_bytes)
         on_ssd = not _shm_has_room(staging_area(requested, self.capacity, largest, False)[0])
         self.staging_bytes, self.staging_segment_size = staging_area(
@@ -511,12 +511,11 @@ class SampleCache:
             close_file(self._users)
             _remove_if_unused(self.staging_dir)
 
-    def plan_capacity(self, writers: int, early: int = 0) -> int:
+    def plan_capacity(self, writers: int) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
-        an active segment per writer, the index, and ``early`` bytes of kept samples that
-        prefetchers bring in before their turn."""
+        an active segment per writer, and the index."""
         overhead = SampleCache.plan_overhead(self.segment_size, len(self.source), writers)
-        return max(0, self.main_capacity - overhead - early)
+        return max(0, self.main_capacity - overhead)
 
     @staticmethod
     def plan_overhead(segment_size: int, samples: int, writers: int) -> int:

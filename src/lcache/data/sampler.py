@@ -114,10 +114,8 @@ class SeedAwareSampler:
             min(self.local.run_samples(), ahead // 2)
         self.prefetch_window = max(1, min(prefetch_window, ahead - self.prefetch_reach))
         self.prefetch_bytes = prefetch_bytes
-        early = 0
         writers = len(self.node_ranks) * (1 + max(0, loader_workers))
-        self.plan_capacity = self.cache.plan_capacity(writers=writers,
-                                                      early=early)
+        self.plan_capacity = self.cache.plan_capacity(writers=writers)
         self.epoch = 0
         self._start = 0
         self._yielded = 0
