@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -59,7 +60,8 @@ class Prefetcher:
     def __init__(self, cache: SampleCache, order: npt.NDArray[np.int64], start: int, *,
                  hits: npt.NDArray[np.bool_] | None = None, threads: int = 2,
                  window: int = 256, budget_bytes: int = 64 << 20, group: int = GROUP,
-                 shards: npt.NDArray[np.int64] | None = None, reach: int = 0) -> None:
+                 shards: npt.NDArray[np.int64] | None = None, reach: int = 0,
+                 staged_budget: int | None = None) -> None:
         self.cache = cache
         self.threads = max(1, threads)
         self.window = max(1, window)
@@ -79,6 +81,14 @@ class Prefetcher:
         self._next = 0  # into _groups
         self._inflight = 0
         self._inflight_bytes = 0
+        # Staged samples not read yet, oldest first, and their bytes: at most staged_budget,
+        # as readers remove what they read. Why not the window alone: DataLoader workers read
+        # prefetch_factor x workers x batch samples behind the sampler's position, and FIFO
+        # cleaning dropped staged samples before their read (fetched again; a kept one also
+        # lost its later hits).
+        self.staged_budget = staged_budget
+        self._staged: deque[tuple[int, int]] = deque()
+        self._staged_bytes = 0
         self._stopped = False
         self._failures = 0
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lcache-prefetch")
@@ -96,7 +106,20 @@ class Prefetcher:
 
     def _room(self) -> bool:
         return self._inflight < self.threads and \
-            (self._inflight_bytes < self.budget_bytes or self._inflight == 0)
+            (self._inflight_bytes < self.budget_bytes or self._inflight == 0) and \
+            (self.staged_budget is None or self._unread() < self.staged_budget)
+
+    def _unread(self) -> int:
+        """Bytes this prefetcher staged that no reader has taken yet: checked oldest first
+        (readers take them in about the order they were staged), and all of them when that
+        is over the budget (one never read must not hold back the rest)."""
+        staging = self.cache.staging()
+        while self._staged and self._staged[0][0] not in staging:
+            self._staged_bytes -= self._staged.popleft()[1]
+        if self.staged_budget is not None and self._staged_bytes >= self.staged_budget:
+            self._staged = deque(entry for entry in self._staged if entry[0] in staging)
+            self._staged_bytes = sum(nbytes for _, nbytes in self._staged)
+        return self._staged_bytes
 
     def _run(self) -> None:
         groups = self._groups
@@ -138,6 +161,11 @@ class Prefetcher:
                 at = {self._samples[p]: p for p in group}
                 self.cache.prefetch_many(list(at), [False] * len(group),
                                          wanted=lambda sample: at[sample] > self._reader)
+                with self._cv:
+                    for sample in at:
+                        nbytes = int(self._sizes[sample])
+                        self._staged.append((sample, nbytes))
+                        self._staged_bytes += nbytes
         except Exception as exc:  # the reader fetches them again and raises there
             self._failures += 1
             if self._failures == 1:

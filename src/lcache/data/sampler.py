@@ -211,6 +211,7 @@ class SeedAwareSampler:
         prefetcher = Prefetcher(self.cache, order, start, hits=hits,
                                 threads=self.prefetch_threads, window=self.prefetch_window,
                                 budget_bytes=self.prefetch_bytes, reach=self.prefetch_reach,
+                                staged_budget=self.cache.staging_window(len(self.node_ranks)),
                                 shards=None if self.local is None else self.local.shards) \
             if self.prefetch else None
         samples, keeps = order.tolist(), keep.tolist()
