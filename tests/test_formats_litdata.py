@@ -81,10 +81,14 @@ def test_over_http_and_through_the_cache(chunks: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("change,refused", [
     ({"compression": "zstd"}, "compressed"), ({"encryption": {"level": "chunk"}}, "encrypted"),
     ({"item_loader": "TokensLoader"}, "TokensLoader"),
+    ("json", "'json' leaves"),
 ])
 def test_unreadable_kinds_are_refused(chunks: Path, change: dict[str, Any],
                                       refused: str) -> None:
     index = json.loads((chunks / "index.json").read_text())
+    if change == "json":  # the finding: lists in rows came out as litdata's own bytes
+        index["config"]["data_format"][0] = "json"
+        change = {}
     index["config"].update(change)
     (chunks / "index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=refused):

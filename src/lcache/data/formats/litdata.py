@@ -66,6 +66,10 @@ class LitDataSource(RangeSource):
         if not all(isinstance(f, str) for f in self.formats):
             raise SourceCorruptionError(f"{index_url}: config.data_format is not a list of "
                                         "format names")
+        if "json" in self.formats:  # were handed out as opaque bytes for the lists they are
+            raise ConfigError(f"{index_url}: its items hold list or dict values ('json' "
+                              "leaves), which litdata stores in its own binary encoding; "
+                              "lcache does not decode it: store them as str, bytes or arrays")
         self._spec = _spec(config.get("data_spec"), index_url, len(self.formats))
         self._setup(remote, names, infos, file_of, offsets, lengths)
 
