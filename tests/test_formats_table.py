@@ -77,6 +77,10 @@ def test_percent_encoded_parents_do_not_leave_the_url(tmp_path: Path,
             TableSource(server.url + "/data", "t.csv")
         with pytest.raises(ConfigError, match=r"'%2e%2e/secret\.bin' is not a name"):
             FileSource(server.url + "/data", files=["%2e%2e/secret.bin"])
+        # the finding: "a?b.bin" was fetched as "a" (the rest is a URL's query)
+        for name in ("a?b.bin", "c#d.bin"):
+            with pytest.raises(ConfigError, match="'\\?' and '#' end a URL's path"):
+                FileSource(server.url + "/data", files=[name])
         # a path parameter: Tomcat and Spring resolve "..;" as ".."
         with pytest.raises(ConfigError, match=r"'\.\.;/secret\.bin' is not a name"):
             FileSource(server.url + "/data", files=["..;/secret.bin"])

@@ -363,6 +363,11 @@ class Remote:
                 climbs(relative, decoded="file" not in _protocols(fs)):
             raise ConfigError(f"{relative!r:.200} is not a name under {self.url}: give names "
                               "relative to it, without '..'")
+        if "http" in _protocols(fs) and ("?" in relative or "#" in relative):
+            # a URL's query or fragment: "a?b.tar" was fetched as "a"
+            raise ConfigError(f"{relative!r:.200} under {self.url}: '?' and '#' end a URL's "
+                              "path; give the name percent-encoded (%3F, %23), as listings "
+                              "give it")
         return f"{root.rstrip('/')}/{relative.lstrip('/')}"
 
     # ------------------------------------------------------------------- running requests
