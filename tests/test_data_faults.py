@@ -4,6 +4,7 @@ settings, damaged cached samples, a full disk, and readers killed while writing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -415,6 +416,17 @@ def test_disk_full_training_goes_on(small_tmpfs: Path, tmp_path: Path,
     assert "cannot add samples" in message and str(small_tmpfs / "cache") in message
     assert "training goes on reading from " + str(data) in message
     assert "full" in message
+    # The finding: a new job on the full disk failed at once, saving the source's listing
+    # (a DiskFullError). The listing is not kept (a warning), and training goes on.
+    ds.cache.close()
+    with contextlib.suppress(OSError), open(small_tmpfs / "filler", "wb") as filler:
+        while True:  # the last free blocks too
+            filler.write(bytes(4096))
+            filler.flush()
+    caplog.clear()
+    again = CachedDataset(str(data), small_tmpfs / "cache", "64MiB")
+    assert [again[i] for i in range(0, 128, 16)] == [files[i] for i in range(0, 128, 16)]
+    assert any("listing is not kept" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.root

@@ -354,7 +354,11 @@ class SampleCache:
                 shutil.rmtree(store_dir)
             self.cache_id = opened.cache_id
             self._open_lock = opened.users  # closed by check() if this block fails
-            self.store()  # create it now, so configuration errors surface here
+            try:
+                self.store()  # create it now, so configuration errors surface here
+            except DiskFullError as exc:  # its message names no file
+                raise DiskFullError(f"cannot open the cache in {self.cache_dir}: {exc}; free "
+                                    "space there or choose another directory") from exc
             self.invalidated = self._drop(opened.changed)
 
     def _drop(self, changed: np.ndarray) -> int:

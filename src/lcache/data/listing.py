@@ -39,7 +39,7 @@ import xxhash
 
 from lcache import jsondoc
 from lcache.data.remote import Remote, SourceError, climbs, object_version
-from lcache.errors import ConfigError
+from lcache.errors import ConfigError, DiskFullError
 from lcache.io import atomic_write, close_file, private_dir, read_and_close
 from lcache.io.files import open_owned
 
@@ -410,13 +410,19 @@ def _listing(entry: dict[str, Any]) -> Listing | None:
 
 
 def _save(path: str, kept: dict[str, Any]) -> None:
-    """Write the kept listings, the ``KEPT_LISTINGS`` newest."""
+    """Write the kept listings, the ``KEPT_LISTINGS`` newest. On a full disk they are not
+    kept (a warning says so): the listing is in hand, and a full cache disk must not stop
+    training."""
     newest = sorted(kept.items(), key=lambda kv: -float(kv[1].get("made", 0))
                     if isinstance(kv[1], dict) else 0.0)[:KEPT_LISTINGS]
     kept.clear()
     kept.update(newest)
     body = {"format": LISTING_FORMAT, "listings": kept}
-    atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
+    try:
+        atomic_write(path, json.dumps(body).encode(), io_class="cache-meta")
+    except DiskFullError as exc:
+        log.warning("lcache: the source's listing is not kept in %s (%s); ranks and runs "
+                    "list it again", os.path.dirname(path), exc)
 
 
 def _load(path: str) -> dict[str, Any]:
