@@ -274,6 +274,15 @@ def test_sparse_members_and_dangling_pax_headers_are_refused() -> None:
         _scan_in_time(dangling)
 
 
+def test_a_gzip_compressed_shard_says_so(shards: Path) -> None:
+    """The finding: a gzipped tar named .tar was 'a truncated shard' or a bad checksum."""
+    import gzip
+
+    (shards / SHARDS[1]).write_bytes(gzip.compress((shards / SHARDS[1]).read_bytes()))
+    with pytest.raises(CorruptionError, match="a gzip-compressed tar"):
+        WebDatasetSource(str(shards))
+
+
 def test_a_shard_with_a_bad_pax_size_is_named(tmp_path: Path) -> None:
     (tmp_path / "wds").mkdir()
     (tmp_path / "wds" / "s-0.tar").write_bytes(_shard_with_pax_size("abc"))

@@ -114,6 +114,11 @@ def scan(read: Callable[[int, int], bytes | memoryview], start: int, end: int,
     long_name: str | None = None
     pax: dict[str, str] = {}
     while pos < end:
+        head = read(pos, min(2, end - pos)) if archive and pos == start else b""
+        if bytes(head) == b"\x1f\x8b":  # say so, not "truncated" or "checksum"
+            raise SourceCorruptionError(f"{where(pos)}: a gzip-compressed tar: compressed "
+                                        "shards have no per-sample byte ranges; store them "
+                                        "uncompressed")
         if pos + BLOCK > end:
             raise SourceCorruptionError(f"{where(pos)}: {end - pos} bytes left, less than a "
                                         f"tar header: {cut}")
