@@ -325,6 +325,26 @@ def test_a_loader_reading_far_behind_the_sampler_loses_no_staged_sample(tmp_path
         assert got["fetches"] == n - int(sampler.plan(epoch).hits.sum()), (epoch, got)
 
 
+@pytest.mark.parametrize("staging", [None, 1], ids=["default-staging", "least-staging"])
+def test_eight_ranks_of_a_node_still_prefetch(tmp_path: Path, staging: int | None) -> None:
+    """The finding: the default 256 MiB staging area was 16 segments, and each of a node's
+    ranks holds two: at 7 or more ranks no staging window was left, and (with 8979b8d's
+    budget) nothing at all was prefetched. Rank 0 of 8, in one process."""
+    n, size = 2000, 4096
+    root = write_samples(tmp_path / "src", n, size)
+    options = {} if staging is None else {"staging_bytes": staging}
+    ds = open_dataset(str(root), tmp_path / "cache", "3MB", **options)
+    sampler = SeedAwareSampler(ds, seed=0, num_replicas=8, rank=0, local_world_size=8,
+                               loader_workers=0)
+    if staging is None:
+        assert ds.cache.staging_window(8) > 0 and sampler.prefetch_window > 1
+    mark = ds.stats()
+    for access in sampler:
+        assert sample_index(ds[access], size) == access.sample
+        time.sleep(0.001)  # the training step: the prefetcher gets ahead
+    assert ds.stats(since=mark)["prefetched"] > 0
+
+
 # --------------------------------------------------------------------------- 4. torchrun
 TORCHRUN_TIMEOUT = 120
 

@@ -252,9 +252,11 @@ def choose_segment_size(space: int, count: int, largest: int) -> int:
 def staging_area(requested: int, capacity: int, largest: int, on_ssd: bool
                  ) -> tuple[int, int]:
     """Bytes and segment size of the prefetch staging area: ``requested``, with room for its
-    writers; on the SSD it is carved out of the capacity, so kept to a 50th of it."""
+    writers; on the SSD it is carved out of the capacity, so kept to a 50th of it. About 64
+    segments: each rank's prefetcher and its readers hold two (``staging_window``); with 16,
+    the default 256 MiB left no window at all to 7 or more ranks of a node."""
     def sized(size: int) -> tuple[int, int]:
-        segment = choose_segment_size(size, 16, largest)
+        segment = choose_segment_size(size, 64, largest)
         return max(size, (STAGING_WRITERS + 4) * segment), segment
 
     size, segment = sized(requested)
@@ -392,10 +394,10 @@ class SampleCache:
         return self._store
 
     def staging(self) -> Store:
-        """The store of prefetched samples the plan does not keep: each is read once, so
-        they die in the order they were written and FIFO cleaning never copies. Keeping
-        them apart from the kept samples (which die in random order) is what lets the
-        main store run nearly full without write amplification."""
+        """The store of prefetched samples: each is read once (a kept one then moves to the
+        main store), so they die in the order they were written and FIFO cleaning never
+        copies. Keeping them apart from the kept samples (which die in random order) is
+        what lets the main store run nearly full without write amplification."""
         self._open()
         assert self._staging is not None
         return self._staging

@@ -107,13 +107,16 @@ class Prefetcher:
     def _room(self) -> bool:
         return self._inflight < self.threads and \
             (self._inflight_bytes < self.budget_bytes or self._inflight == 0) and \
-            (self.staged_budget is None or self._unread() < self.staged_budget)
+            (self.staged_budget is None or self._unread() < max(1, self.staged_budget))
 
     def _unread(self) -> int:
         """Bytes this prefetcher staged that no reader has taken yet: checked oldest first
         (readers take them in about the order they were staged), and all of them when that
         is over the budget (one never read must not hold back the rest)."""
-        staging = self.cache.staging()
+        try:
+            staging = self.cache.staging()
+        except Exception:  # closed meanwhile: the prefetcher is about to stop anyway
+            return 0
         while self._staged and self._staged[0][0] not in staging:
             self._staged_bytes -= self._staged.popleft()[1]
         if self.staged_budget is not None and self._staged_bytes >= self.staged_budget:
