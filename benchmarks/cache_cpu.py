@@ -49,7 +49,8 @@ import _sysbench as sb
 import numpy as np
 
 from lcache.data import CachedDataset, SeedAwareSampler
-from lcache.data.cache import MAX_WRITERS, choose_segment_size
+from lcache.data.cache import MAX_WRITERS
+from lcache.data.sizing import choose_segment_size
 from lcache.store import Store, parse_size
 
 BATCHES = (8, 32, 128)

@@ -11,6 +11,7 @@ import lcache.trace
 from lcache.advise import Targets, advise
 from lcache.data import CachedDataset, SeedAwareSampler
 from lcache.data.cache import SampleCache
+from lcache.data.sizing import capacity_for
 from lcache.errors import ConfigError
 from tests.test_advise_traces import record_trace
 
@@ -58,5 +59,5 @@ def test_capacity_for_is_the_smallest_that_holds_the_bytes(tmp_path: Path, n: in
 
     # where this machine stages prefetched samples decides whether staging costs capacity
     on_ssd = SampleCache(str(data), str(tmp_path / "probe"), 1 << 30)._on_ssd
-    cap = SampleCache.capacity_for(need, n, size, writers, staging_on_ssd=on_ssd)
+    cap = capacity_for(need, n, size, writers, staging_on_ssd=on_ssd)
     assert room(cap, "a") >= need > room(cap - 1, "b")

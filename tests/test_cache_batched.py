@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lcache.data import Access, CachedDataset, SeedAwareSampler  # noqa: E402
-from lcache.data.cache import cache_capacity  # noqa: E402
+from lcache.data.sizing import cache_capacity  # noqa: E402
 from lcache.errors import ConfigError  # noqa: E402
 from lcache.store.fsck import fsck  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402

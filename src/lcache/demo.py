@@ -20,9 +20,9 @@ from typing import Any, cast
 import numpy as np
 
 from lcache.data import CachedDataset, FileSource, SeedAwareSampler
-from lcache.data.cache import MIN_SEGMENTS, choose_segment_size
 from lcache.data.order import rank_order
 from lcache.data.plan import belady
+from lcache.data.sizing import MIN_SEGMENTS, choose_segment_size
 from lcache.errors import ConfigError
 from lcache.store import format_size
 from lcache.store.record import HEADER_SIZE

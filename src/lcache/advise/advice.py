@@ -10,7 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lcache.data.cache import MIN_SEGMENTS, SampleCache, choose_segment_size
+from lcache.data.sizing import (
+    MIN_SEGMENTS,
+    capacity_for,
+    choose_segment_size,
+    plan_overhead,
+)
 from lcache.store.record import HEADER_SIZE
 
 DAY_S = 86_400.0
@@ -58,10 +63,10 @@ def cache_capacity(fitted: dict[str, Any], t: Targets) -> dict[str, Any]:
     need = math.ceil(keep * (mean + HEADER_SIZE))
     workers = _loader_workers()
     writers = 1 + workers  # one rank per trace: its sampler and its loader workers
-    cap = SampleCache.capacity_for(need, n, largest, writers, staging_on_ssd=False)
-    on_ssd = SampleCache.capacity_for(need, n, largest, writers, staging_on_ssd=True)
+    cap = capacity_for(need, n, largest, writers, staging_on_ssd=False)
+    on_ssd = capacity_for(need, n, largest, writers, staging_on_ssd=True)
     segment = choose_segment_size(cap, 512, largest)
-    held = SampleCache.plan_overhead(segment, n, writers)
+    held = plan_overhead(segment, n, writers)
     total = (f"capacity = {need:,} + {held:,} = {cap:,} B" if cap == need + held else
              f"{need + held:,} B is below a cache's minimum of {MIN_SEGMENTS} segments: "
              f"capacity = {MIN_SEGMENTS} x {segment:,} = {cap:,} B")

@@ -195,7 +195,7 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
 def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tuple[str, ...],
          as_json: bool) -> None:
     """Fetch SOURCE's samples (in path order) into the cache until it is full."""
-    from lcache.data.cache import cache_capacity
+    from lcache.data.sizing import cache_capacity
     from lcache.data.warm import warm_cache
 
     try:  # before the source is listed (a full listing on S3): a size or a percentage

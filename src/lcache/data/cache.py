@@ -14,10 +14,8 @@ import atexit
 import contextlib
 import fcntl
 import logging
-import math
 import multiprocessing.util
 import os
-import re
 import shutil
 import stat
 import weakref
@@ -32,6 +30,15 @@ from lcache.checks import path_argument, text_argument
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
+from lcache.data.sizing import (
+    DEFAULT_STAGING,
+    MIN_SEGMENTS,
+    STAGING_WRITERS,
+    cache_capacity,
+    choose_segment_size,
+    plan_overhead,
+    staging_area,
+)
 from lcache.data.sources import (
     FileSource,
     RangeSource,
@@ -59,9 +66,6 @@ log = logging.getLogger("lcache")
 
 # Writers: main store = prefetchers and readers admitting on demand; staging = prefetchers.
 MAX_WRITERS = 128  # at most: fewer when the capacity holds fewer segments
-STAGING_WRITERS = 8
-MIN_SEGMENTS = 40
-DEFAULT_STAGING = 256 << 20
 SHM = "/dev/shm"
 ON_ERROR = ("raise", "skip")
 # Where an access's bytes came from.
@@ -180,36 +184,6 @@ class _Skipped:
 SKIPPED: Any = _Skipped()
 
 
-MAX_FRACTION = 100  # a capacity given as a fraction of the dataset is at most this
-_PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*", re.ASCII)
-
-
-def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
-    """Bytes from a size (``"500GB"``, an int) or from a fraction of the dataset's bytes: a
-    float (``0.4``) or a percentage (``"40%"``). Sizes stay ``parse_size``'s, which refuses
-    ``"0.4"``: a fraction is a float or a percentage, never a bare string number."""
-    if isinstance(capacity, str) and capacity.strip().endswith("%"):
-        # not float(): it takes "1_0" and other scripts' digits
-        number = _PERCENT.fullmatch(capacity)
-        fraction = float(number.group(1)) / 100 if number else math.nan
-        what = capacity
-    elif isinstance(capacity, float):
-        fraction, what = capacity, str(capacity)
-    else:
-        try:
-            return parse_size(capacity)
-        except ConfigError as exc:
-            raise ConfigError(f"capacity: {exc}") from None
-    if not (math.isfinite(fraction) and fraction > 0):
-        raise ConfigError(f"cannot read {what!r} as a capacity: a fraction of the dataset is "
-                          "a float above 0 (0.4) or a percentage (\"40%\")")
-    if fraction > MAX_FRACTION:  # capacity=4e7 meant as bytes is 4e7 datasets
-        raise ConfigError(f"capacity {what} is {fraction:g} times the dataset: a float is a "
-                          f"fraction of it (at most {MAX_FRACTION}); give bytes as an int or "
-                          "a size (\"40MB\")")
-    return max(1, int(fraction * dataset_bytes))
-
-
 def check_locations(source: Any, cache_dir: Any) -> None:
     """Refuse an empty source or cache directory (either would mean the current directory)
     and a cache directory in (or equal to) a local source's directory, whose files would be
@@ -237,30 +211,6 @@ class Access(NamedTuple):
 
     sample: int
     keep: bool | None = None
-
-
-def choose_segment_size(space: int, count: int, largest: int) -> int:
-    """About ``space / count`` rounded down to a power of two, within 64 KiB..64 MiB, and
-    room for at least four of the largest records."""
-    size = 1 << (max(space // count, 64 << 10).bit_length() - 1)
-    size = min(size, 64 << 20)
-    while size < 4 * (largest + HEADER_SIZE):
-        size *= 2
-    return size
-
-
-def staging_area(requested: int, capacity: int, largest: int, on_ssd: bool
-                 ) -> tuple[int, int]:
-    """Bytes and segment size of the prefetch staging area: ``requested``, with room for its
-    writers; on the SSD it is carved out of the capacity, so kept to a 50th of it. About 64
-    segments: each rank's prefetcher and its readers hold two (``staging_window``); with 16,
-    the default 256 MiB left no window at all to 7 or more ranks of a node."""
-    def sized(size: int) -> tuple[int, int]:
-        segment = choose_segment_size(size, 64, largest)
-        return max(size, (STAGING_WRITERS + 4) * segment), segment
-
-    size, segment = sized(requested)
-    return sized(min(size, capacity // 50)) if on_ssd else (size, segment)
 
 
 def _stored_segment_size(store_dir: str, largest: int) -> int | None:
@@ -520,40 +470,8 @@ class SampleCache:
     def plan_capacity(self, writers: int) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
         an active segment per writer, and the index."""
-        overhead = SampleCache.plan_overhead(self.segment_size, len(self.source), writers)
+        overhead = plan_overhead(self.segment_size, len(self.source), writers)
         return max(0, self.main_capacity - overhead)
-
-    @staticmethod
-    def plan_overhead(segment_size: int, samples: int, writers: int) -> int:
-        """What ``plan_capacity`` holds back: one free segment, an active one per writer and
-        the index (16 bytes a sample, and 64 KiB)."""
-        return segment_size * (2 + writers) + 16 * samples + (64 << 10)
-
-    @staticmethod
-    def capacity_for(record_bytes: int, samples: int, largest: int, writers: int,
-                     staging_on_ssd: bool = True) -> int:
-        """The smallest capacity whose ``plan_capacity(writers)`` holds ``record_bytes``
-        (records: samples + headers) of a new cache of ``samples`` samples, the largest
-        ``largest`` bytes, sized as ``__init__`` sizes it. ``staging_on_ssd``: the prefetch
-        staging area is carved out of the capacity (when /dev/shm has no room for it).
-
-        The overheads grow with the capacity (segments are sized from it, staging takes a
-        50th), so the shortfall is added until none is left: the plan's room minus the
-        capacity never rises, so no smaller capacity holds the bytes."""
-        def staging(capacity: int) -> int:  # __init__'s staging_bytes when on the SSD
-            return staging_area(DEFAULT_STAGING, capacity, largest, True)[0] \
-                if staging_on_ssd else 0
-
-        capacity = max(1, record_bytes)
-        while True:
-            segment = choose_segment_size(capacity, 512, largest)
-            room = capacity - staging(capacity) - SampleCache.plan_overhead(segment, samples,
-                                                                            writers)
-            short = max(record_bytes - room, MIN_SEGMENTS * segment + staging(capacity)
-                        - capacity)
-            if short <= 0:
-                return capacity
-            capacity += short
 
     def staging_window(self, ranks: int) -> int:
         """Bytes each of ``ranks`` prefetchers may stage without FIFO cleaning dropping a

@@ -8,14 +8,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lcache.data.cache import (
-    DEFAULT_STAGING,
-    SKIPPED,
-    Access,
-    SampleCache,
-    cache_capacity,
-    check_locations,
-)
+from lcache.data.cache import SKIPPED, Access, SampleCache, check_locations
+from lcache.data.sizing import DEFAULT_STAGING, cache_capacity
 from lcache.data.sources import SourceError, as_source
 from lcache.errors import ConfigError
 
