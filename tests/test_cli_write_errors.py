@@ -7,7 +7,6 @@ read-only file system printed a bare strerror and the temp name of the atomic wr
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import assert_one_line_error, run_lcache, subprocess_env
+from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache, subprocess_env
 
 #: a traced run of a few store reads and writes
 TRACED = """
@@ -34,18 +33,8 @@ lcache.trace.disable()
 @pytest.fixture
 def read_only(tmp_path: Path) -> Iterator[Path]:
     """A read-only tmpfs (root cannot be kept out of a folder by its mode)."""
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    where = tmp_path / "ro"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=256m", "tmpfs", str(where)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "256m", ",ro") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.mark.parametrize(("args", "target"), [

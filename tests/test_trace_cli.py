@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lcache.report import summarize
+from lcache.report.load import Trace, load
 
 HERE = Path(__file__).parent
 LCACHE = [sys.executable, "-m", "lcache"]
@@ -135,11 +136,18 @@ def test_sampler_opens_each_proc_file_once_and_writes_what_it_read(
     assert {e["name"] for e in events if e.get("cat") == "diskstats"} == set(trace.disks)
 
 
+def _syscalls(t: Path, code: str) -> Trace:
+    """The loaded trace of ``python -c code`` under ``lcache trace --syscalls``."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
+    assert run.returncode == 0, run.stderr
+    return load(t)
+
+
 @pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
                     reason="strace is not installed and cannot be (not root)")
 def test_syscalls_with_offsets(tmp_path: Path) -> None:
-    if shutil.which("strace") is None:
-        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
     t = tmp_path / "sys.trace"
     data = tmp_path / "f.bin"
     code = (f"import os\nfd = os.open({str(data)!r}, os.O_RDWR | os.O_CREAT)\n"
@@ -148,11 +156,7 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
             "os.pread(fd, 7, 3)\nos.writev(fd, [b'x' * 4, b'y' * 6])\n"
             "os.pwritev(fd, [b'z' * 3], 7000)\nos.preadv(fd, [bytearray(2)], 6000)\n"
             "os.close(fd)\n")
-    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
-    assert run.returncode == 0, run.stderr
-    from lcache.report import load
-
-    tr = load(t)
+    tr = _syscalls(t, code)
     rows = [(tr.ops[tr.op[i]], int(tr.offset[i]), int(tr.size[i]), int(tr.result[i]))
             for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)]
     assert rows == [("write", 0, 1000, 1000), ("write", 1000, 24, 24),
@@ -164,8 +168,6 @@ def test_syscalls_with_offsets(tmp_path: Path) -> None:
 def test_syscalls_see_sendfile_copy_file_range_and_mmap(tmp_path: Path) -> None:
     """The finding: bytes copied by sendfile (shutil.copyfile) and copy_file_range were in no
     event of the syscall class, which claims every file I/O; mmap left no trace at all."""
-    if shutil.which("strace") is None:
-        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
     t, src = tmp_path / "sys.trace", tmp_path / "src.bin"
     src.write_bytes(b"x" * 65536)
     code = (f"import os, mmap\nsrc = os.open({str(src)!r}, os.O_RDONLY)\n"
@@ -173,11 +175,7 @@ def test_syscalls_see_sendfile_copy_file_range_and_mmap(tmp_path: Path) -> None:
             "assert os.sendfile(out, src, 0, 65536) == 65536\n"
             "assert os.copy_file_range(src, out, 1000, 0) == 1000\n"
             "m = mmap.mmap(src, 0, prot=mmap.PROT_READ)\nm.close()\n")
-    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
-    assert run.returncode == 0, run.stderr
-    from lcache.report import load
-
-    tr = load(t)
+    tr = _syscalls(t, code)
     rows = [(tr.ops[tr.op[i]], tr.files[tr.file[i]], int(tr.offset[i]), int(tr.result[i]))
             for i in range(len(tr)) if tr.files[tr.file[i]].startswith(str(tmp_path))]
     out = str(tmp_path / "a.out")
@@ -193,8 +191,6 @@ def test_syscall_offsets_a_shared_description_or_o_append_hides_are_unknown(
     """The finding: a write after a forked child wrote through the same descriptor, and
     writes with O_APPEND, were given confident offsets (1 MiB for 2 MiB; 0 for 3 MiB): the
     parser kept a position per thread that others moved. They are -1 (unknown) now."""
-    if shutil.which("strace") is None:
-        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
     t, data = tmp_path / "sys.trace", tmp_path / "f.bin"
     code = (f"import os\nfd = os.open({str(data)!r}, os.O_WRONLY | os.O_CREAT)\n"
             "os.write(fd, b'a' * 100)\nif os.fork() == 0:\n"
@@ -202,11 +198,7 @@ def test_syscall_offsets_a_shared_description_or_o_append_hides_are_unknown(
             "os.write(fd, b'c' * 100)\nos.close(fd)\n"
             f"fd = os.open({str(data)!r}, os.O_WRONLY | os.O_APPEND)\n"
             "os.write(fd, b'd' * 100)\nos.close(fd)\n")
-    run = _trace(t, sys.executable, "-c", code, opts=("--syscalls",))
-    assert run.returncode == 0, run.stderr
-    from lcache.report import load
-
-    tr = load(t)
+    tr = _syscalls(t, code)
     offsets = [int(tr.offset[i]) for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)
                and tr.ops[tr.op[i]] == "write"]
     assert offsets == [0, -1, -1, -1]
