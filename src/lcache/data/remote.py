@@ -276,6 +276,7 @@ class Remote:
         self._pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self._whole_kw: dict[str, Any] = {}
+        self._location: str | None = None
 
     def fs(self) -> tuple[Any, str]:
         # Why the pid: a DataLoader worker forked from us inherits our filesystem object,
@@ -301,7 +302,12 @@ class Remote:
         profile's config; GCS's emulator host) and Azure account, normalised (``http://H/``
         and ``http://h:80`` are one); "" when none is set. One bucket and key behind two
         endpoints are two datasets. Credentials are left out: a rotated key names the same
-        data."""
+        data. Worked out once per object: the AWS profile's config is a file to read."""
+        if self._location is None:
+            self._location = self._find_location()
+        return self._location
+
+    def _find_location(self) -> str:
         scheme = self.url.partition("://")[0].lower() if "://" in self.url else "file"
         from fsspec.config import conf  # options fsspec applies from its config and env
 
