@@ -278,6 +278,22 @@ def test_http_object_rewritten_with_same_size(tmp_path: Path) -> None:
         assert again.cache.invalidated == 1 and again[1] == bytes(1000) and again[0] == files[0]
 
 
+def test_a_listing_versioned_to_the_second_only_is_named(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # An HTTP server without ETags (python -m http.server) gives Last-Modified alone: a
+    # same-size rewrite in the second an object was cached keeps it, and the old bytes
+    # were served with no word of the risk.
+    root = tmp_path / "srv"
+    _files(root / "d", 3)
+    for etags, warned in ((False, True), (True, False)):
+        caplog.clear()
+        with ThrottledServer(str(root), etags=etags) as server, \
+                caplog.at_level(logging.WARNING, logger="lcache"):
+            ds = CachedDataset(server.url + "/d/", tmp_path / f"cache-{etags}", CAPACITY)
+            ds.cache.close()
+        assert ("finer than a second" in caplog.text) is warned, caplog.text
+
+
 def test_directory_of_an_older_lcache_is_dropped(tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"

@@ -95,9 +95,21 @@ ENDPOINT_OPTIONS = frozenset({"endpoint_url", "endpoint", "account_url", "accoun
 ACCOUNT_OPTIONS = frozenset({"account_name"})
 
 
+# Of those, the ones that count whole seconds: an object rewritten with the same size in the
+# second it was cached keeps them (an HTTP server that sends no ETag, http.server's).
+COARSE_FIELDS = frozenset({"Last-Modified", "LastModified", "last_modified"})
+
+
 def object_version(info: dict[str, Any]) -> str:
     """The version fields of an fsspec info dict, as one string ("" if it has none)."""
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
+
+
+def tells_rewrites(version: str) -> bool:
+    """Whether an ``object_version`` changes with every rewrite of the same size: it has a
+    field besides whole-second modification times."""
+    return any(field.partition("=")[0] not in COARSE_FIELDS
+               for field in version.split("|") if field)
 
 
 def _normal_url(url: str) -> str:

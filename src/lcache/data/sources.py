@@ -36,6 +36,7 @@ from lcache.data.remote import (
     SourceError,
     fingerprint,
     object_version,
+    tells_rewrites,
 )
 from lcache.errors import ConfigError
 from lcache.trace import recorder as _trace
@@ -174,8 +175,9 @@ class FileSource:
                          zip(self.paths, self._sizes, self._versions, strict=True)], np.uint64)
 
     def versioned(self) -> bool:
-        """Whether the listing tells rewritten objects apart (ETag or modification time)."""
-        return all(self._versions)
+        """Whether the listing tells rewritten objects apart (an ETag, a modification time
+        finer than a second)."""
+        return all(tells_rewrites(v) for v in self._versions)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -349,7 +351,7 @@ class RangeSource:
         return fps
 
     def versioned(self) -> bool:
-        return all(self._versions)
+        return all(tells_rewrites(v) for v in self._versions)
 
     def __len__(self) -> int:
         return len(self.offsets)
