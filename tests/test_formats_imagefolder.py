@@ -108,3 +108,19 @@ def test_a_label_change_in_place_is_seen(tree: Path, tmp_path: Path) -> None:
     assert [again[i] for i in range(3)] == [(_content("dog/x.png"), 2),
                                             (_content("cat/a9.jpg"), 1),
                                             (_content("Bird/z.jpeg"), 0)]
+
+
+def test_a_class_that_is_a_link_to_another_class_is_numbered_as_torchvision_does(
+        tmp_path: Path) -> None:
+    """The finding: ``a -> b`` beside ``c``: the walk skipped ``b`` (reached again), so
+    torchvision's classes a, b, c were lcache's a, c, and c's label 2 was 1 here. torchvision
+    (``find_classes``, ``os.walk(followlinks=True)``) gives ``b``'s images to both names."""
+    root = tmp_path / "train"
+    (root / "b").mkdir(parents=True)
+    (root / "c").mkdir()
+    (root / "b" / "x.jpg").write_bytes(b"x" * 10)
+    (root / "c" / "y.jpg").write_bytes(b"y" * 10)
+    (root / "a").symlink_to(root / "b")
+    ds = CachedDataset(ImageFolderSource(str(root)), tmp_path / "cache", "16MiB")
+    assert ds.cache.source.classes == ["a", "b", "c"]
+    assert [ds[i] for i in range(len(ds))] == [(b"x" * 10, 0), (b"x" * 10, 1), (b"y" * 10, 2)]

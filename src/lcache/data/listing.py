@@ -216,11 +216,15 @@ def _find_local(remote: Remote, root: str, progress: Progress,
     rewritten with the same size went unseen). Folders are walked in name order, each once:
     one reached again through a link (a loop, or links that branch and meet, which would
     make the walk exponential) is skipped, and so are ``avoid`` (the cache directory, should
-    a link lead there) and the folders in it. Not samples, with one warning: FIFOs,
+    a link lead there) and the folders in it; but a folder at the top (an ImageFolder
+    class) that is a link to a folder walked already holds that folder's files, under its
+    own name. Not samples, with one warning: FIFOs,
     sockets, devices and dangling links (reading one would block forever or never end)."""
     found: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
     walked = _folder_ids(avoid) if avoid else set()
+    first: dict[tuple[int, int], str] = {}  # a walked folder's id -> its path in the walk
+    aliases: list[tuple[str, str]] = []  # (a top-level folder, the walked folder it is)
     root = root or "/"
     stack = [root]
     while stack:
@@ -242,10 +246,14 @@ def _find_local(remote: Remote, root: str, progress: Progress,
                 skipped.append(path)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) in walked:
+                seen = first.get((st.st_dev, st.st_ino))
+                if seen is not None and folder == root:
+                    aliases.append((path, seen))  # a class that is a link to another
+                elif (st.st_dev, st.st_ino) in walked:
                     skipped.append(path)
                 else:
                     walked.add((st.st_dev, st.st_ino))
+                    first[(st.st_dev, st.st_ino)] = path
                     below.append(path)
             elif stat.S_ISREG(st.st_mode):
                 found[path] = _local_info(path, st)
@@ -253,6 +261,11 @@ def _find_local(remote: Remote, root: str, progress: Progress,
                 skipped.append(path)
         stack.extend(reversed(below))  # popped in name order
         progress.update(files=len(names) - len(below), directories=1)
+    # torchvision's ImageFolder numbers every class folder, a link to another class too, and
+    # gives it that folder's images: skipped, it shifted the labels of the classes after it.
+    for alias, target in aliases:
+        found.update({alias + path[len(target):]: info for path, info in list(found.items())
+                      if path.startswith(target + os.sep)})
     if skipped:
         log.warning("lcache: %d entries under %s are not regular files or folders to walk "
                     "(FIFOs, sockets, devices, dangling links, links to a folder walked "
