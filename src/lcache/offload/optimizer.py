@@ -248,6 +248,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for g in range(len(self.param_groups))]
         except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
             raise ConfigError(f"OffloadedOptimizer: a param group's options: {exc}") from exc
+        # A fused optimizer unscales the gradients in its kernel, dividing by GradScaler's
+        # scale; the scaler's other path multiplies by its inverse, which differs by an ulp
+        # unless the scale is a power of 2: it must be handed the scale as torch's would be.
+        self._step_supports_amp_scaling = all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in self._inner)
         # each parameter's non-array state ("step"), None until its first update: SGD keeps
         # none, and its momentum must still be carried from step to step
         self._scalars: list[dict[str, Any] | None] = [None for _ in self._params]
@@ -473,8 +478,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                   "torch): use dense gradients, or torch.optim.SparseAdam")
         work = [sg for sg in self.sub_groups
                 if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
-        if not work:
-            return
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step (see __init__)
+        if not work or (found_inf is not None and found_inf.item()):
+            return  # an overflow: the fused step would change nothing, so nothing is read
         self._adopt_changed_params()
         resident, self._resident = self._resident, {}  # rebuilt only if the step succeeds
         keep = {sg.index: resident[sg.index] for sg in work if sg.index in resident}
@@ -587,6 +593,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         group = inner.param_groups[0]
         group.update(self._options(sg.group))
         group["params"] = [proxy for _, proxy in proxies]
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:  # the fused kernel unscales, as it would in memory
+            inner.grad_scale = scale.to("cpu")
         try:
             inner.step()
             for i, (piece, proxy) in enumerate(proxies):
@@ -609,6 +618,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             inner.state.clear()
             group["params"] = []
+            inner.__dict__.pop("grad_scale", None)
 
     def _set_param(self, piece: Any, master: Any) -> None:
         param = self._params[piece.param]
