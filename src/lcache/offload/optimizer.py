@@ -595,7 +595,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         group["params"] = [proxy for _, proxy in proxies]
         scale = getattr(self, "grad_scale", None)
         if scale is not None:  # the fused kernel unscales, as it would in memory
-            inner.grad_scale = scale.to("cpu")
+            inner.grad_scale = scale.to("cpu")  # type: ignore[attr-defined]
         try:
             inner.step()
             for i, (piece, proxy) in enumerate(proxies):
