@@ -513,3 +513,51 @@ def test_a_relative_source_path_names_the_folder_it_means(
     with pytest.raises(ConfigError, match="use another cache directory"):
         CachedDataset(RangeSource("data", "0.bin", [0], [50]), tmp_path / "r", CAPACITY,
                       check=False)
+
+
+# ------------------------------------------------------------ a store of unknown origin
+def test_store_folder_with_other_files_is_refused_not_removed(tmp_path: Path) -> None:
+    """The finding (attack helper 47): a cache directory without cache.json (or with a
+    damaged one) removed DIR/store whole, whatever it held: here a folder of code."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    _files(data, 3)
+    mine = cache / "store" / "mycode" / "main.py"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("precious")
+    for identity in (None, b"damaged"):
+        if identity is not None:
+            (cache / "cache.json").write_bytes(identity)
+        with pytest.raises(ConfigError, match=r"store holds what no lcache store writes "
+                                              r"\(.*mycode\)"):
+            CachedDataset(str(data), cache, CAPACITY)
+        assert mine.read_text() == "precious"
+
+
+def test_store_with_records_in_a_directory_without_cache_json_is_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A store with records where no cache.json is (a cache writes it before its first
+    sample) is another's, such as `lcache store-demo --dir DIR`'s: it was removed. An empty
+    one (a first open killed before cache.json) is dropped, as is a cache's under a damaged
+    cache.json."""
+    from lcache.store import Store
+
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 3)
+    cache.mkdir(mode=0o700)
+    with Store.open(cache / "store", capacity="8MiB", segment_size="256KiB",
+                    max_writers=2) as store:
+        store.put(b"theirs", b"value")
+    with pytest.raises(ConfigError, match=r"store that holds records, but .*cache has no "
+                                          "cache.json"):
+        CachedDataset(str(data), cache, CAPACITY)
+    with Store.open(cache / "store", create=False) as store:
+        assert store.get(b"theirs") == b"value"
+    (cache / "cache.json").write_bytes(b"damaged")
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        ds = CachedDataset(str(data), cache, CAPACITY)
+    assert "dropping the samples cached in" in caplog.text and ds[1] == files[1]
+    ds.cache.close()
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    Store.open(empty / "store", capacity="8MiB", segment_size="256KiB", max_writers=2).close()
+    assert CachedDataset(str(data), empty, CAPACITY)[2] == files[2]

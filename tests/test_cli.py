@@ -229,6 +229,21 @@ def test_warm_into_a_cache_of_another_source_says_which_field_differs(tmp_path: 
     assert_one_line_error(out, "(its source differs)")
 
 
+def test_warm_into_a_folder_with_a_store_folder_of_other_files_keeps_them(
+        tmp_path: Path) -> None:
+    """The finding (attack helper 47): `lcache warm SRC --cache proj` removed an existing
+    proj/store/mycode/main.py, with exit 0."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    mine = tmp_path / "proj" / "store" / "mycode" / "main.py"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("precious")
+    out = run_lcache("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "proj"),
+                     "--capacity", "64MB", cwd=tmp_path)
+    assert_one_line_error(out, "what no lcache store writes", "mycode")
+    assert mine.read_text() == "precious"
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_ckpt_ls_of_a_checkpoint_says_it_lists_a_folder(tmp_path: Path,
                                                         json_flag: list[str]) -> None:

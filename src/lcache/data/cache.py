@@ -59,8 +59,9 @@ from lcache.io import atomic_write, close_file, private_dir
 from lcache.io.files import open_owned, open_regular
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
-from lcache.store.layout import load_config
+from lcache.store.layout import foreign_entries, load_config
 from lcache.store.record import HEADER_SIZE
+from lcache.store.segment import list_segments
 
 log = logging.getLogger("lcache")
 
@@ -225,6 +226,34 @@ def _stored_segment_size(store_dir: str, largest: int) -> int | None:
     return config.segment_size
 
 
+def _drop_unknown_store(store_dir: str, described: bool) -> None:
+    """Remove the store of a cache directory whose cache.json is damaged, of an older lcache
+    or absent: its samples are of an unknown source. Never anything lcache did not write.
+
+    Raises:
+        ConfigError: ``store_dir`` holds files a store does not write, or (``described``
+            false: no cache.json) segments of records, so it is not this cache's store.
+    """
+    foreign = foreign_entries(store_dir) if os.path.isdir(store_dir) else [store_dir]
+    if foreign:
+        raise ConfigError(
+            f"{store_dir} holds what no lcache store writes ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), and the cache would remove it as a store "
+            "of unknown origin; move it elsewhere, or choose another cache directory")
+    has_segments = os.path.isdir(os.path.join(store_dir, "segments")) and \
+        any(list_segments(store_dir))  # (logs, sealed): either non-empty
+    if not described and has_segments:
+        # A cache writes cache.json before it caches a sample: this store is another's (a
+        # Store.open or `lcache store-demo` there), or its cache.json was deleted.
+        raise ConfigError(
+            f"{store_dir} is a store that holds records, but {os.path.dirname(store_dir)} has "
+            "no cache.json, so the store is not this cache's; choose another cache "
+            "directory, or delete the store yourself if it is a cache whose cache.json was "
+            "lost")
+    log.warning("dropping the samples cached in %s: their source is unknown", store_dir)
+    shutil.rmtree(store_dir)
+
+
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | float | str, *, segment_size: int | str | None = None,
@@ -301,9 +330,7 @@ class SampleCache:
         self._on_ssd = on_ssd
         with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
             if opened.reset and os.path.lexists(store_dir):
-                log.warning("lcache: dropping the samples cached in %s: their source is "
-                            "unknown", store_dir)
-                shutil.rmtree(store_dir)
+                _drop_unknown_store(store_dir, opened.described)
             self.cache_id = opened.cache_id
             self._open_lock = opened.users  # closed by check() if this block fails
             try:

@@ -164,6 +164,9 @@ class Opened:
     reset: bool  # the store's contents are of unknown origin: drop them all
     changed: npt.NDArray[np.int64]
     users: int = -1  # the descriptor holding DIR/users.lock shared, for the handle to keep
+    # reset with no cache.json at all (not a damaged one or an older lcache's): a store with
+    # records there is not this cache's, which writes cache.json before caching a sample
+    described: bool = True
 
 
 class DirectoryIdentity:
@@ -185,7 +188,8 @@ class DirectoryIdentity:
             fcntl.flock(fd, fcntl.LOCK_EX)
             stored = self._load()
             if stored is None:
-                opened = Opened(os.urandom(8).hex(), True, np.zeros(0, np.int64))
+                opened = Opened(os.urandom(8).hex(), True, np.zeros(0, np.int64),
+                                described=os.path.lexists(self.json_path))
             else:
                 self._refuse_other_source(stored, ident.doc)
                 if stored.get("layout") != ident.doc.get("layout"):
