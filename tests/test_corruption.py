@@ -407,6 +407,33 @@ def test_leftover_temp_files_are_cleaned_on_reopen(open_store: Any, store_dir: P
     assert report.clean, report.problems
 
 
+def test_files_a_store_does_not_write_are_reported_and_kept(open_store: Any,
+                                                           store_dir: Path) -> None:
+    """The finding (attack helper 47): stray files in segments/ (an id of 22 digits, a name
+    that is no number, a negative one) were passed over and fsck said
+    clean. They are a problem now, never removed (not lcache's), and the store opens as it
+    did, passing them over."""
+    store = open_store()
+    populate(store)
+    store.close()
+    # 999.sum was read as 0000000999.sum, a summary without a log, whose removal at open
+    # was a bare FileNotFoundError
+    stray = ["segments/9999999999999999999999.log", "segments/zzz.log", "segments/-1.log",
+             "segments/1.sum", "segments/999.sum", "notes.txt"]
+    for name in stray:
+        (store_dir / name).write_bytes(b"mine")
+    for repair in (False, True):
+        report = fsck(store_dir, repair=repair)
+        assert not report.clean
+        assert sorted(report.problems) == sorted(
+            f"{store_dir / name} is not a file a store writes; lcache leaves it alone: move "
+            "it out of the store" for name in stray)
+    store = open_store()
+    assert_intact(store, KEYS)
+    store.close()
+    assert all((store_dir / name).read_bytes() == b"mine" for name in stray)
+
+
 def test_summary_without_log_is_removed(open_store: Any, store_dir: Path) -> None:
     store = open_store()
     populate(store)

@@ -4,7 +4,8 @@ Checked: the configuration (``store.json``); symbolic links among the store's fi
 followed); every sealed segment's summary and every record it lists (header, key, checksum);
 segments left unsealed by a crashed writer; the index files (header, size) and every entry
 (pointing at a missing segment, past a segment's end or at a damaged record); the delete
-journal; leftover temp files and files of a replaced generation.
+journal; leftover temp files and files of a replaced generation; files a store does not write
+(reported, never removed).
 
 Repair removes the links, rewrites a damaged or missing ``store.json`` (``layout.salvage_config``
 says from what; a store whose ``store.json`` cannot be read and that holds no segment is
@@ -44,6 +45,7 @@ from lcache.store.layout import (
     CONFIG_NAME,
     MetaPage,
     StoreConfig,
+    foreign_entries,
     has_store,
     load_config,
     prepare_dir,
@@ -238,12 +240,18 @@ class _Checker:
         self.config = config
 
     def _check_leftovers(self) -> None:
+        foreign = set(foreign_entries(self.root)) - self.links
+        for path in sorted(foreign):
+            # Not the store's (a store opens as if it were not there): never removed.
+            self.problem(f"{path} is not a file a store writes; lcache leaves it alone: move "
+                         "it out of the store")
         for folder in (self.root, segments_dir(self.root)):
             for name in os.listdir(folder):
-                if ".tmp" in name:
-                    self.problem(f"leftover temp file {os.path.join(folder, name)}")
+                path = os.path.join(folder, name)
+                if ".tmp" in name and path not in foreign:
+                    self.problem(f"leftover temp file {path}")
                     if self.fix:
-                        os.unlink(os.path.join(folder, name))
+                        os.unlink(path)
         for path in stale_generation_files(self.root, self.meta):
             self.problem(f"leftover {path} of a replaced index or journal")
             if self.fix:

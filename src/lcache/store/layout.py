@@ -39,6 +39,7 @@ from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
 from lcache.store.hashindex import initial_slots, table_bytes
 from lcache.store.index import INDEX_HEADER
+from lcache.store.segment import segment_file
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -160,29 +161,23 @@ class StoreConfig:
             )
 
 
-# The names a store writes: its own files (a ``.tmpPID`` suffix is an interrupted atomic
-# publish, a ``.probe`` the writability probe of prepare_dir). [0-9], not \d (which takes
-# other scripts' digits), and \Z, not $ (which takes a name ending in a newline).
+# The names a store writes in its directory (a ``.tmpPID`` suffix is an interrupted atomic
+# publish, ``.probe`` prepare_dir's probe): [0-9], not \d (which takes other scripts'
+# digits), and \Z, not $ (which takes a name ending in a newline).
 _OWN_TOP = re.compile(r"^(?:(?:store\.json|lock|stats\.json|(?:index-int|index-bytes|deletes)"
                       r"-[0-9]+\.bin)(?:\.tmp[0-9]+)?|segments|\.probe.*)\Z", re.DOTALL)
-_OWN_SEGMENT = re.compile(r"^([0-9]{10})\.(?:log|sum)(?:\.tmp[0-9]+)?\Z")
 
 
 def foreign_entries(path: str) -> list[str]:
     """The entries of the store directory ``path`` (and of its ``segments``) that no store
     writes, as paths: what must never be deleted with the store, nor passed over by fsck.
-
-    A segment id is written as 10 digits below 2**32 (an index location holds it in 32 bits),
-    so ``1.log`` or ``9999999999.log`` is not the store's either. Reads nothing else.
-    """
+    Reads nothing but the two listings."""
     found = [os.path.join(path, name) for name in sorted(os.listdir(path))
              if not _OWN_TOP.match(name)]
     segments = os.path.join(path, "segments")
     if os.path.isdir(segments) and not os.path.islink(segments):
-        for name in sorted(os.listdir(segments)):
-            m = _OWN_SEGMENT.match(name)
-            if not m or int(m.group(1)) >= 1 << 32:
-                found.append(os.path.join(segments, name))
+        found += [os.path.join(segments, name) for name in sorted(os.listdir(segments))
+                  if segment_file(name) is None]
     elif os.path.lexists(segments):
         found.append(segments)  # a file or a link under the folder's name
     return found

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,21 +75,36 @@ def sum_path(root: str, seg: int) -> str:
     return os.path.join(root, "segments", f"{seg:010d}.sum")
 
 
-def list_segments(root: str) -> tuple[list[int], set[int]]:
-    """(ids of every ``.log`` sorted, ids that have a ``.sum``). Other names are not
-    lcache's and are passed over, as are ids of 2**32 and beyond: an index location holds
+# The names log_path and sum_path give, and their atomic publishes' NAME.tmpPID: [0-9], not
+# \d (which takes other scripts' digits), and \Z, not $ (which takes a trailing newline).
+_SEGMENT_FILE = re.compile(r"^([0-9]{10})\.(log|sum)(\.tmp[0-9]+)?\Z")
+
+
+def segment_file(name: str) -> tuple[int, str, bool] | None:
+    """(id, "log" or "sum", whether a temp) of a name in ``segments/`` that a store writes;
+    None for any other. Ids of 2**32 and beyond are not a store's: an index location holds
     the segment id in 32 bits, so lcache never writes them, and one would have been read as
-    another segment's."""
+    another segment's. Nor is an unpadded ``1.sum``, which was read as ``0000000001.sum``
+    (and its removal as a summary without a log failed)."""
+    m = _SEGMENT_FILE.match(name)
+    if m is None or int(m.group(1)) >= 1 << 32:
+        return None
+    return int(m.group(1)), m.group(2), m.group(3) is not None
+
+
+def list_segments(root: str) -> tuple[list[int], set[int]]:
+    """(ids of every ``.log`` sorted, ids that have a ``.sum``). Names a store does not
+    write (``segment_file``) are passed over."""
     logs: list[int] = []
     sums: set[int] = set()
     for name in os.listdir(segments_dir(root)):
-        stem, _, ext = name.partition(".")
-        if not (stem.isascii() and stem.isdigit() and int(stem) < 1 << 32):
+        found = segment_file(name)
+        if found is None or found[2]:
             continue
-        if ext == "log":
-            logs.append(int(stem))
-        elif ext == "sum":
-            sums.add(int(stem))
+        if found[1] == "log":
+            logs.append(found[0])
+        else:
+            sums.add(found[0])
     return sorted(logs), sums
 
 
