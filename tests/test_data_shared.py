@@ -4,6 +4,7 @@ forked processes and threads."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from lcache.data.shared import FetchClaims, SharedCounters
 
@@ -27,6 +29,21 @@ def test_counter_slot_survives_totals(tmp_path: Path) -> None:
     proc.join(30)
     assert mine.totals()["accesses"] == 1001
     assert int(mine._slot[0]) == 1, "another process counts in this process's slot"
+
+
+def test_counter_file_of_another_size_starts_afresh(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (attack helper 47): a 1,000-byte random counters.bin (a table is 131,072)
+    was read as counts, and `lcache stats` printed ~1e19 of each."""
+    path = tmp_path / "counters.bin"
+    path.write_bytes(np.random.default_rng(0).bytes(1000))
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        totals = SharedCounters(str(path)).totals()
+    assert set(totals.values()) == {0}
+    assert "is 1000 bytes, not a table of counters" in caplog.text
+    counters = SharedCounters(str(path))
+    counters.add(accesses=3)
+    assert counters.totals()["accesses"] == 3
 
 
 def _count_and_wait(counters: SharedCounters, amount: int, ready: Any, done: Any) -> None:

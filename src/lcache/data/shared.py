@@ -164,6 +164,7 @@ class SharedCounters:
             close_file(fd)
         else:
             try:
+                _start_afresh_if_damaged(fd, self.path)
                 # Why allocate: touching a page of a sparse mapping on a full filesystem
                 # kills the process with SIGBUS.
                 os.posix_fallocate(fd, 0, SLOTS * SLOT_BYTES)
@@ -220,6 +221,24 @@ class SharedCounters:
             return dict.fromkeys(COUNTER_NAMES, 0)
         sums = self._table()[:, : len(COUNTER_NAMES)].sum(axis=0)
         return {name: int(sums[i]) for i, name in enumerate(COUNTER_NAMES)}
+
+
+def _start_afresh_if_damaged(fd: int, path: str) -> None:
+    """Empty a counter file of another size than the table's (damaged, or not lcache's):
+    its bytes were read as counts (~1e19) and owners' pids. Under the flock that slot claims
+    take; a table in use always has the full size (it is allocated before it is mapped), so
+    only a file no process counts in is emptied."""
+    if os.fstat(fd).st_size in (0, SLOTS * SLOT_BYTES):
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        size = os.fstat(fd).st_size
+        if size not in (0, SLOTS * SLOT_BYTES):
+            log.warning("%s is %d bytes, not a table of counters (%d bytes); its counts "
+                        "start again from zero", path, size, SLOTS * SLOT_BYTES)
+            os.ftruncate(fd, 0)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _alive(pid: int) -> bool:
