@@ -244,6 +244,30 @@ def test_warm_into_a_folder_with_a_store_folder_of_other_files_keeps_them(
     assert mine.read_text() == "precious"
 
 
+def test_warm_warnings_name_lcache_once(tmp_path: Path) -> None:
+    """The finding (attack helper 47): "WARNING lcache: lcache: ... is damaged": the log
+    format names the logger, and the message named it again."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    (tmp_path / "c").mkdir(mode=0o700)
+    (tmp_path / "c" / "cache.json").write_bytes(b"damaged")
+    out = run_lcache("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"),
+                     "--capacity", "64MB", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "is damaged" in out.stderr and "lcache: lcache:" not in out.stderr, out.stderr
+
+
+def test_warm_below_the_minimum_capacity_names_no_option_it_lacks(tmp_path: Path) -> None:
+    """The finding (attack helper 47): warm was told to "lower segment_size", which it
+    cannot set; the advice names the library's argument and says warm has none."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    out = run_lcache("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"),
+                     "--capacity", "1KB", cwd=tmp_path)
+    assert_one_line_error(out, "is below the minimum", "CachedDataset(segment_size=...)",
+                          "`lcache warm` has no such option")
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_ckpt_ls_of_a_checkpoint_says_it_lists_a_folder(tmp_path: Path,
                                                         json_flag: list[str]) -> None:

@@ -284,14 +284,15 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     message = str(info.value)
     assert "1.0 MiB is below the minimum" in message and "raise the capacity" in message
     assert not cache.exists(), "a refused cache must not be created"
-    with pytest.raises(ConfigError, match="raise the capacity or lower segment_size"):
+    with pytest.raises(ConfigError, match=r"raise the capacity, or lower the segment size with "
+                       r"CachedDataset\(segment_size=...\)"):
         CachedDataset([b"x" * 1000] * 10, cache, "16MiB", segment_size="1MiB")
     with pytest.raises(ConfigError, match="cannot read 'big' as a size"):
         CachedDataset([b"x"], cache, "big")
     # the finding: segments hold 4 of the largest sample, and only a segment_size given
     # already was said to matter
     with pytest.raises(ConfigError, match=r"20.0 MiB \(40 segments of 512.0 KiB\); raise the "
-                       r"capacity or lower segment_size \(down to 390.8 KiB, 4 of the largest"):
+                       r"capacity, or .*segment_size=...\) \(down to 390.8 KiB, 4 of the largest"):
         CachedDataset([b"x" * 100_000] * 30, cache, "2MiB")
     # the finding: a server without Content-Length lists 0 bytes; half of it was "1 B"
     (tmp_path / "empty").mkdir()

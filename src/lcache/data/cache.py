@@ -310,7 +310,9 @@ class SampleCache:
                 f"cache capacity {have} is below the minimum {need} ({MIN_SEGMENTS} segments of "
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
-                f"capacity or lower segment_size (down to {smallest}, 4 of the largest sample)")
+                f"capacity, or lower the segment size with CachedDataset(segment_size=...) "
+                f"(down to {smallest}, 4 of the largest sample; `lcache warm` has no such "
+                "option)")
         identity = identify(self.source, name, fingerprint)
         self.cache_dir = private_dir(self.cache_dir, "cache directory")
         store_dir = os.path.join(self.cache_dir, "store")
