@@ -161,19 +161,24 @@ class StoreConfig:
             )
 
 
-# The names a store writes in its directory (a ``.tmpPID`` suffix is an interrupted atomic
-# publish, ``.probe`` prepare_dir's probe): [0-9], not \d (which takes other scripts'
-# digits), and \Z, not $ (which takes a name ending in a newline).
-_OWN_TOP = re.compile(r"^(?:(?:store\.json|lock|stats\.json|(?:index-int|index-bytes|deletes)"
-                      r"-[0-9]+\.bin)(?:\.tmp[0-9]+)?|segments|\.probe.*)\Z", re.DOTALL)
+# The files a store writes in its directory (a ``.tmpPID`` suffix is an interrupted atomic
+# publish, ``.probe`` prepare_dir's probe; ``origin`` and ``users`` are a sample cache's
+# staging area's): [0-9], not \d (which takes other scripts' digits), and \Z, not $ (which
+# takes a name ending in a newline).
+_OWN_TOP = re.compile(r"^(?:(?:store\.json|lock|stats\.json|origin|users|"
+                      r"(?:index-int|index-bytes|deletes)-[0-9]+\.bin)(?:\.tmp[0-9]+)?|"
+                      r"\.probe.*)\Z", re.DOTALL)
 
 
 def foreign_entries(path: str) -> list[str]:
     """The entries of the store directory ``path`` (and of its ``segments``) that no store
     writes, as paths: what must never be deleted with the store, nor passed over by fsck.
-    Reads nothing but the two listings."""
+    Reads nothing but the two listings and the entries' types (a folder under a file's name
+    is not the store's)."""
     found = [os.path.join(path, name) for name in sorted(os.listdir(path))
-             if not _OWN_TOP.match(name)]
+             if name != "segments" and not (_OWN_TOP.match(name) and
+                                            stat.S_ISREG(os.lstat(os.path.join(path, name))
+                                                         .st_mode))]
     segments = os.path.join(path, "segments")
     if os.path.isdir(segments) and not os.path.islink(segments):
         found += [os.path.join(segments, name) for name in sorted(os.listdir(segments))
