@@ -110,8 +110,19 @@ def _one_line(exc: BaseException) -> str:
 @click.option("-v", "--verbose", is_flag=True, help="Log what lcache does (warnings always).")
 def cli(verbose: bool) -> None:
     """LCache: the storage side of deep-learning training on local NVMe SSD."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_NamedOnce("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
+
+
+class _NamedOnce(logging.Formatter):
+    """``LEVEL logger: message``, the logger named once: lcache's messages start with
+    "lcache: " (for programs that log without a format), and read "lcache: lcache: " here."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        doubled = f" {record.name}: {record.name}: "
+        return text.replace(doubled, doubled[: len(record.name) + 3], 1)
 
 
 def _store_summary(directory: str) -> dict[str, Any]:

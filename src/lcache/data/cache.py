@@ -250,7 +250,7 @@ def _drop_unknown_store(store_dir: str, described: bool) -> None:
             "no cache.json, so the store is not this cache's; choose another cache "
             "directory, or delete the store yourself if it is a cache whose cache.json was "
             "lost")
-    log.warning("dropping the samples cached in %s: their source is unknown", store_dir)
+    log.warning("lcache: dropping the samples cached in %s: their source is unknown", store_dir)
     shutil.rmtree(store_dir)
 
 

@@ -234,7 +234,7 @@ def _start_afresh_if_damaged(fd: int, path: str) -> None:
     try:
         size = os.fstat(fd).st_size
         if size not in (0, SLOTS * SLOT_BYTES):
-            log.warning("%s is %d bytes, not a table of counters (%d bytes); its counts "
+            log.warning("lcache: %s is %d bytes, not a table of counters (%d bytes); its counts "
                         "start again from zero", path, size, SLOTS * SLOT_BYTES)
             os.ftruncate(fd, 0)
     finally:
