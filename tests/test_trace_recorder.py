@@ -15,7 +15,7 @@ from lcache.io import get_tracer, open_file, pread_full, pwrite_full, sync_fd
 from lcache.io.files import close_file
 from lcache.report.load import json_lines
 
-from .conftest import fork_while_held
+from .conftest import fork_while_held, subprocess_env
 
 HERE = Path(__file__).parent
 
@@ -606,3 +606,24 @@ def test_fds_lcache_io_opened_are_closed_through_it() -> None:
             if "os.close" in calls or ("os.fdopen" in calls and opens):
                 found.append(f"{path.relative_to(src)}:{getattr(func, 'name', '')}")
     assert not found, found
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "nan", "1e400", "0"])
+def test_a_bad_flush_interval_is_refused_where_tracing_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    # (attack helper 47) it killed the flush thread with a traceback; the job ran untraced
+    monkeypatch.setenv("LCACHE_TRACE_FLUSH_S", value)
+    with pytest.raises(lcache.ConfigError, match="LCACHE_TRACE_FLUSH_S"):
+        lcache.trace.enable(str(tmp_path / "t.trace"))
+    assert not lcache.trace.enabled()
+    env = dict(subprocess_env(), LCACHE_TRACE=str(tmp_path / "cli.trace"),
+               LCACHE_TRACE_FLUSH_S=value)
+    run = subprocess.run([sys.executable, "-m", "lcache", "stats", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and "LCACHE_TRACE_FLUSH_S" in run.stderr, run.stderr
+    env.pop("LCACHE_TRACE")
+    run = subprocess.run([sys.executable, "-m", "lcache", "trace", "-o",
+                          str(tmp_path / "t2.trace"), "--", "true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "LCACHE_TRACE_FLUSH_S" in run.stderr, run.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from typing import Any
@@ -64,6 +65,22 @@ def env_number(name: str, default: int, low: int, high: int | None = None) -> in
         raise ConfigError(f"{name}={raw!r:.40} in the environment: set a whole number "
                           f"{span}, or unset it")
     return int(raw)
+
+
+def env_seconds(name: str, default: float, low: float, high: float) -> float:
+    """Environment variable ``name`` as seconds in [low, high], ``default`` when it is unset
+    or empty, or a ConfigError naming it (not NaN, an infinity or a bare ValueError)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:  # NaN is in no range
+        raise ConfigError(f"{name}={raw!r:.40} in the environment: set seconds from {low:,} "
+                          f"to {high:,}, or unset it")
+    return value
 
 
 def launch_rank_world() -> tuple[int, int]:

@@ -110,6 +110,10 @@ def _one_line(exc: BaseException) -> str:
 @click.option("-v", "--verbose", is_flag=True, help="Log what lcache does (warnings always).")
 def cli(verbose: bool) -> None:
     """LCache: the storage side of deep-learning training on local NVMe SSD."""
+    from lcache.trace import recorder
+
+    if recorder.env_error is not None:  # said in one line when lcache was imported
+        sys.exit(2)
     handler = logging.StreamHandler()
     handler.setFormatter(_NamedOnce("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])

@@ -18,7 +18,7 @@ import click
 from lcache.cli.checks import check_output, number_option
 from lcache.errors import ConfigError
 from lcache.io import close_file
-from lcache.trace.recorder import ENV
+from lcache.trace.recorder import ENV, flush_interval
 
 
 def _fail(message: str, code: int) -> None:
@@ -55,6 +55,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         argv = strace_mod.strace_command(log_path, argv, strace)
     try:
         check_output(output, "trace")
+        if lib_events:  # the command's lcache would refuse it: say so before it runs
+            flush_interval()
     except ConfigError as exc:
         return {"exit_code": 2, "error": str(exc)}
     try:

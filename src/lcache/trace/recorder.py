@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from lcache.checks import env_seconds
+from lcache.errors import ConfigError
 from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _io_tracer
 from lcache.io.tracer import IOEvent
@@ -42,6 +44,8 @@ from lcache.trace.writer import TraceWriter, dumps, file_metadata, process_metad
 FLUSH_INTERVAL_S = 0.5
 ENV = "LCACHE_TRACE"
 ENV_FLUSH = "LCACHE_TRACE_FLUSH_S"  # seconds between background flushes (tests set it high)
+#: why LCACHE_TRACE could not be honoured when lcache was imported (a bad setting)
+env_error: ConfigError | None = None
 
 #: The recorder of this process, or ``None``; other modules test it with a single ``is None``.
 _active: Recorder | None = None
@@ -210,9 +214,22 @@ def _start_flusher() -> None:
         _flusher.start()
 
 
+def flush_interval() -> float:
+    """Seconds between background flushes: ``$LCACHE_TRACE_FLUSH_S``, else
+    ``FLUSH_INTERVAL_S``.
+
+    Raises:
+        ConfigError: it is not a number of seconds from 0.001 to 1,000,000.
+    """
+    return env_seconds(ENV_FLUSH, FLUSH_INTERVAL_S, 0.001, 1_000_000)
+
+
+_interval = FLUSH_INTERVAL_S  # set by enable(), checked there: the thread never parses it
+
+
 def _flush_loop() -> None:
     while True:
-        time.sleep(float(os.environ.get(ENV_FLUSH) or FLUSH_INTERVAL_S))
+        time.sleep(_interval)
         rec = _active
         if rec is None or rec.pid != os.getpid():
             continue
@@ -251,14 +268,19 @@ def enable(path: str, *, compress: bool | None = None) -> None:
     Args:
         path: the trace file (created, or appended to). Ending in ``.gz`` compresses it.
         compress: force gzip on or off, whatever the suffix.
+
+    Raises:
+        ConfigError: ``$LCACHE_TRACE_FLUSH_S`` is not seconds from 0.001 to 1,000,000.
     """
-    global _active
+    global _active, _interval
     with _lock:
+        interval = flush_interval()  # before anything changes: a bad value leaves tracing as is
         if _active is not None:
             if _active.path == os.path.abspath(path) and os.getpid() == _active.pid:
                 return
             _disable_locked()
         rec = Recorder(path, compress)
+        _interval = interval
         _start_flusher()
         _active = rec
         _io_tracer.reset_buffers()  # events left by a recorder closed mid-operation
@@ -432,5 +454,9 @@ def enable_from_environment() -> None:
     if path and _active is None:
         try:
             enable(path)
+        except ConfigError as exc:  # the CLI exits with status 2 on it (lcache.cli.main)
+            global env_error
+            env_error = exc
+            sys.stderr.write(f"lcache: cannot trace to LCACHE_TRACE={path}: {exc}\n")
         except OSError as exc:
             sys.stderr.write(f"lcache: cannot trace to LCACHE_TRACE={path}: {exc}\n")
