@@ -289,3 +289,23 @@ def test_model_file_dimensions_out_of_range_are_one_line(tmp_path: Path, line: s
     (tmp_path / "m.yaml").write_text(text)
     out = run_lcache("model", "--model-file", str(tmp_path / "m.yaml"), cwd=tmp_path)
     assert_one_line_error(out, key, "out of range")
+
+
+def test_an_unknown_preset_offers_a_model_file_only_where_one_can_be_given(
+        tmp_path: Path) -> None:
+    # (attack helper 47) advise, bench from-model and a model file's `preset:` were told to
+    # give --model-file, which only `lcache model` takes
+    hint = "--model-file"
+    err = assert_one_line_error(run_lcache("model", "nope", cwd=tmp_path), "'nope'", hint)
+    model = tmp_path / "m.yaml"
+    model.write_text("layers: 2\nhidden: 64\npreset: nope\n")
+    err = assert_one_line_error(run_lcache("model", "--model-file", str(model), cwd=tmp_path),
+                                "'nope'", "m.yaml", "llama3-8b")
+    assert hint not in err
+    err = assert_one_line_error(run_lcache("bench", "from-model", "nope", "--dir",
+                                           str(tmp_path / "d"), cwd=tmp_path),
+                                "'nope'", "llama3-8b")
+    assert hint not in err
+    with pytest.raises(ConfigError) as exc:
+        config_from_preset("nope")
+    assert hint not in str(exc.value)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lcache.errors import ConfigError
-from lcache.model import PRESETS, config_from_preset, load_model_file, predict
+from lcache.model import PRESETS, config_from_preset, get_preset, load_model_file, predict
 from lcache.store.layout import parse_size
 
 console = Console()
@@ -233,6 +233,8 @@ def model_cmd(preset: str | None, model_file: str | None, peak_tflops: float | N
         overrides["peak_flops"] = peak_tflops * 1e12
     if hbm is not None:
         overrides["hbm_bytes"] = parse_size(hbm)
+    if preset is not None:
+        get_preset(str(preset), alternative="a model file (--model-file)")
     try:
         cfg = load_model_file(model_file, **overrides) if model_file else \
             config_from_preset(str(preset), **overrides)

@@ -337,7 +337,7 @@ def load_model_file(path: str | Path, **overrides: Any) -> TrainingConfig:
     preset = doc.pop("preset", None)
     base: dict[str, Any] = {}
     if preset is not None:
-        shape0 = get_preset(str(preset))
+        shape0 = get_preset(str(preset), f" (preset{where})")
         base = shape0.to_dict()
         training = {**PRESET_TRAINING.get(shape0.name, {}), **training}
     for key in doc:

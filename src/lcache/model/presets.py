@@ -142,10 +142,13 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
 }
 
 
-def get_preset(name: str) -> ModelShape:
-    """The preset's shape; the error lists the presets there are."""
+def get_preset(name: str, where: str = "", alternative: str = "") -> ModelShape:
+    """The preset's shape; the error lists the presets there are, says ``where`` the name
+    was given (" in m.yaml") and offers the caller's ``alternative`` ("a model file
+    (--model-file)"), if it has one."""
     try:
         return PRESETS[name.lower()]
     except KeyError:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of "
-                          f"{', '.join(PRESETS)} or give a model file (--model-file)") from None
+        raise ConfigError(f"unknown model preset {name!r}{where}; choose one of "
+                          f"{', '.join(PRESETS)}" + (f" or give {alternative}" if alternative
+                                                      else "")) from None
