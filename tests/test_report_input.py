@@ -249,3 +249,52 @@ def test_a_recorded_read_that_moved_more_than_it_asked_is_refused(tmp_path: Path
         lcache.trace.disable()
     with pytest.raises(CorruptionError, match="moved more bytes than it asked for"):
         summarize(tmp_path / "t.trace")
+
+
+def test_two_outputs_on_one_file_are_refused_naming_both(tmp_path: Path) -> None:
+    # (attack helper 47) the second output replaced the first and the command said it wrote both
+    good = _good(tmp_path / "good.trace")
+    (tmp_path / "link.json").symlink_to(tmp_path / "x.out")
+    for command, words in (
+            (["report", str(good), "-o", "x.out", "--json", "x.out"], ("-o", "--json")),
+            (["report", str(good), "-o", "r.html", "--perfetto", "x.out", "--jsonl", "./x.out"],
+             ("--perfetto", "--jsonl")),
+            (["report", str(good), "-o", "x.out", "--json", "link.json"], ("-o", "--json")),
+            (["advise", str(good), "--emit", "x.out", "-o", "x.out"], ("--emit", "-o"))):
+        assert_one_line_error(run_lcache(*command, cwd=tmp_path), *words, "both write")
+    assert not (tmp_path / "x.out").exists() and not (tmp_path / "r.html").exists()
+
+
+def test_a_dash_prints_json_and_yaml_outputs_and_is_refused_for_files(tmp_path: Path) -> None:
+    # (attack helper 47) only `report --json -` printed; the others wrote a file named '-'
+    good = _good(tmp_path / "good.trace")
+    run = report(str(good), "-o", "r.html", "--perfetto", "-", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)) > 5
+    run = report(str(good), "-o", "r.html", "--jsonl", "-", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert [json.loads(line) for line in run.stdout.splitlines()]
+    run = run_lcache("advise", str(good), "--emit", "-", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("# DLIO workload") and "workload:" not in run.stdout
+    for command in (["report", str(good), "-o", "-"], ["advise", str(good), "-o", "-"]):
+        assert_one_line_error(run_lcache(*command, cwd=tmp_path), "-o -", "give a file name")
+    run = run_lcache("trace", "-o", "-", "--", "true", cwd=tmp_path)
+    assert run.returncode == 2 and "-o -" in run.stderr, run.stderr
+    assert_one_line_error(report(str(good), "--json", "-", "--jsonl", "-", cwd=tmp_path),
+                          "--json and --jsonl both print on stdout")
+    assert_one_line_error(run_lcache("advise", str(good), "--json", "--emit", "-",
+                                     cwd=tmp_path), "--json and --emit both print on stdout")
+    assert not (tmp_path / "-").exists()
+
+
+def test_trace_refuses_an_empty_output_and_one_given_twice(tmp_path: Path) -> None:
+    # (attack helper 47) -o '' said "cannot write the trace : Is a directory"; -o A -o B
+    # wrote B and said nothing of A
+    run = run_lcache("trace", "-o", "", "--", "true", cwd=tmp_path)
+    assert run.returncode == 2 and "an empty path" in run.stderr, run.stderr
+    run = run_lcache("trace", "-o", "a.trace", "-o", "b.trace", "--", "true", cwd=tmp_path)
+    assert run.returncode == 2 and "-o given 2 times" in run.stderr, run.stderr
+    assert not (tmp_path / "a.trace").exists() and not (tmp_path / "b.trace").exists()
+    assert_one_line_error(report(str(_good(tmp_path / "good.trace")), "--json", "",
+                                 cwd=tmp_path), "--json ''", "an empty path")

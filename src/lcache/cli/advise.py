@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from lcache.cli.checks import check_output, number
+from lcache.cli.checks import STDOUT, check_outputs, number
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
 
@@ -56,7 +56,8 @@ class _OneLineErrors(click.Command):
 @click.option("--rated-dwpd", default="1", show_default=True,
               help="Drive writes per day the SSDs are rated for.")
 @click.option("--emit", "emit_path", default=None, metavar="FILE",
-              help="Write the fitted DLIO workload YAML to FILE.")
+              help="Write the fitted DLIO workload YAML to FILE ('-' prints it alone on "
+                   "stdout, the advice on stderr).")
 @click.option("-o", "--output", "html_path", default=None, metavar="FILE",
               help="Write advice.html: the report's page with an Advice section.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
@@ -84,9 +85,9 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
                 ssds=number(ssds, "--ssds", int, 1, 1024),
                 rated_dwpd=number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
     gpus = None if scale_gpus is None else number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
-    for path, what in ((emit_path, "workload"), (html_path, "page")):
-        if path is not None:
-            check_output(path, what, traces)
+    check_outputs([("--json", STDOUT if as_json else None, "advice", True),
+                   ("--emit", emit_path, "workload", True), ("-o", html_path, "page", False)],
+                  traces)
     doc = advise(list(traces), t, scale_gpus=gpus, model=model,
                  gpus_per_node=number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
                  traced_gpus=None if traced_gpus is None else number(
@@ -94,15 +95,20 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
                  storage=storage,
                  check_epochs=number(check_epochs, "--check-epochs", int, 1, 1000),
                  html_path=html_path, show_progress=not as_json)
-    if emit_path is not None:
-        atomic_write(emit_path, doc["workload"]["yaml"].encode(), mode=0o644)
+    yaml = doc["workload"]["yaml"]
+    if emit_path not in (None, STDOUT):
+        atomic_write(emit_path, yaml.encode(), mode=0o644)
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
-        return
-    _print(doc, emit_path, html_path)
+    elif emit_path == STDOUT:  # stdout holds the YAML alone; the advice goes to stderr
+        _print(doc, emit_path, html_path, Console(stderr=True))
+        click.echo(yaml, nl=not yaml.endswith("\n"))
+    else:
+        _print(doc, emit_path, html_path, console)
 
 
-def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None) -> None:
+def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None,
+           console: Console) -> None:
     # Lines, not a table: the arithmetic is a sentence that a narrow column would shred.
     for a in doc["advice"]:
         if "missing" in a:
@@ -121,7 +127,9 @@ def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None) ->
             console.print(f"[bold]check {name}[/]: "
                           f"{'keeps up' if c['keeps_up'] else 'does NOT keep up'} (margin "
                           f"{c['margin']:.2f}x): {c['arithmetic']}", highlight=False)
-    if emit_path:
+    if emit_path == STDOUT:
+        pass
+    elif emit_path:
         console.print(f"workload: {emit_path}", highlight=False)
     else:
         console.print(doc["workload"]["yaml"], highlight=False, markup=False)

@@ -51,6 +51,52 @@ def check_output(path: str, what: str, inputs: Iterable[str] = ()) -> None:
                               "which writing would destroy; choose another path")
 
 
+#: an output given as this is printed on stdout (where the output is text a pipe takes)
+STDOUT = "-"
+
+
+def check_outputs(outputs: Iterable[tuple[str, str | None, str, bool]],
+                  inputs: Iterable[str] = ()) -> None:
+    """Check every output a command was given, before any long work. ``outputs`` holds
+    ``(option, path or None, what, printable)``: an empty path is refused (the system would
+    read it as the current directory); ``-`` is stdout where ``printable`` (JSON, YAML) and
+    refused elsewhere (an HTML page, a trace: files to open, not text to pipe); two outputs
+    on one file (by any name or link, as the file system resolves it) or both on stdout are
+    refused, naming both options (one would overwrite the other); each file is then checked
+    by :func:`check_output`."""
+    inputs = list(inputs)
+    seen: list[tuple[str, str]] = []
+    for option, path, what, printable in outputs:
+        if path is None:
+            continue
+        if path == STDOUT:
+            if not printable:
+                raise ConfigError(f"{option} -: the {what} is written to a file ('-' prints "
+                                  "only the JSON and YAML outputs); give a file name")
+        elif not path.strip():
+            raise ConfigError(f"{option} {path!r}: an empty path; give a file name")
+        else:
+            check_output(path, what, inputs)
+        for other_option, other in seen:
+            if _same_output(path, other):
+                clash = ("print on stdout, where they would mix; give one a file name"
+                         if path == STDOUT else f"write {path}, and one would overwrite the "
+                         "other; give each its own path")
+                raise ConfigError(f"{other_option} and {option} both {clash}")
+        seen.append((option, path))
+
+
+def _same_output(a: str, b: str) -> bool:
+    if STDOUT in (a, b):
+        return a == b
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
 def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
     """``value`` (as typed) as ``kind`` in [lo, hi], or a ConfigError naming ``option``
     (NaN and infinities are never in range)."""

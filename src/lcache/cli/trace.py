@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from lcache.cli.checks import check_output, number_option
+from lcache.cli.checks import STDOUT, check_outputs, number_option
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.trace.recorder import ENV, flush_interval
@@ -54,7 +54,7 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
         close_file(fd)
         argv = strace_mod.strace_command(log_path, argv, strace)
     try:
-        check_output(output, "trace")
+        check_outputs([("-o", output, "trace", False)])
         if lib_events:  # the command's lcache would refuse it: say so before it runs
             flush_interval()
     except ConfigError as exc:
@@ -125,7 +125,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
 
 @click.command("trace", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+@click.option("-o", "--output", "outputs", required=True, multiple=True,
+              type=click.Path(dir_okay=False),
               help="Trace file to write (ending in .gz compresses it).")
 @click.option("--interval", default="0.2", show_default=True,
               callback=number_option("--interval", float, 0.01, 3600),
@@ -138,8 +139,8 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
 @click.option("--json", "as_json", is_flag=True,
               help="Print what was recorded as JSON on stderr when the command ends.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool, as_json: bool,
-              command: tuple[str, ...]) -> None:
+def trace_cmd(outputs: tuple[str, ...], interval: float, syscalls: bool, no_lib: bool,
+              as_json: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND and record its I/O to a trace; exits with COMMAND's exit code.
 
     Always samples the I/O counters of the whole process tree and of the block devices; with
@@ -148,6 +149,9 @@ def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool, as_jso
 
         lcache trace -o run.trace -- python train.py --epochs 1
     """
+    if len(outputs) > 1:  # multiple=True only to see this: click keeps the last silently
+        _fail(f"-o given {len(outputs)} times ({', '.join(outputs)}); give one trace file", 2)
+    output = outputs[0]
     result = run_traced(output, list(command), interval, syscalls, not no_lib)
     if "error" in result:
         _fail(result["error"], result["exit_code"])
@@ -167,32 +171,42 @@ def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool, as_jso
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write the summary (per class) to this JSON file ('-' prints it).")
 @click.option("--perfetto", default=None, type=click.Path(dir_okay=False),
-              help="Also write the events as one JSON array that Perfetto/chrome://tracing open.")
+              help="Also write the events as one JSON array that Perfetto/chrome://tracing "
+                   "open ('-' prints it).")
 @click.option("--jsonl", default=None, type=click.Path(dir_okay=False),
               help="Also write the events as Chrome trace events, one JSON object per line "
-                   "(the recorder's binary blocks decoded).")
+                   "(the recorder's binary blocks decoded; '-' prints them).")
 def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
                perfetto: str | None, jsonl: str | None) -> None:
-    """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table."""
-    from lcache.report import print_summary, write_perfetto, write_report
+    """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table.
 
-    for path, what in ((html_path, "report"), (json_path, "summary"), (perfetto, "trace"),
-                       (jsonl, "trace")):
-        if path not in (None, "-"):
-            check_output(str(path), what, traces)
+    An output given as '-' is printed instead (only one, and then nothing else is)."""
+    from lcache.report import perfetto_text, print_summary, write_perfetto, write_report
+
+    check_outputs([("-o", html_path, "report", False), ("--json", json_path, "summary", True),
+                   ("--perfetto", perfetto, "trace", True), ("--jsonl", jsonl, "trace", True)],
+                  traces)
     # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
     summary = write_report(list(traces), html_path,
-                           None if json_path in (None, "-") else json_path)
-    if perfetto:
+                           None if json_path in (None, STDOUT) else json_path)
+    printed = None
+    if perfetto == STDOUT:
+        printed = perfetto_text(list(traces))
+    elif perfetto:
         write_perfetto(list(traces), perfetto)
     if jsonl:
         from lcache.io.publish import atomic_write
         from lcache.report.load import json_lines
 
-        atomic_write(jsonl, "".join(line for t in traces for line in json_lines(t)).encode())
-    if json_path == "-":
-        click.echo(json.dumps(summary, indent=2))
+        text = "".join(line for t in traces for line in json_lines(t))
+        if jsonl == STDOUT:
+            printed = text
+        else:
+            atomic_write(jsonl, text.encode())
+    if json_path == STDOUT:
+        printed = json.dumps(summary, indent=2) + "\n"
+    if printed is not None:
+        click.echo(printed, nl=False)
     else:
         print_summary(summary)
         click.echo(f"report: {html_path}" + (f", summary: {json_path}" if json_path else ""))
-

@@ -13,7 +13,8 @@ from lcache.report.stats import summarize_trace, unfinished_note
 
 PathLike = str | os.PathLike[str]
 
-__all__ = ["Trace", "load", "print_summary", "summarize", "write_perfetto", "write_report"]
+__all__ = ["Trace", "load", "perfetto_text", "print_summary", "summarize", "write_perfetto",
+           "write_report"]
 
 
 def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def write_report(paths: PathLike | Sequence[PathLike], html_path: PathLike,
     return summary
 
 
-def write_perfetto(paths: PathLike | Sequence[PathLike], out: PathLike) -> None:
+def perfetto_text(paths: PathLike | Sequence[PathLike]) -> str:
     """All events of the traces as one JSON array (what Perfetto and chrome://tracing open)."""
     from lcache.report.load import _lines
 
@@ -65,7 +66,12 @@ def write_perfetto(paths: PathLike | Sequence[PathLike], out: PathLike) -> None:
             text = line.strip().rstrip(",")
             if text and text not in ("[", "]"):
                 lines.append(text)
-    _atomic_write(os.fspath(out), "[\n" + ",\n".join(lines) + "\n]\n")
+    return "[\n" + ",\n".join(lines) + "\n]\n"
+
+
+def write_perfetto(paths: PathLike | Sequence[PathLike], out: PathLike) -> None:
+    """Write :func:`perfetto_text` of the traces to ``out``."""
+    _atomic_write(os.fspath(out), perfetto_text(paths))
 
 
 def print_summary(summary: dict[str, Any]) -> None:
