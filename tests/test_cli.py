@@ -284,3 +284,17 @@ def test_ckpt_ls_of_a_checkpoint_says_it_lists_a_folder(tmp_path: Path,
     assert run_lcache("ckpt", "verify", step, cwd=tmp_path).returncode == 0
     listed = run_lcache("ckpt", "ls", str(tmp_path / "ckpts"), "--json", cwd=tmp_path)
     assert [c["name"] for c in json.loads(listed.stdout)["checkpoints"]] == ["step-3"]
+
+
+def test_fsck_of_a_sample_cache_checks_its_store(tmp_path: Path) -> None:
+    # (attack helper 47) it said "no lcache store" of the directory `lcache stats` reads
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"{i}.bin").write_bytes(os.urandom(1000))
+    warm = run_lcache("warm", "src", "--cache", "c", cwd=tmp_path)
+    assert warm.returncode == 0, warm.stderr
+    out = run_lcache("fsck", "c", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["clean"] is True
+    out = run_lcache("fsck", "c", cwd=tmp_path)
+    assert out.returncode == 0 and "c/store" in out.stdout, out.stdout + out.stderr

@@ -244,7 +244,14 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
 @click.option("--repair", is_flag=True, help="Fix what can be fixed (bad records become misses).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
-    """Check a store; exit status 0 when clean, 2 when problems remain."""
+    """Check a store (a sample cache's: DIR/store); exit status 0 when clean, 2 when
+    problems remain."""
+    from lcache.data.identity import read_cache_json
+
+    if read_cache_json(directory) is not None:  # a sample cache, as `lcache stats` reads it
+        directory = os.path.join(directory, "store")
+        if not as_json:
+            console.print(f"sample cache: checking its store {directory}", highlight=False)
     report = fsck(directory, repair=repair)
     if as_json:
         _emit_json(report.to_dict())
