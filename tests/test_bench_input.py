@@ -332,3 +332,17 @@ def test_files_that_make_no_full_batch_are_refused_before_any_is_generated(
     with pytest.raises(ConfigError, match=words):
         run_workload(w, BenchOptions(show_progress=False))
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*.npz"))
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("reader", "batch_size", None), ("dataset", "record_length_bytes", None),
+    ("dataset", "data_folder", ""), ("checkpoint", "checkpoint_folder", " "),
+])
+def test_a_key_without_a_value_is_refused(tmp_path: Path, section: str, key: str,
+                                          value: Any) -> None:
+    # (attack helper 47) `batch_size:` ran with 1, `record_length_bytes: ~` with 65536, and
+    # `data_folder: ""` wrote into the current directory
+    with pytest.raises(ConfigError, match=f"'{section}.{key}' is given without a value"):
+        parse_workload(tiny(tmp_path, **{section: {key: value}}), "w.yaml")
+    with pytest.raises(ConfigError, match=f"'{section}.{key}' is given without a value"):
+        parse_workload(tiny(tmp_path), "w.yaml", [f"{section}.{key}="])

@@ -274,13 +274,23 @@ def _check_keys(doc: dict[Any, Any], source: str) -> None:
                 hint = f" (DLIO's key is '{right}')" if right else ""
                 raise _err(source, f"unknown key '{top}.{_show(key)}'{hint}; known keys of "
                            f"'{top}': {', '.join(sorted(allowed))}")
-            if allowed[key] == "d" and value is not None:
+            if allowed[key] != "d":
+                _check_given(source, f"{top}.{key}", value)
+            elif value is not None:
                 if not isinstance(value, dict):
                     raise _err(source, f"'{top}.{key}' must be a mapping")
                 for sub in value:
                     if sub not in NESTED[(top, key)]:
                         raise _err(source, f"unknown key '{top}.{key}.{_show(sub)}'; known: "
                                    f"{', '.join(NESTED[(top, key)])}")
+                    _check_given(source, f"{top}.{key}.{sub}", value[sub])
+
+
+def _check_given(source: str, key: str, value: Any) -> None:
+    """A key given without a value (``batch_size:``, ``~``, ``""``) is refused: it would
+    fall back to the default silently, and an empty folder would be the current directory."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _err(source, f"'{key}' is given without a value; give one or remove the key")
 
 
 def _apply_override(doc: dict[str, Any], item: str) -> tuple[str, ...]:
