@@ -141,3 +141,11 @@ def test_a_directory_that_cannot_be_written_is_a_permission_error(tmp_path: Path
                 OffloadedOptimizer([torch.nn.Parameter(torch.ones(4))], dir=where, lr=0.1)
             with pytest.raises(StorePermissionError, match=r"(?i)read-only file system"):
                 Store.open(str(where / "store"), capacity="1GiB")
+
+
+def test_a_read_only_mount_others_can_write_is_not_told_to_chmod(tmp_path: Path) -> None:
+    # (attack helper 47) the advice was `chmod go-w`, which a read-only file system refuses
+    with mounted_tmpfs(tmp_path / "ro", "1m", ",mode=0777,ro") as ro:
+        with pytest.raises(StorePermissionError, match="read-only") as exc:
+            private_dir(ro)
+        assert "chmod go-w" not in str(exc.value)

@@ -64,8 +64,17 @@ def check_private_dir(path: str, what: str = "directory") -> None:
                       "it is never shared between users: choose a directory of your own")
     if st.st_mode & 0o022:
         raise _refuse(full, what, f"can be written by other users (mode {st.st_mode & 0o777:o})",
-                      f"run `chmod go-w {full}` or choose another directory")
+                      _chmod_advice(full))
     _check_ancestors(full, what, uid)
+
+
+def _chmod_advice(path: str) -> str:
+    """What to do about ``path`` that others can write: chmod, unless its file system is
+    read-only (a tmpfs mounted ro with mode 777), where only its mount can change it."""
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return ("its file system is read-only, so chmod cannot change it: mount it with a "
+                "mode without go+w, or choose another directory")
+    return f"run `chmod go-w {path}` or choose another directory"
 
 
 def _check_ancestors(full: str, what: str, uid: int, parent: str | None = None) -> None:
@@ -80,7 +89,7 @@ def _check_ancestors(full: str, what: str, uid: int, parent: str | None = None) 
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise _refuse(full, what, f"lies in {parent}, which other users can write "
                           f"(mode {st.st_mode & 0o777:o}, not sticky)",
-                          f"run `chmod go-w {parent}` or choose another directory")
+                          _chmod_advice(parent))
         up = os.path.dirname(parent)
         if up == parent:
             return
