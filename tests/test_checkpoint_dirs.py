@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from lcache import checkpoint as ck
 from lcache.cli.main import cli
-from lcache.errors import StorePermissionError
+from lcache.errors import ConfigError, StorePermissionError
 
 from .conftest import run_as_nobody
 
@@ -100,3 +100,29 @@ def test_a_symlinked_root_planted_by_another_user_is_refused(tmp_path: Path,
     (tmp_path / "link").symlink_to(mine)
     ck.save({"a": 1}, tmp_path / "link" / "s")
     assert ck.load(mine / "s") == {"a": 1}
+
+
+# --------------------------------------------------------------------------- removal
+def test_remove_checkpoint_removes_only_a_checkpoint(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory that was no checkpoint was deleted without a word; a bare name was renamed
+    to a trash directory and then failed (fsync of ""), a trailing slash and a missing path
+    were bare OSErrors (attack helper 47)."""
+    monkeypatch.chdir(tmp_path)
+    ck.save({"w": np.ones(4)}, "relcp")
+    ck.save({"w": np.ones(4)}, tmp_path / "root" / "ck")
+    ck.remove_checkpoint("relcp")  # a bare name, relative to the current directory
+    ck.remove_checkpoint(f"{tmp_path / 'root' / 'ck'}/")
+    assert os.listdir(tmp_path) == ["root"] and os.listdir(tmp_path / "root") == []
+    (tmp_path / "victim" / "sub").mkdir(parents=True)
+    (tmp_path / "victim" / "sub" / "data.txt").write_text("important")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text('{"someone": "else"}')
+    for path, why in (("victim", "no manifest.json"), ("other", "not a readable lcache")):
+        with pytest.raises(ConfigError, match=f"{path} is not an lcache checkpoint.*{why}"):
+            ck.remove_checkpoint(path)
+    assert (tmp_path / "victim" / "sub" / "data.txt").read_text() == "important"
+    assert (tmp_path / "other" / "manifest.json").exists()
+    with pytest.raises(ck.CheckpointNotFoundError, match="no checkpoint at nope"):
+        ck.remove_checkpoint("nope")
+    assert sorted(os.listdir(tmp_path)) == ["other", "root", "victim"]  # no trash left

@@ -235,16 +235,41 @@ def latest(root: str | os.PathLike[str]) -> str | None:
     return good[-1].path if good else None
 
 
-def remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint: rename it out of sight first, so no half-deleted one is listed."""
-    root, name = os.path.split(path)
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete the published checkpoint at ``path``: renamed out of sight first, so no
+    half-deleted one is listed.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        ConfigError: ``path`` is not an lcache checkpoint (no readable lcache manifest, or a
+            link to one); nothing is deleted.
+    """
+    given = path_argument(path, "checkpoint path")
+    # absolute: a bare name's parent would be "" (which cannot be fsynced), and "ck/" would
+    # be renamed into itself
+    full = os.path.abspath(given)
+    root, name = os.path.split(full)
+    if not os.path.lexists(full):
+        raise CheckpointNotFoundError(f"no checkpoint at {given} to remove (check the path)")
+    why = ("it is a link" if os.path.islink(full) else
+           "it is not a directory" if not os.path.isdir(full) else
+           "it is a staging or trash directory" if name.startswith(".") else
+           f"it has no {MANIFEST}" if not is_complete(full) else "")
+    if not why:
+        try:  # a directory of someone else's that happens to hold a manifest.json
+            read_info(full)
+        except (LCacheError, OSError) as exc:
+            why = f"its {MANIFEST} is not a readable lcache manifest: {exc}"
+    if why:
+        raise ConfigError(f"{given} is not an lcache checkpoint ({why}); nothing was "
+                          "deleted: remove_checkpoint deletes only checkpoints")
     trash = os.path.join(root, f"{TRASH}{name}-{os.getpid()}-{time.time_ns()}")
-    os.rename(path, trash)
+    os.rename(full, trash)
     fsync_dir(root)
-    shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)  # what is left, the next save's clean-up removes
 
 
-def apply_retention(root: str, keep_last: int) -> list[str]:
+def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
     """Keep the newest ``keep_last`` complete checkpoints in ``root``; returns paths removed.
 
     The newest complete checkpoint is never removed (``keep_last`` must be >= 1).
