@@ -577,6 +577,31 @@ def test_bad_options_and_paths_are_refused_before_any_work(tmp_path: Path,
         ck.load(tmp_path / "s2", rank="0")  # type: ignore[arg-type]
 
 
+def test_non_paths_and_bad_upload_options_are_config_errors(tmp_path: Path) -> None:
+    """Each was a bare TypeError (upload_to=True only after the local checkpoint was
+    complete), and a save into /proc a bare FileNotFoundError (attack helper 47)."""
+    ck.save({"w": torch.zeros(2)}, tmp_path / "c" / "s1")
+    for call in (ck.verify, ck.list_checkpoints, ck.latest, ck.read_manifest):
+        for bad in (None, 5):
+            with pytest.raises(ConfigError, match=f"={bad}: give a path"):
+                call(bad)  # type: ignore[arg-type]
+    for keep in (None, 1.5, "x", 0):
+        with pytest.raises(ConfigError, match=f"keep_last={keep!r}: give a whole number"):
+            ck.apply_retention(tmp_path / "c", keep)  # type: ignore[arg-type]
+    for options in ({"upload_to": True}, {"upload_to": b"x"}, {"upload_to": ""},
+                    {"storage_options": "anon"}):
+        name = next(iter(options))
+        with pytest.raises(ConfigError, match=f"{name}="):
+            ck.Checkpointer(**options)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=f"{name}="):
+            ck.save({"w": torch.zeros(2)}, tmp_path / "c" / "s2", **options)
+    with pytest.raises(ConfigError, match="upload_to="):
+        ck.Checkpointer(upload_to=object())  # type: ignore[arg-type]
+    assert os.listdir(tmp_path / "c") == ["s1"]  # nothing written for the refused saves
+    with pytest.raises(StorePermissionError, match="/proc"):
+        ck.save({"w": torch.zeros(2)}, "/proc/ck")
+
+
 def test_an_upload_target_that_cannot_be_written_is_named(tmp_path: Path) -> None:
     saver = ck.Checkpointer(upload_to="http://127.0.0.1:9/bucket")
     with pytest.raises(ConfigError, match=r"cannot upload to http://127\.0\.0\.1:9/bucket"):

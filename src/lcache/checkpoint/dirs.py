@@ -23,8 +23,8 @@ from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundEr
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
-from lcache.checks import path_argument
-from lcache.errors import LCacheError
+from lcache.checks import path_argument, whole_number
+from lcache.errors import LCacheError, StorePermissionError
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
 PARTIAL = ".lcache-partial-"
@@ -107,7 +107,12 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
                           "another name or move it away")
     stage = staging_dir(root, name)
     for _ in range(10):
-        os.makedirs(stage, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(stage, mode=0o700, exist_ok=True)
+        except OSError as exc:  # e.g. /proc, where nothing can be created
+            raise StorePermissionError(f"cannot create a staging directory in the checkpoint "
+                                       f"directory {root}: {exc.strerror}; choose a directory "
+                                       "you can write") from exc
         fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if alone else fcntl.LOCK_SH)
@@ -209,7 +214,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
     Raises:
         CheckpointNotFoundError: ``root`` is not a directory (an empty one lists nothing).
     """
-    root = os.fspath(root)
+    root = path_argument(root, "checkpoint directory")
     require_dir(root)
     good: list[CheckpointInfo] = []
     bad: list[str] = []
@@ -274,8 +279,7 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
 
     The newest complete checkpoint is never removed (``keep_last`` must be >= 1).
     """
-    if keep_last < 1:
-        raise ConfigError(f"keep_last={keep_last} would delete the newest checkpoint; use >= 1")
+    keep_last = whole_number(keep_last, "keep_last", 1)  # 0 would delete the newest
     good, _ = list_checkpoints(root)
     doomed = [c.path for c in good[:-keep_last]]
     for path in doomed:

@@ -57,7 +57,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointNotFoundError: no complete checkpoint there.
         CorruptionError: the manifest is damaged.
     """
-    path = os.fspath(path)
+    path = path_argument(path, "path")
     where = os.path.join(path, MANIFEST)
     if not os.path.lexists(where):
         hint = ("a directory without manifest.json is an unfinished save"
@@ -464,7 +464,7 @@ def verify(path: str | os.PathLike[str], progress: Callable[[int], None] | None 
     """
     from lcache.checkpoint.inplace import stream_checksums
 
-    path = os.fspath(path)
+    path = path_argument(path, "path")  # a non-path is a mistake, not damage to report
     report = VerifyReport(path)
     try:
         body = read_manifest(path)
