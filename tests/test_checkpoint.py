@@ -394,6 +394,32 @@ def test_cli_ls_and_verify(tmp_path: Path) -> None:
     assert missing.exit_code == 2 and "no checkpoint directory at" in missing.output
 
 
+def test_names_with_control_characters(tmp_path: Path, monkeypatch: Any) -> None:
+    """A save took names holding ESC, a newline, CR or U+202E, and `ckpt ls`/`ckpt verify`
+    printed them raw: colours, a result line split in two (attack helper 47). A save refuses
+    them now; one already on disk (here renamed so) is listed with escapes."""
+    monkeypatch.chdir(tmp_path)  # short paths: the table is 80 columns wide
+    for name in ("a\x1b[31m", "b\nx", "c\r", "d\u202ee", "e\u200bf", "[red]g\x1b"):
+        with pytest.raises(ConfigError, match="control or format character"):
+            ck.save({"w": torch.zeros(2)}, Path("c") / name)
+    ck.save({"w": torch.zeros(2)}, Path("c") / "one", meta={"m": "[b]"})
+    ck.save({"w": torch.zeros(2)}, Path("c") / "two")
+    os.rename("c/one", "c/[b]\x1b\u202e")
+    os.rename("c/two", "c/t\nw\r")
+    (tmp_path / "c" / "t\nw\r" / "rank00000.data").write_bytes(b"x")  # damaged
+    runner = CliRunner()
+    table = runner.invoke(cli, ["ckpt", "ls", "c"])
+    text = runner.invoke(cli, ["ckpt", "verify", "c"])
+    assert table.exit_code == 0 and text.exit_code == 2, table.output + text.output
+    for out in (table.output, text.output):
+        assert not {"\x1b", "\r", "\u202e"} & set(out), out
+    assert "[b]\\x1b\\u202e" in table.output and '{"m": "[b]"}' in table.output
+    lines = text.output.strip().splitlines()
+    assert lines[0].startswith("ok c/[b]\\x1b\\u202e:"), text.output
+    assert lines[1].startswith("DAMAGED c/t\\nw\\r:"), text.output
+    assert lines[2].startswith("  problem: data file c/t\\nw\\r/rank00000.data"), text.output
+
+
 # --------------------------------------------------------------------------- without torch
 NUMPY_ONLY = """
 import sys

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import unicodedata
 from typing import Any
 
 from lcache.errors import ConfigError
@@ -51,6 +52,27 @@ def path_argument(value: Any, name: str) -> str:
             return path
     raise ConfigError(f"{name}={value!r:.200}: give a path" + (
         " (without a NUL character)" if "\0" in str(value) else ""))
+
+
+# Control characters (ESC, newline, CR...), format marks (the bidi overrides such as U+202E,
+# zero-width characters), line and paragraph separators, lone surrogates: a terminal acts on
+# them instead of showing them, so a name holding one cannot be printed as it is.
+_UNSHOWABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def unshowable(text: str) -> str | None:
+    """The first character of ``text`` that cannot be printed as it is (see ``shown``), or
+    None."""
+    return next((ch for ch in text if unicodedata.category(ch) in _UNSHOWABLE), None)
+
+
+def shown(text: str) -> str:
+    """``text`` with every character a terminal would act on written as its escape
+    (``\\x1b``, ``\\u202e``), for printing a name read from disk."""
+    if unshowable(text) is None:
+        return text
+    return "".join(ch if unicodedata.category(ch) not in _UNSHOWABLE
+                   else ascii(ch)[1:-1] for ch in text)
 
 
 def env_number(name: str, default: int, low: int, high: int | None = None) -> int:

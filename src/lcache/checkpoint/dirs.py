@@ -23,7 +23,7 @@ from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundEr
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
-from lcache.checks import path_argument, whole_number
+from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
@@ -56,6 +56,11 @@ def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
     if not name or name.startswith(".") or name in ("..",):
         raise ConfigError(f"checkpoint path {os.fspath(path)!r} must end in a directory name "
                           "that does not start with '.', e.g. ckpts/step-100")
+    bad = unshowable(name)
+    if bad is not None:  # `lcache ckpt ls` would print it raw: an ESC sequence, a split line
+        raise ConfigError(f"checkpoint name {name[:60]!r} holds the control or format "
+                          f"character {bad!r}, which a listing cannot show as it is; give a "
+                          "name of printable characters, e.g. step-100")
     here = os.path.realpath(os.getcwd())
     if here == os.path.realpath(full) or here.startswith(os.path.realpath(full) + os.sep):
         # publishing renames the checkpoint onto the path: it would replace the directory
