@@ -4,6 +4,7 @@ pile up, refusals up front (issue 12, 2-5)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lcache.errors import ConfigError, DiskFullError
+from lcache.errors import ConfigError, DiskFullError, StorePermissionError
 from lcache.io import set_tracer
 from lcache.offload import OffloadedOptimizer
 from tests._offload_model import (  # one_thread: an autouse fixture
@@ -387,6 +388,26 @@ def test_a_missing_directory_or_a_class_that_is_no_optimizer_is_refused(
     with pytest.raises(ConfigError, match="torch optimizer class"):
         OffloadedOptimizer(params, int, dir=tmp_path / "swap")
     assert os.listdir(tmp_path) == []
+
+
+def test_bad_arguments_are_config_errors_and_a_weight_decay_of_inf_is_refused(
+        tmp_path: Path) -> None:
+    """params=None was a bare TypeError, dir='/proc' a bare FileNotFoundError;
+    optimizer_class '' / 0 / [] ran AdamW; weight_decay=inf or lr=inf, which torch takes,
+    turned the weights to inf and NaN without a word (attack helper 47). eps=inf, which
+    torch takes and which keeps the weights finite, is taken too."""
+    params = [torch.zeros(10, requires_grad=True)]
+    with pytest.raises(ConfigError, match="params=None: give an iterable"):
+        OffloadedOptimizer(None, dir=tmp_path / "a")  # type: ignore[arg-type]
+    for bad in ("", 0, []):
+        with pytest.raises(ConfigError, match=re.escape(f"optimizer_class={bad!r}: give a torch")):
+            OffloadedOptimizer(params, bad, dir=tmp_path / "a")
+    with pytest.raises(StorePermissionError, match="/proc"):
+        OffloadedOptimizer(params, dir="/proc")
+    for option in ("weight_decay", "lr"):
+        with pytest.raises(ConfigError, match=f"'{option}': inf.*inf or NaN"):
+            OffloadedOptimizer(params, dir=tmp_path / "a", **{option: float("inf")})
+    OffloadedOptimizer(params, dir=tmp_path / "a", eps=float("inf")).close()
 
 
 @pytest.mark.parametrize(("make", "word"), [

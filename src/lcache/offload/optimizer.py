@@ -25,6 +25,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import mmap
 import threading
 import weakref
@@ -51,7 +52,11 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dic
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of tensors, (name, tensor) pairs or "
                           "param-group dicts, not one tensor")
-    items = list(params)
+    try:
+        items = list(params)
+    except TypeError:  # None, a number: nothing to iterate
+        raise ConfigError(f"params={params!r:.100}: give an iterable of tensors, (name, "
+                          "tensor) pairs or param-group dicts, e.g. model.parameters()") from None
     if not items:
         raise ConfigError("OffloadedOptimizer got an empty parameter list")
     raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
@@ -185,7 +190,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  buffers: int = 3, direct: bool = True, preallocate: bool = True,
                  **options: Any) -> None:
         dir = path_argument(dir, "dir")
-        self.optimizer_class = optimizer_class or torch.optim.AdamW
+        # `is None`, not `or`: '', 0 or [] ran AdamW as if nothing were given
+        self.optimizer_class = torch.optim.AdamW if optimizer_class is None else optimizer_class
         if not (isinstance(self.optimizer_class, type)
                 and issubclass(self.optimizer_class, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer_class={self.optimizer_class!r}: give a torch "
@@ -318,6 +324,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError,
                 AssertionError) as exc:
             raise ConfigError(f"{name}({options}) cannot run offloaded: {exc}") from exc
+        if not bool(torch.isfinite(whole).all()):  # torch takes weight_decay=inf and turns
+            # the weights to inf/NaN without a word (eps=inf keeps them finite: taken)
+            bad = {k: v for k, v in options.items()
+                   if isinstance(v, float) and not math.isfinite(v)}
+            raise ConfigError(f"{name}({bad or options}) turns finite weights into inf or NaN "
+                              "in the first steps; give finite options")
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor)
                   and k not in names and v.numel() != 1]
         if shared or not torch.equal(pieces, whole.detach().view(-1)):

@@ -19,7 +19,13 @@ import logging
 import os
 from typing import Any
 
-from lcache.errors import ConfigError, CorruptionError, DiskFullError
+from lcache.errors import (
+    ConfigError,
+    CorruptionError,
+    DiskFullError,
+    LCacheError,
+    StorePermissionError,
+)
 from lcache.io import (
     Pending,
     atomic_write,
@@ -74,7 +80,14 @@ class SwapFile:
         self.reused = os.path.lexists(self.path)
         self.direct = direct and logical_block_size(self.directory) <= 4096
         self.plain_fd = -1
-        self.fd = self._open_locked()
+        try:
+            self.fd = self._open_locked()
+        except OSError as exc:  # e.g. /proc, where no file can be created
+            if isinstance(exc, LCacheError):
+                raise
+            raise StorePermissionError(f"cannot create the swap file {self.path} in the offload "
+                                       f"directory: {exc.strerror}; choose a directory you "
+                                       "can write") from exc
         try:
             # a buffered descriptor for the unaligned reads and writes of checkpoints
             self.plain_fd = open_file(self.path, os.O_RDWR) if self.direct else self.fd
