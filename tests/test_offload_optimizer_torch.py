@@ -210,6 +210,32 @@ def test_other_elementwise_optimizers_match_torch_through_a_resume(
     assert same(ref_model, model)
 
 
+def test_sgd_momentum_of_a_parameter_whose_first_gradient_comes_later(tmp_path: Path) -> None:
+    """Fused SGD (the default here) got one sub-group's parameters with momentum and one
+    without yet, and raised torch's TypeError 'expected Tensor as element 1 ... NoneType'
+    (attack helper 48), as torch's SGD(fused=True) does for them. The reference: torch's
+    fused SGD, one optimizer per parameter (its update is per parameter)."""
+    def run(make: Callable[[list[torch.nn.Parameter]], list[Any]]) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(100, generator=gen)) for _ in range(2)]
+        opts = make(params)
+        for step in range(4):
+            for p in params[: 1 if step == 0 else 2]:  # the second has no gradient at first
+                p.grad = torch.randn(100, generator=gen)
+            for opt in opts:
+                opt.step()
+        for opt in opts:
+            if isinstance(opt, OffloadedOptimizer):
+                opt.close()
+        return [p.detach() for p in params]
+
+    options = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
+    ref = run(lambda ps: [torch.optim.SGD([p], fused=True, **options) for p in ps])
+    got = run(lambda ps: [OffloadedOptimizer(ps, torch.optim.SGD, dir=tmp_path, **SMALL,
+                                             **options)])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
 class NormalizedSGD(torch.optim.Optimizer):
     """Steps by the gradient over its norm: each element's update depends on all others."""
 

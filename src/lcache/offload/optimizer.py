@@ -604,12 +604,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             proxies.append((piece, proxy))
         group = inner.param_groups[0]
         group.update(self._options(sg.group))
-        group["params"] = [proxy for _, proxy in proxies]
+        # torch's fused SGD takes a list's momentum as all new or all carried (a mix is its
+        # TypeError): parameters updated the first time step apart; the update is elementwise
+        batches = [[proxy for i, (_, proxy) in enumerate(proxies) if (i in fresh) == new]
+                   for new in (False, True)]
+        batches = [b for b in batches if b] or [[]]
         scale = getattr(self, "grad_scale", None)
         if scale is not None:  # the fused kernel unscales, as it would in memory
             inner.grad_scale = scale.to("cpu")  # type: ignore[attr-defined]
         try:
-            inner.step()
+            for batch in batches:
+                group["params"] = batch
+                inner.step()
             for i, (piece, proxy) in enumerate(proxies):
                 state = inner.state[proxy]
                 if i in fresh:
