@@ -264,8 +264,8 @@ def _find_local(remote: Remote, root: str, progress: Progress,
     # torchvision's ImageFolder numbers every class folder, a link to another class too, and
     # gives it that folder's images: skipped, it shifted the labels of the classes after it.
     for alias, target in aliases:
-        found.update({alias + path[len(target):]: info for path, info in list(found.items())
-                      if path.startswith(target + os.sep)})
+        found.update({alias + path[len(target):]: {**info, "name": alias + path[len(target):]}
+                      for path, info in list(found.items()) if path.startswith(target + os.sep)})
     if skipped:
         log.warning("lcache: %d entries under %s are not regular files or folders to walk "
                     "(FIFOs, sockets, devices, dangling links, links to a folder walked "
