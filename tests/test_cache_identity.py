@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -521,16 +522,47 @@ def test_store_folder_with_other_files_is_refused_not_removed(tmp_path: Path) ->
     damaged one) removed DIR/store whole, whatever it held: here a folder of code."""
     data, cache = tmp_path / "data", tmp_path / "cache"
     _files(data, 3)
-    mine = cache / "store" / "mycode" / "main.py"
-    mine.parent.mkdir(parents=True)
+    # and (attack helper 54) a folder under a segment's name
+    for folder in ("mycode", "segments/0000000001.log"):
+        shutil.rmtree(cache, ignore_errors=True)
+        mine = cache / "store" / folder / "main.py"
+        mine.parent.mkdir(parents=True)
+        mine.write_text("precious")
+        for identity in (None, b"damaged"):
+            if identity is not None:
+                (cache / "cache.json").write_bytes(identity)
+            with pytest.raises(ConfigError, match=r"store holds what no lcache store writes "
+                                                  rf"\(.*{folder}\)"):
+                CachedDataset(str(data), cache, CAPACITY)
+            assert mine.read_text() == "precious"
+
+
+def test_a_users_folder_named_like_a_staging_area_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding (attack helper 54): the clean-up of staging areas left by killed jobs
+    removed any folder named staging-* in the cache directory (staging on the SSD, where
+    /dev/shm has no room) or lcache-* in /dev/shm holding a file named origin."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    _files(data, 3)
+    cache.mkdir(mode=0o700)
+    mine = cache / "staging-notes" / "precious.txt"
+    mine.parent.mkdir()
     mine.write_text("precious")
-    for identity in (None, b"damaged"):
-        if identity is not None:
-            (cache / "cache.json").write_bytes(identity)
-        with pytest.raises(ConfigError, match=r"store holds what no lcache store writes "
-                                              r"\(.*mycode\)"):
-            CachedDataset(str(data), cache, CAPACITY)
-        assert mine.read_text() == "precious"
+    ds = CachedDataset(str(data), cache, CAPACITY, staging_bytes="100GiB")  # on the SSD
+    assert ds.cache.staging_dir.startswith(str(cache)) and ds[0]
+    ds.cache.close()
+    assert mine.read_text() == "precious"
+    shm = Path("/dev/shm") / f"lcache-mine-{os.getpid()}"
+    try:
+        shm.mkdir(mode=0o700)
+        (shm / "origin").write_text(f"{tmp_path / 'gone'}\nabc")
+        (shm / "precious.txt").write_text("precious")
+        again = CachedDataset(str(data), tmp_path / "cache2", CAPACITY)  # staging in /dev/shm
+        assert again[0] and not again.cache.staging_dir.startswith(str(tmp_path))
+        again.cache.close()
+        assert (shm / "precious.txt").read_text() == "precious"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_store_with_records_in_a_directory_without_cache_json_is_refused(

@@ -113,7 +113,14 @@ def _remove_stale_staging(cache_dir: str, keep: str) -> None:
 
 
 def _remove_if_unused(path: str) -> None:
-    """Remove staging dir ``path`` unless a process holds its users lock."""
+    """Remove staging dir ``path`` unless a process holds its users lock, or it holds what
+    a staging area does not write (a user's ``staging-notes`` folder in the cache dir, or
+    a ``/dev/shm/lcache-x`` of their own): never removed."""
+    try:
+        if foreign_entries(path):
+            return
+    except OSError:  # gone meanwhile, or not ours to read
+        return
     try:
         fd = open_regular(os.path.join(path, "users"), os.O_RDWR)
     except FileNotFoundError:  # left by a killed process before it made the lock

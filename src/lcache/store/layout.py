@@ -182,7 +182,8 @@ def foreign_entries(path: str) -> list[str]:
     segments = os.path.join(path, "segments")
     if os.path.isdir(segments) and not os.path.islink(segments):
         found += [os.path.join(segments, name) for name in sorted(os.listdir(segments))
-                  if segment_file(name) is None]
+                  if segment_file(name) is None or
+                  not stat.S_ISREG(os.lstat(os.path.join(segments, name)).st_mode)]
     elif os.path.lexists(segments):
         found.append(segments)  # a file or a link under the folder's name
     return found
