@@ -124,3 +124,23 @@ def test_a_class_that_is_a_link_to_another_class_is_numbered_as_torchvision_does
     ds = CachedDataset(ImageFolderSource(str(root)), tmp_path / "cache", "16MiB")
     assert ds.cache.source.classes == ["a", "b", "c"]
     assert [ds[i] for i in range(len(ds))] == [(b"x" * 10, 0), (b"x" * 10, 1), (b"y" * 10, 2)]
+
+
+def test_a_class_that_links_into_another_class_is_walked_as_torchvision_does(
+        tmp_path: Path) -> None:
+    """The finding (attack helper 54): ``b -> c/inner`` and ``z -> a/sub``: the folder
+    reached first through the link was skipped at its own place, so class c vanished (and
+    m's label moved from 3 to 2) and a lost a/sub's image. torchvision walks each class on
+    its own (``os.walk(followlinks=True)``), so the folder's images are in both classes."""
+    root = tmp_path / "train"
+    files = {"a/top.jpg": b"top", "a/sub/s.jpg": b"sub", "c/inner/i.jpg": b"inner",
+             "m/m.jpg": b"m"}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "b").symlink_to(root / "c" / "inner")
+    (root / "z").symlink_to(root / "a" / "sub")
+    ds = CachedDataset(ImageFolderSource(str(root)), tmp_path / "cache", "16MiB")
+    assert ds.cache.source.classes == ["a", "b", "c", "m", "z"]
+    assert [ds[i] for i in range(len(ds))] == [
+        (b"top", 0), (b"sub", 0), (b"inner", 1), (b"inner", 2), (b"m", 3), (b"sub", 4)]

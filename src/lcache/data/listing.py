@@ -211,24 +211,25 @@ def _is_local(fs: Any) -> bool:
 def _find_local(remote: Remote, root: str, progress: Progress,
                 avoid: str | None = None) -> dict[str, dict[str, Any]]:
     """The regular files under local ``root``, following links as torchvision's ImageFolder
-    does (a class folder that is a link to another disk is a class), with the size and
-    version of what a link points to (fsspec's find gives the link's own, so a target
-    rewritten with the same size went unseen). Folders are walked in name order, each once:
-    one reached again through a link (a loop, or links that branch and meet, which would
-    make the walk exponential) is skipped, and so are ``avoid`` (the cache directory, should
-    a link lead there) and the folders in it; but a folder at the top (an ImageFolder
-    class) that is a link to a folder walked already holds that folder's files, under its
-    own name. Not samples, with one warning: FIFOs,
-    sockets, devices and dangling links (reading one would block forever or never end)."""
+    does (``os.walk(followlinks=True)`` in each class folder: a class that is a link to
+    another class, or to a folder inside one, has that folder's files too), with the size
+    and version of what a link points to (fsspec's find gives the link's own, so a target
+    rewritten with the same size went unseen). Each folder at the top is walked on its own,
+    in name order, and within it each folder once: one reached again through a link (a
+    loop, or links that branch and meet, which would make the walk exponential) is skipped,
+    and so are ``root`` itself, ``avoid`` (the cache directory, should a link lead there)
+    and the folders in it. Not samples, with one warning: FIFOs, sockets, devices and
+    dangling links (reading one would block forever or never end)."""
     found: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
-    walked = _folder_ids(avoid) if avoid else set()
-    first: dict[tuple[int, int], str] = {}  # a walked folder's id -> its path in the walk
-    aliases: list[tuple[str, str]] = []  # (a top-level folder, the walked folder it is)
+    never = _folder_ids(avoid) if avoid else set()
     root = root or "/"
-    stack = [root]
+    # (folder, the folders walked in its top-level folder's walk): torchvision walks each
+    # class on its own, so one walk's folders must not hide another class's (a link to a
+    # class, or into one, made its label and the labels after it differ from torchvision's)
+    stack: list[tuple[str, set[tuple[int, int]]]] = [(root, never)]
     while stack:
-        folder = stack.pop()
+        folder, walked = stack.pop()
         try:
             st = os.stat(folder)
             if folder == root and not stat.S_ISDIR(st.st_mode):  # the URL names one file
@@ -236,7 +237,8 @@ def _find_local(remote: Remote, root: str, progress: Progress,
             names = sorted(os.listdir(folder))
         except OSError as exc:
             raise SourceError(f"cannot list {remote.url}: {type(exc).__name__}: {exc}") from exc
-        walked.add((st.st_dev, st.st_ino))
+        if folder == root:
+            never.add((st.st_dev, st.st_ino))
         below = []
         for name in names:
             path = os.path.join(folder, name)
@@ -246,26 +248,19 @@ def _find_local(remote: Remote, root: str, progress: Progress,
                 skipped.append(path)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                seen = first.get((st.st_dev, st.st_ino))
-                if seen is not None and folder == root:
-                    aliases.append((path, seen))  # a class that is a link to another
-                elif (st.st_dev, st.st_ino) in walked:
+                ident = (st.st_dev, st.st_ino)
+                if ident in walked:
                     skipped.append(path)
                 else:
-                    walked.add((st.st_dev, st.st_ino))
-                    first[(st.st_dev, st.st_ino)] = path
-                    below.append(path)
+                    own = set(never) if folder == root else walked
+                    own.add(ident)
+                    below.append((path, own))
             elif stat.S_ISREG(st.st_mode):
                 found[path] = _local_info(path, st)
             else:
                 skipped.append(path)
         stack.extend(reversed(below))  # popped in name order
         progress.update(files=len(names) - len(below), directories=1)
-    # torchvision's ImageFolder numbers every class folder, a link to another class too, and
-    # gives it that folder's images: skipped, it shifted the labels of the classes after it.
-    for alias, target in aliases:
-        found.update({alias + path[len(target):]: {**info, "name": alias + path[len(target):]}
-                      for path, info in list(found.items()) if path.startswith(target + os.sep)})
     if skipped:
         log.warning("lcache: %d entries under %s are not regular files or folders to walk "
                     "(FIFOs, sockets, devices, dangling links, links to a folder walked "
