@@ -3,6 +3,8 @@ save creates is owner-only; a directory another user owns, can write or planted 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lcache import checkpoint as ck
+from lcache.checkpoint import dirs
 from lcache.cli.main import cli
 from lcache.errors import ConfigError, StorePermissionError
 
@@ -126,3 +129,64 @@ def test_remove_checkpoint_removes_only_a_checkpoint(tmp_path: Path,
     with pytest.raises(ck.CheckpointNotFoundError, match="no checkpoint at nope"):
         ck.remove_checkpoint("nope")
     assert sorted(os.listdir(tmp_path)) == ["other", "root", "victim"]  # no trash left
+
+
+# --------------------------------------------------------------------------- links, retention
+def test_a_link_in_the_root_is_never_a_checkpoint_of_it(tmp_path: Path) -> None:
+    """Links were listed (is_complete follows them) and then refused by remove_checkpoint: a
+    `latest -> step-N` link made every save with keep_last raise "nothing was deleted" after
+    deleting, and a link to an older checkpoint elsewhere failed keep_last=1 before it
+    published, losing the checkpoint (attack helper 54)."""
+    ck.save({"kept": True}, tmp_path / "archive" / "kept-forever")  # older than all below
+    root = tmp_path / "ckpts"
+    for step in range(4):  # the common convention: a `latest` link refreshed after each save
+        ck.save({"step": step}, root / f"step-{step}", keep_last=2)
+        (root / "latest").unlink(missing_ok=True)
+        (root / "latest").symlink_to(f"step-{step}")
+    assert sorted(os.listdir(root)) == ["latest", "step-2", "step-3"]
+    assert [c.name for c in ck.list_checkpoints(root)[0]] == ["step-2", "step-3"]
+    assert ck.latest(root) == str(root / "step-3")
+
+    (root / "a-link").symlink_to(tmp_path / "archive" / "kept-forever")
+    (root / "a-dangling-link").symlink_to(tmp_path / "nowhere")
+    good, bad = ck.list_checkpoints(root)
+    assert [c.name for c in good] == ["step-2", "step-3"] and bad == []
+    assert ck.apply_retention(root, 1) == [str(root / "step-2")]
+    ck.save({"step": 9}, root / "step-9", keep_last=1)  # published, the link neither counted
+    assert sorted(os.listdir(root)) == ["a-dangling-link", "a-link", "latest", "step-9"]
+    assert ck.load(tmp_path / "archive" / "kept-forever") == {"kept": True}
+    assert ck.load(ck.latest(root)) == {"step": 9}
+    out = CliRunner().invoke(cli, ["ckpt", "ls", "--json", str(root)])
+    assert out.exit_code == 0, out.output
+    assert [c["name"] for c in json.loads(out.output)["checkpoints"]] == ["step-9"]
+
+
+def test_retention_skips_what_it_cannot_remove_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention that could not remove one checkpoint raised, after removing others, and
+    failed the save (before publishing it, when it ran first) (attack helper 54)."""
+    root = tmp_path / "ckpts"
+    for step in range(3):
+        ck.save({"step": step}, root / f"step-{step}")
+    remove = dirs.remove_checkpoint
+
+    def stuck_step_0(path: str) -> None:
+        if os.path.basename(path) == "step-0":
+            raise PermissionError(13, "Permission denied", path)
+        remove(path)
+
+    monkeypatch.setattr(dirs, "remove_checkpoint", stuck_step_0)
+    with caplog.at_level(logging.WARNING, "lcache.checkpoint"):
+        assert ck.apply_retention(root, 1) == [str(root / "step-1")]
+        assert ck.save({"step": 3}, root / "step-3", keep_last=1) == str(root / "step-3")
+    assert sorted(os.listdir(root)) == ["step-0", "step-3"]
+    assert "retention kept " + str(root / "step-0") in caplog.text
+
+    def broken(root: str, keep_last: int) -> list[str]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(dirs, "apply_retention", broken)
+    with caplog.at_level(logging.WARNING, "lcache.checkpoint"):
+        assert ck.save({"step": 4}, root / "step-4", keep_last=1) == str(root / "step-4")
+    assert "retention after checkpoint " + str(root / "step-4") + " did not run" in caplog.text
+    assert ck.load(ck.latest(root)) == {"step": 4}

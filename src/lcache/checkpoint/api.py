@@ -33,6 +33,7 @@ from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_man
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
 from lcache.checks import path_argument, seconds, whole_number
+from lcache.errors import LCacheError
 from lcache.forksafe import fork_safe_lock
 from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
 
@@ -182,8 +183,8 @@ class CheckpointHandle:
         keep = self._options.get("keep_last")
         if keep is not None:  # a saver killed between publishing and its retention left one
             # too many: prune before adding one, so at most keep_last + 1 ever exist (errors
-            # are reported by the retention after publishing)
-            with contextlib.suppress(OSError):
+            # are logged by the retention after publishing; they never fail the save)
+            with contextlib.suppress(LCacheError, OSError):
                 dirs.apply_retention(self.root, keep)
         self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                  {s["file"] for s in shards})
@@ -230,7 +231,10 @@ class CheckpointHandle:
         """Rank 0, after publishing: retention, then the optional upload."""
         keep = self._options.get("keep_last")
         if keep is not None:
-            dirs.apply_retention(self.root, keep)
+            try:  # the checkpoint is published: what retention cannot do must not fail it
+                dirs.apply_retention(self.root, keep)
+            except (LCacheError, OSError) as exc:
+                log.warning("retention after checkpoint %s did not run: %s", self.path, exc)
         url = self._options.get("upload_to")
         if url:
             from lcache.checkpoint.upload import upload_checkpoint

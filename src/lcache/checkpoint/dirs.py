@@ -13,6 +13,7 @@ existence is the lock).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import time
@@ -26,6 +27,8 @@ from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
+
+log = logging.getLogger("lcache.checkpoint")
 
 PARTIAL = ".lcache-partial-"
 TRASH = ".lcache-trash-"
@@ -214,7 +217,9 @@ def require_dir(root: str) -> None:
 def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo], list[str]]:
     """Complete checkpoints in ``root``, oldest first, and the names of damaged ones.
 
-    Staging and trash directories are never listed.
+    Staging and trash directories are never listed, nor links (a ``latest -> step-N`` kept by
+    the user, a link to a checkpoint elsewhere): a link is not a checkpoint of ``root``, so
+    retention neither counts nor removes it, and ``latest`` never returns it.
 
     Raises:
         CheckpointNotFoundError: ``root`` is not a directory (an empty one lists nothing).
@@ -225,7 +230,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
     bad: list[str] = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name.startswith(".") or not is_complete(path):
+        if name.startswith(".") or os.path.islink(path) or not is_complete(path):
             continue
         try:
             good.append(read_info(path))
@@ -282,11 +287,22 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
 def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
     """Keep the newest ``keep_last`` complete checkpoints in ``root``; returns paths removed.
 
-    The newest complete checkpoint is never removed (``keep_last`` must be >= 1).
+    The newest complete checkpoint is never removed (``keep_last`` must be >= 1). One that
+    cannot be removed (changed under us, a permission error) is kept with a warning, and the
+    others are still removed: retention runs after a save, which it must never fail.
+
+    Raises:
+        ConfigError: ``keep_last`` is not a whole number >= 1.
+        CheckpointNotFoundError: ``root`` is not a directory.
     """
     keep_last = whole_number(keep_last, "keep_last", 1)  # 0 would delete the newest
     good, _ = list_checkpoints(root)
-    doomed = [c.path for c in good[:-keep_last]]
-    for path in doomed:
-        remove_checkpoint(path)
-    return doomed
+    removed = []
+    for info in good[:-keep_last]:
+        try:
+            remove_checkpoint(info.path)
+        except (LCacheError, OSError) as exc:
+            log.warning("retention kept %s: it could not be removed (%s)", info.path, exc)
+            continue
+        removed.append(info.path)
+    return removed

@@ -42,7 +42,8 @@ def ckpt() -> None:
 @click.argument("directory", type=Folder())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls_cmd(directory: str, as_json: bool) -> None:
-    """List the complete checkpoints in DIRECTORY, oldest first (partial saves never)."""
+    """List the complete checkpoints in DIRECTORY, oldest first (partial saves and links
+    never)."""
     from lcache.checkpoint import leftovers, list_checkpoints
     from lcache.checkpoint.format import MANIFEST
     from lcache.errors import ConfigError
