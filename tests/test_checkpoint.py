@@ -577,9 +577,11 @@ def test_bad_options_and_paths_are_refused_before_any_work(tmp_path: Path,
     """keep_last=1.5 failed in the background thread at save time; '.' (an empty current
     directory) was replaced by the checkpoint; load(None) was a TypeError."""
     for options in ({"keep_last": "2"}, {"keep_last": 1.5}, {"keep_last": 0},
-                    {"queue_depth": "x"}, {"queue_depth": 0}):
+                    {"queue_depth": "x"}, {"queue_depth": 0},
+                    {"direct": "no"}, {"direct": 0}, {"direct": None}):  # "no" was O_DIRECT
         with pytest.raises(ConfigError, match=next(iter(options))):
             ck.Checkpointer(**options)
+    ck.Checkpointer(direct=np.bool_(False))  # a numpy bool is a bool
     saver = ck.Checkpointer()
     with pytest.raises(ConfigError, match="keep_last"):
         saver.async_save({"w": torch.zeros(2)}, tmp_path / "s1", keep_last=1.5)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lcache.data import (
@@ -601,6 +602,12 @@ def test_sampler_arguments_of_the_wrong_kind(tmp_path: Path) -> None:
             SeedAwareSampler(dataset)
     with pytest.raises(ConfigError, match="local_world_size=0"):
         SeedAwareSampler(ds, local_world_size=0)
+    for flag in ("shuffle", "drop_last", "prefetch"):  # shuffle="no" shuffled
+        for value in ("no", 0, None, [1]):
+            with pytest.raises(ConfigError, match=f"{flag}=.*give True or False"):
+                SeedAwareSampler(ds, **{flag: value})
+    order = SeedAwareSampler(ds, shuffle=np.bool_(False), prefetch=False)  # numpy's bool: fine
+    assert [getattr(a, "sample", a) for a in order] == list(range(len(ds)))
     sampler = SeedAwareSampler(ds)
     for consumed in (-1, "5", float("nan"), 10**6):
         with pytest.raises(ConfigError, match="consumed"):

@@ -8,6 +8,8 @@ import os
 import unicodedata
 from typing import Any
 
+import numpy as np
+
 from lcache.errors import ConfigError
 
 
@@ -41,6 +43,14 @@ def text_argument(value: Any, name: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{name}={value!r:.200}: give a string (or None)")
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a bool (True, False or a numpy bool), or a ConfigError naming ``name``:
+    taken by truthiness, "no" and "false" would mean yes."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name}={value!r:.100}: give True or False")
+    return bool(value)
 
 
 def path_argument(value: Any, name: str) -> str:

@@ -32,7 +32,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
-from lcache.checks import path_argument, seconds, whole_number
+from lcache.checks import flag, path_argument, seconds, whole_number
 from lcache.errors import LCacheError
 from lcache.forksafe import fork_safe_lock
 from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_fd
@@ -370,6 +370,7 @@ def _checked(options: dict[str, Any]) -> dict[str, Any]:
     if options["keep_last"] is not None:
         options["keep_last"] = whole_number(options["keep_last"],
                                             "keep_last", 1)
+    options["direct"] = flag(options["direct"], "direct")  # direct="no" was O_DIRECT
     options["queue_depth"] = whole_number(options["queue_depth"], "queue_depth", 1, 1024)
     # the upload runs after the local checkpoint is published: a bad one must fail now
     if options["upload_to"] is not None:

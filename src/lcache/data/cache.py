@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from lcache import jsondoc
-from lcache.checks import path_argument, text_argument
+from lcache.checks import flag, path_argument, text_argument
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
@@ -269,8 +269,7 @@ class SampleCache:
                  on_error: str = "raise") -> None:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error={on_error!r}: use \"raise\" or \"skip\"")
-        if not isinstance(check, bool):  # check="no" would check
-            raise ConfigError(f"check={check!r:.100}: give True or False")
+        check = flag(check, "check")  # check="no" would check
         name, fingerprint = text_argument(name, "name"), text_argument(fingerprint, "fingerprint")
         self.on_error = on_error
         check_locations(source, cache_dir)

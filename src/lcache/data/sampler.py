@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.checks import env_number, launch_rank_world, whole_number
+from lcache.checks import env_number, flag, launch_rank_world, whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
 from lcache.data.plan import PlanResult, belady
@@ -51,7 +51,8 @@ class SeedAwareSampler:
     Args:
         dataset: the ``CachedDataset`` (or its ``SampleCache``).
         shuffle, seed, drop_last, num_replicas, rank: as ``DistributedSampler``; rank and
-            world size default to torch.distributed's (or ``RANK``/``WORLD_SIZE``).
+            world size default to torch.distributed's (or ``RANK``/``WORLD_SIZE``). The
+            flags are real bools (``shuffle="no"`` is refused).
         local_world_size: ranks on this node, which share the cache (default
             ``LOCAL_WORLD_SIZE`` from torchrun, else all ranks).
         prefetch: fetch upcoming misses in the background.
@@ -87,6 +88,8 @@ class SeedAwareSampler:
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} is not in [0, {self.world})")
         seed = whole_number(seed, "seed", 0)
+        shuffle, drop_last = flag(shuffle, "shuffle"), flag(drop_last, "drop_last")
+        prefetch = flag(prefetch, "prefetch")
         for value, name, low in ((prefetch_threads, "prefetch_threads", 1),
                                  (prefetch_window, "prefetch_window", 1),
                                  (prefetch_bytes, "prefetch_bytes", 1),
