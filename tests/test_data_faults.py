@@ -606,6 +606,15 @@ def test_sampler_arguments_of_the_wrong_kind(tmp_path: Path) -> None:
         for value in ("no", 0, None, [1]):
             with pytest.raises(ConfigError, match=f"{flag}=.*give True or False"):
                 SeedAwareSampler(ds, **{flag: value})
+    for options, words in (({"num_replicas": 10**40, "rank": 0}, "num_replicas="),  # Overflow
+                           ({"num_replicas": 2, "rank": 10**40}, "rank="),
+                           ({"local_world_size": 10**40}, "local_world_size="),
+                           ({"seed": 2**128}, "seed="), ({"seed": -1}, "seed="),
+                           ({"shard_window": ""}, "shard_window=''"),  # "" and [] were 0
+                           ({"shard_window": []}, "shard_window=\\[\\]")):
+        with pytest.raises(ConfigError, match=words):
+            SeedAwareSampler(ds, **options)
+    assert SeedAwareSampler(ds, seed=2**128 - 1, prefetch=False).order(0).size == len(ds)
     order = SeedAwareSampler(ds, shuffle=np.bool_(False), prefetch=False)  # numpy's bool: fine
     assert [getattr(a, "sample", a) for a in order] == list(range(len(ds)))
     sampler = SeedAwareSampler(ds)

@@ -31,6 +31,12 @@ MAX_EPOCH = 100_000
 #: Every sample is read once per epoch, so what an epoch leaves cached hardly depends on what
 #: it started with; the plans came out identical to those made from epoch 0 (tests).
 PLAN_FROM = 2
+#: The most ranks: far above any launch (num_replicas=10**40 overflowed a C ssize_t in the
+#: rank arithmetic, a bare OverflowError).
+MAX_WORLD = 1 << 24
+#: The largest seed: the 128 bits of entropy numpy's SeedSequence draws (a seed taken from
+#: ``SeedSequence().entropy`` fits), which seeds the order's generator with ``[seed, epoch]``.
+MAX_SEED = (1 << 128) - 1
 
 
 def _distributed() -> tuple[int, int]:
@@ -52,7 +58,7 @@ class SeedAwareSampler:
         dataset: the ``CachedDataset`` (or its ``SampleCache``).
         shuffle, seed, drop_last, num_replicas, rank: as ``DistributedSampler``; rank and
             world size default to torch.distributed's (or ``RANK``/``WORLD_SIZE``). The
-            flags are real bools (``shuffle="no"`` is refused).
+            seed is 0 to ``MAX_SEED``, the flags real bools (``shuffle="no"`` is refused).
         local_world_size: ranks on this node, which share the cache (default
             ``LOCAL_WORLD_SIZE`` from torchrun, else all ranks).
         prefetch: fetch upcoming misses in the background.
@@ -83,20 +89,21 @@ class SeedAwareSampler:
         self.cache: SampleCache = cache
         d_rank, d_world = _distributed()
         self.world = d_world if num_replicas is None else \
-            whole_number(num_replicas, "num_replicas", 1)
-        self.rank = d_rank if rank is None else whole_number(rank, "rank", 0)
+            whole_number(num_replicas, "num_replicas", 1, MAX_WORLD)
+        self.rank = d_rank if rank is None else whole_number(rank, "rank", 0, MAX_WORLD - 1)
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} is not in [0, {self.world})")
-        seed = whole_number(seed, "seed", 0)
+        seed = whole_number(seed, "seed", 0, MAX_SEED)
         shuffle, drop_last = flag(shuffle, "shuffle"), flag(drop_last, "drop_last")
         prefetch = flag(prefetch, "prefetch")
+        shard_window = whole_number(shard_window, "shard_window", 0)
         for value, name, low in ((prefetch_threads, "prefetch_threads", 1),
                                  (prefetch_window, "prefetch_window", 1),
                                  (prefetch_bytes, "prefetch_bytes", 1),
                                  (loader_workers, "loader_workers", 0)):
             whole_number(value, name, low)
         local = env_number("LOCAL_WORLD_SIZE", self.world, 1) if local_world_size is None \
-            else whole_number(local_world_size, "local_world_size", 1)
+            else whole_number(local_world_size, "local_world_size", 1, MAX_WORLD)
         node = self.rank // local
         self.node_ranks = range(node * local, min((node + 1) * local, self.world))
         self.n = len(self.cache.source)
@@ -127,9 +134,6 @@ class SeedAwareSampler:
         self._ahead: threading.Thread | None = None
 
     def _shard_window(self, window: int) -> ShardWindow:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ConfigError(f"shard_window={window!r}: give a number of shards (0: a "
-                              "global shuffle)")
         shards = getattr(self.cache.source, "shards", None)
         if shards is None:
             raise ConfigError(f"shard_window needs a source of shards (WebDataset, MDS, "
