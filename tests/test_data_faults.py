@@ -25,9 +25,12 @@ import pytest
 from lcache.data import (
     CachedDataset,
     FileSource,
+    LitDataSource,
+    MDSSource,
     RangeSource,
     SeedAwareSampler,
     SourceError,
+    WebDatasetSource,
 )
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.store import fsck
@@ -631,6 +634,17 @@ def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
             RangeSource(str(tmp_path), "a.bin", offsets, [1])
     with pytest.raises(ConfigError, match="is not a name under"):
         RangeSource(str(tmp_path / "sub"), "../a.bin", [0], [1])
+    for paths in (5, [5], b"a.bin", None):  # 5 was a bare TypeError
+        with pytest.raises(ConfigError, match=r"paths=.*give a file name"):
+            RangeSource(str(tmp_path), paths, [0], [1])  # type: ignore[arg-type]
+    for kind in (WebDatasetSource, MDSSource, LitDataSource):  # were AttributeErrors
+        for url in (None, 5, b"x", "\0"):
+            with pytest.raises(ConfigError, match=r"url=.*give a path"):
+                kind(url)  # type: ignore[arg-type]
+    for kind in (FileSource, WebDatasetSource):  # a TypeError, a ValueError
+        for cache_dir in (5, "\0", ""):
+            with pytest.raises(ConfigError, match=r"cache_dir=.*give a path"):
+                kind(str(tmp_path), cache_dir=cache_dir)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="without a NUL"):
         CachedDataset(str(tmp_path) + "\0x", tmp_path / "c", CAPACITY)
     ds = CachedDataset(RangeSource(str(tmp_path), "a.bin", [0, 50], [50, 50]), tmp_path / "c",

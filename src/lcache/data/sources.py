@@ -19,7 +19,7 @@ from urllib.parse import unquote
 import numpy as np
 import numpy.typing as npt
 
-from lcache.checks import seconds
+from lcache.checks import path_argument, seconds
 from lcache.data import codec
 from lcache.data.fetch import Want, fetch
 from lcache.data.identity import probe_contents
@@ -111,6 +111,8 @@ class FileSource:
                  storage_options: dict[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, listing_ttl: float = 0.0,
                  progress: bool | None = None, **fetch_options: Any) -> None:
+        if cache_dir is not None:  # 5 was a TypeError, "\0" a ValueError, from deep inside
+            cache_dir = path_argument(cache_dir, "cache_dir")
         self._remote = Remote(url, storage_options, _fetch_options(fetch_options))
         self.url = self._remote.url
         self.location = self._remote.location()
@@ -120,11 +122,9 @@ class FileSource:
                "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
-        with kept_listing(None if cache_dir is None else os.fspath(cache_dir), key,
-                          listing_ttl) as (listing, keep):
+        with kept_listing(cache_dir, key, listing_ttl) as (listing, keep):
             if listing is None:
-                listing = self._list(files, suffixes, progress,
-                                     None if cache_dir is None else os.fspath(cache_dir))
+                listing = self._list(files, suffixes, progress, cache_dir)
                 keep(listing)
         self.paths = listing.paths
         self._sizes = listing.sizes
@@ -297,7 +297,13 @@ class RangeSource:
         remote = Remote(url, storage_options, _fetch_options(fetch_options))
         offsets, lengths = _column(offsets, "offsets"), _column(lengths, "lengths")
         n = len(offsets)
-        names = [paths] * n if isinstance(paths, str) else list(paths)
+        try:  # paths=5 was a bare TypeError
+            names: list[Any] = [paths] * n if isinstance(paths, str) else list(paths)
+        except TypeError:
+            names = [paths]
+        if not all(isinstance(name, str) for name in names):
+            raise ConfigError(f"paths={paths!r:.200}: give a file name, or a list of one "
+                              "per sample, relative to the URL")
         if len(names) != n or len(lengths) != n:
             raise ConfigError("paths, offsets and lengths must have one entry per sample")
         _check_table(url, offsets, lengths)

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache import jsondoc
+from lcache.checks import path_argument
 from lcache.data.listing import Listing, kept_listing, list_objects, suffix_filter
 from lcache.data.remote import (
     FetchOptions,
@@ -64,7 +65,8 @@ def make_remote(url: str, storage_options: dict[str, Any] | None,
         known = ", ".join(FetchOptions.__dataclass_fields__)
         raise ConfigError(f"unknown source options {sorted(fetch_options)}; a source takes "
                           f"storage_options= and {known}") from None
-    return Remote(url.rstrip("/"), storage_options, options)
+    # url=None was an AttributeError from rstrip
+    return Remote(path_argument(url, "url").rstrip("/"), storage_options, options)
 
 
 def shard_names(remote: Remote, shards: str | Sequence[str] | None, suffix: str,

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lcache.checks import whole_number
+from lcache.checks import path_argument, whole_number
 from lcache.data.formats import tar
 from lcache.data.formats.kept import KeptIndex
 from lcache.data.formats.shards import checked_infos, make_remote, shard_names
@@ -115,9 +115,10 @@ class WebDatasetSource(RangeSource):
                  progress: bool | None = None, index_block: int = 4 << 20,
                  **fetch_options: Any) -> None:
         index_block = whole_number(index_block, "index_block", tar.BLOCK, 1 << 30)
+        if cache_dir is not None:  # 5 was a TypeError, "\0" a ValueError, from deep inside
+            cache_dir = path_argument(cache_dir, "cache_dir")
         remote = make_remote(url, storage_options, fetch_options)
-        names = shard_names(remote, shards, ".tar", progress,
-                            None if cache_dir is None else os.fspath(cache_dir))
+        names = shard_names(remote, shards, ".tar", progress, cache_dir)
         infos = checked_infos(remote, names, None, "shard")
         sizes = [int(info.get("size") or 0) for info in infos]
         entries = self._index(remote, names, sizes, infos, cache_dir, progress, index_block)
