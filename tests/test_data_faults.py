@@ -555,6 +555,7 @@ def test_a_cache_inside_its_local_source_is_refused_before_anything_is_written(
     ("SRC", "", "8MB", "cache_dir=''"),
     ("SRC", None, "8MB", "cache_dir=None"),
     ("SRC", "c", 4e7, "a float is a fraction"),
+    ("SRC", "c", 10**40, "capacity: .* above 2"),  # was taken
 ])
 def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, cache_dir: str | None,
@@ -579,6 +580,10 @@ def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
     ({"listing_ttl": "3600"}, "listing_ttl='3600'"),
     ({"listing_ttl": None}, "listing_ttl=None"),
     ({"check": "no"}, "check='no'"),  # was taken as True
+    ({"segment_size": 0}, "segment_size: 0 is not a size"),  # 0 and "" were "left out"
+    ({"segment_size": ""}, "segment_size: cannot read ''"),
+    ({"segment_size": 1}, "segment_size 1 B cannot hold the largest sample"),
+    ({"staging_bytes": 10**40}, "staging_bytes: .* above 2"),  # was taken
     ({"files": {"s0000.bin": 10**20}}, "must be an int in"),  # was an OverflowError
     ({"listing_ttl": float("nan")}, "listing_ttl=nan"),
     ({"files": "s0000.bin"}, "files='s0000.bin'"),

@@ -124,6 +124,14 @@ def test_what_is_not_a_size_is_refused(bad: object) -> None:
     assert "1.5GiB" in message  # says what is allowed
 
 
+@pytest.mark.parametrize("huge", [2**62 + 1, 10**40, "10000000PB", f"{2**62 + 1}"])
+def test_sizes_beyond_any_disk_are_refused_by_name(huge: int | str) -> None:
+    """The finding: capacity=10**40 and staging_bytes=10**40 were taken (attack helper 47)."""
+    assert parse_size(2**62) == 2**62
+    with pytest.raises(ConfigError, match=r"^staging_bytes: .* above 2\*\*62 bytes"):
+        parse_size(huge, "staging_bytes")
+
+
 def test_a_fraction_without_a_unit_says_so(store_dir: Path) -> None:
     with pytest.raises(ConfigError, match="a fraction needs a unit"):
         Store.open(store_dir, capacity="0.4")

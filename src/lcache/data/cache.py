@@ -286,8 +286,10 @@ class SampleCache:
         self.capacity = cache_capacity(capacity, self.dataset_bytes)
         largest = self._largest = int(sizes.max())
         # Left out, the segment size of an existing cache is kept: sized from the capacity
-        # afresh, a new capacity was refused as a new segment size.
-        self.segment_size = parse_size(segment_size) if segment_size else \
+        # afresh, a new capacity was refused as a new segment size. Only None leaves it out
+        # (0 and "" were taken as left out).
+        self.segment_size = parse_size(segment_size, "segment_size") \
+            if segment_size is not None else \
             _stored_segment_size(os.path.join(self.cache_dir, "store"), largest) or \
             choose_segment_size(self.capacity, 512, largest)
         if largest + HEADER_SIZE > self.segment_size:
@@ -297,7 +299,7 @@ class SampleCache:
                 "raise segment_size or leave it out to size segments from the samples")
         # Prefetched samples are staged in memory (/dev/shm) when it has room, so staging
         # costs no cache capacity; else in a slice of the cache dir.
-        requested = parse_size(staging_bytes)
+        requested = parse_size(staging_bytes, "staging_bytes")
         on_ssd = not _shm_has_room(staging_area(requested, self.capacity, largest, False)[0])
         self.staging_bytes, self.staging_segment_size = staging_area(
             requested, self.capacity, largest, on_ssd)

@@ -32,10 +32,7 @@ def cache_capacity(capacity: int | float | str, dataset_bytes: int) -> int:
     elif isinstance(capacity, float):
         fraction, what = capacity, str(capacity)
     else:
-        try:
-            return parse_size(capacity)
-        except ConfigError as exc:
-            raise ConfigError(f"capacity: {exc}") from None
+        return parse_size(capacity, "capacity")
     if not (math.isfinite(fraction) and fraction > 0):
         raise ConfigError(f"cannot read {what!r} as a capacity: a fraction of the dataset is "
                           "a float above 0 (0.4) or a percentage (\"40%\")")

@@ -44,30 +44,34 @@ from lcache.store.segment import segment_file
 CONFIG_NAME = "store.json"
 FORMAT = 1
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE | re.ASCII)
+#: The largest size: far beyond any disk or memory, and within numpy's int64 with room.
+MAX_SIZE = 1 << 62
 _SIZES_ALLOWED = ("a size is a whole number of bytes (4096) or a number with a unit (512KiB, "
                   "1.5GiB, 50GB; KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)")
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, name: str | None = None) -> int:
     """Bytes from an int or a string such as ``"64MiB"``, ``"1.5GiB"``, ``"50GB"`` or ``"4096"``.
 
     ``KiB/MiB/GiB`` are powers of 1024; ``KB/MB/GB`` powers of 1000. A bare number is a whole
-    number of bytes; a fraction needs a unit. At least one byte.
+    number of bytes; a fraction needs a unit. At least one byte, at most ``MAX_SIZE``.
 
     Raises:
-        ConfigError: anything else (``"0.4"``, 0, negatives, ``"nan"``, ``""``, ``True``...).
+        ConfigError: anything else (``"0.4"``, 0, negatives, ``"nan"``, ``""``, ``True``,
+            ``10**40``...), its message starting with ``name`` when given.
     """
+    said = f"{name}: " if name else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral | str):
-        raise ConfigError(f"cannot read {value!r} as a size: {_SIZES_ALLOWED}")
+        raise ConfigError(f"{said}cannot read {value!r:.200} as a size: {_SIZES_ALLOWED}")
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m:
-            raise ConfigError(f"cannot read {value!r} as a size: {_SIZES_ALLOWED}")
+            raise ConfigError(f"{said}cannot read {value!r:.200} as a size: {_SIZES_ALLOWED}")
         number, unit, binary = m.groups()
         if unit is None:
             if "." in number:
-                raise ConfigError(f"cannot read {value!r} as a size: a bare number is a whole "
-                                  f"number of bytes, and a fraction needs a unit; "
+                raise ConfigError(f"{said}cannot read {value!r} as a size: a bare number is a "
+                                  f"whole number of bytes, and a fraction needs a unit; "
                                   f"{_SIZES_ALLOWED}")
             size = int(number)
         else:
@@ -76,8 +80,11 @@ def parse_size(value: int | str) -> int:
     else:
         size = int(value)
     if size < 1:
-        raise ConfigError(f"{value!r} is not a size: a size is at least one byte; "
+        raise ConfigError(f"{said}{value!r} is not a size: a size is at least one byte; "
                           f"{_SIZES_ALLOWED}")
+    if size > MAX_SIZE:  # 10**40 was taken as a capacity
+        raise ConfigError(f"{said}{value!r:.60} is not a size: above 2**62 bytes (4 EiB), "
+                          "more than any disk or memory holds")
     return size
 
 

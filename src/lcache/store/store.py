@@ -160,8 +160,8 @@ class Store(Space, Reader):
         """
         root = os.path.abspath(os.fspath(path))
         # sizes that are not sizes fail before anything is created
-        capacity = None if capacity is None else parse_size(capacity)
-        segment_size = None if segment_size is None else parse_size(segment_size)
+        capacity = None if capacity is None else parse_size(capacity, "capacity")
+        segment_size = None if segment_size is None else parse_size(segment_size, "segment_size")
         prepare_dir(root, create)
         lock = MetaPage(os.path.join(root, "lock"))
         try:
