@@ -524,6 +524,13 @@ def test_belady_on_a_hand_made_sequence() -> None:
     seq = np.array([0, 1, 2, 0, 1, 3, 0, 3, 1, 2])
     assert belady(seq, 1, 2).hits.nonzero()[0].tolist() == [3, 4, 6, 7]
     assert simulate_opt(seq, 1, 2) == pytest.approx(0.4)
+    # A capacity is a size ("1GB" was a TypeError at the first miss; attack helper 47).
+    assert simulate_lru(seq, 1, "2") == simulate_lru(seq, 1, 2)
+    assert simulate_opt(seq, 1, "1KiB") == simulate_opt(seq, 1, 1024)
+    for bad in (0, "x", None, 1.5):
+        for simulate in (simulate_lru, simulate_opt):
+            with pytest.raises(ConfigError, match=r"^capacity: "):
+                simulate(seq, 1, bad)  # type: ignore[arg-type]
     # A sample larger than the cache is never kept; bytes, not counts, bound the cache.
     sizes = np.array([5, 1, 1])
     assert not belady(np.array([0, 1, 0, 1]), sizes, 4).keep[0]

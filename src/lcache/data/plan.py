@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from lcache.store import parse_size
+
 NEVER = np.iinfo(np.int64).max
 
 
@@ -118,14 +120,16 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
 
 
 def simulate_opt(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int,
-                 capacity: int) -> float:
+                 capacity: int | str) -> float:
     """Hit ratio of Belady/OPT over the whole access sequence (the offline reference)."""
+    capacity = parse_size(capacity, "capacity")
     return belady(np.asarray(seq, dtype=np.int64), sizes, capacity).hit_ratio
 
 
 def simulate_lru(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int,
-                 capacity: int) -> float:
+                 capacity: int | str) -> float:
     """Hit ratio of a demand LRU cache (admit every miss) over the same sequence."""
+    capacity = parse_size(capacity, "capacity")  # "1GB" was a TypeError at the first miss
     uniform = isinstance(sizes, (int, np.integer))
     cache: OrderedDict[int, int] = OrderedDict()
     used = hits = 0
