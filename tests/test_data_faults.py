@@ -573,6 +573,9 @@ def test_empty_locations_and_float_capacities_meant_as_bytes_are_refused(
     ({"name": object()}, "name=<object"),
     ({"fingerprint": b"v1"}, "fingerprint=b'v1'"),
     ({"fingerprint": float("nan")}, "fingerprint=nan"),
+    ({"fingerprint": "v1\0"}, "fingerprint='v1.x00': give a label without"),  # were taken
+    ({"name": "\x1b[31mred"}, "name='.x1b.31mred': give a label without"),
+    ({"name": "a\u202eb"}, "give a label without '.u202e'"),
     ({"suffixes": [1]}, "suffixes=\\[1\\]"),
     ({"suffixes": b".bin"}, "suffixes=b'.bin'"),
     ({"storage_options": "x"}, "storage_options='x'"),

@@ -36,13 +36,21 @@ def seconds(value: Any, name: str) -> float:
 
 
 def text_argument(value: Any, name: str) -> str | None:
-    """``value`` as a label (a str, an int made a str) or None, or a ConfigError naming
-    ``name``: what is stored in JSON and compared on the next open must read back equal."""
-    if value is None or isinstance(value, str):
-        return value
+    """``value`` as a label (a str, an int made a str: a version number) or None, or a
+    ConfigError naming ``name``: what is stored in JSON and compared on the next open must
+    read back equal, and a label is printed in messages, so it holds no NUL, control or
+    format character (see ``unshowable``)."""
+    if value is None:
+        return None
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{name}={value!r:.200}: give a string (or None)")
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r:.200}: give a string (or None)")
+    bad = unshowable(value)
+    if bad is not None:  # "\0" and an ESC were stored in cache.json and printed raw
+        raise ConfigError(f"{name}={value!r:.200}: give a label without {bad!a} "
+                          "(no NUL, control or format characters)")
+    return value
 
 
 def flag(value: Any, name: str) -> bool:
