@@ -238,3 +238,30 @@ def test_syscalls_sample_the_command_not_strace(tmp_path: Path) -> None:
     assert len(mine) == 1 and mine[0]["wchar"] >= 4 << 20
     # strace's log was complete when it was read
     assert summarize(t)["classes"]["syscall"]["write_bytes"] == 4 << 20
+
+
+def test_trace_replaces_only_a_trace(tmp_path: Path) -> None:
+    # `lcache trace -o t.py -- true` unlinked t.py to start a fresh trace: a file at -o is now
+    # replaced only when it is an lcache trace (or empty), and otherwise refused in one line.
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    run = _trace(script, "true")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and "t.py is not an lcache trace" in run.stderr
+    assert script.read_text() == "print('hi')\n"
+    for name in ("t.trace", "t.trace.gz"):
+        t = tmp_path / name
+        assert _trace(t, "true").returncode == 0
+        first = t.read_bytes()
+        assert _trace(t, "sh", "-c", "echo again").returncode == 0
+        assert t.read_bytes() != first
+        names = [p for p in load(str(t)).process_names.values() if "lcache trace" in p]
+        assert names == ["lcache trace sh -c echo again"], names  # this run only
+    empty = tmp_path / "empty.trace"
+    empty.touch()
+    assert _trace(empty, "true").returncode == 0 and empty.stat().st_size > 0
+    link = tmp_path / "link.trace"
+    link.symlink_to(script)  # neither followed nor replaced
+    run = _trace(link, "true")
+    assert run.returncode == 2 and "link.trace: it is a symbolic link" in run.stderr
+    assert link.is_symlink() and script.read_text() == "print('hi')\n"

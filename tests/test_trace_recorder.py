@@ -627,3 +627,34 @@ def test_a_bad_flush_interval_is_refused_where_tracing_starts(
                           str(tmp_path / "t2.trace"), "--", "true"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "LCACHE_TRACE_FLUSH_S" in run.stderr, run.stderr
+
+
+def test_tracing_appends_only_to_a_trace(tmp_path: Path) -> None:
+    # LCACHE_TRACE=t.py (or enable("t.py")) appended trace events to the user's script; a
+    # file there is now appended to only when it is an lcache trace (plain or gzip) or empty.
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    with pytest.raises(lcache.ConfigError, match=r"t\.py is not an lcache trace"):
+        lcache.trace.enable(str(script))
+    assert not lcache.trace.enabled()
+    assert script.read_text() == "print('hi')\n"
+    env = dict(subprocess_env(), LCACHE_TRACE=str(script))
+    run = subprocess.run([sys.executable, "-c", "import lcache"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr.count("\n") == 1, run.stderr
+    assert "not an lcache trace" in run.stderr and "Traceback" not in run.stderr
+    assert script.read_text() == "print('hi')\n"
+    for name in ("t.trace", "t.trace.gz", "empty.trace"):
+        trace = tmp_path / name
+        if name != "empty.trace":
+            lcache.trace.enable(str(trace))
+            lcache.trace.disable()
+        else:
+            trace.touch()
+        size = trace.stat().st_size
+        lcache.trace.enable(str(trace))  # a trace (or an empty file) is appended to
+        lcache.trace.disable()
+        assert trace.stat().st_size > size
+        starts = [e for e in _events(trace) if e.get("name") == "recorder"
+                  and e["args"]["state"] == "start"]
+        assert len(starts) == (1 if name == "empty.trace" else 2), name

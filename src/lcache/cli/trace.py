@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -60,13 +61,18 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
     except ConfigError as exc:
         return {"exit_code": 2, "error": str(exc)}
     try:
-        if os.path.lexists(output):
-            os.unlink(output)  # a trace of this run only, not appended to an older one
-        writer = TraceWriter(output)
+        # a trace of this run only, not appended to an older one; a file that is not a
+        # trace is refused, never replaced
+        writer = TraceWriter(output, fresh=True)
         writer.write_lines(process_metadata(os.getpid(), "lcache trace " + " ".join(command)))
-    except OSError as exc:  # before the command runs: nothing of it is lost
+    except (OSError, ConfigError) as exc:  # before the command runs: nothing of it is lost
         if log_path:
             os.unlink(log_path)
+        if isinstance(exc, ConfigError):
+            return {"exit_code": 2, "error": str(exc)}
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW: a link is neither followed nor replaced
+            return {"exit_code": 2, "error": f"cannot write the trace {output}: it is a "
+                    "symbolic link; give -o a regular file or a new name"}
         return {"exit_code": 2, "error": f"cannot write the trace {output}: {exc.strerror}; "
                 "give -o a path in a writable directory"}
     env = dict(os.environ)

@@ -266,11 +266,13 @@ def enable(path: str, *, compress: bool | None = None) -> None:
     no-op; enabling another path switches to it.
 
     Args:
-        path: the trace file (created, or appended to). Ending in ``.gz`` compresses it.
+        path: the trace file (created, or appended to when it is an lcache trace or empty).
+            Ending in ``.gz`` compresses it.
         compress: force gzip on or off, whatever the suffix.
 
     Raises:
-        ConfigError: ``$LCACHE_TRACE_FLUSH_S`` is not seconds from 0.001 to 1,000,000.
+        ConfigError: ``$LCACHE_TRACE_FLUSH_S`` is not seconds from 0.001 to 1,000,000, or
+            ``path`` holds a file that is not an lcache trace (it is left as it is).
     """
     global _active, _interval
     with _lock:

@@ -13,10 +13,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import stat
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.io.engine import IOV_MAX
 
@@ -39,18 +42,71 @@ def dumps(event: Any) -> str:
     return json.dumps(event, separators=(",", ":"), ensure_ascii=True)
 
 
+#: How much of an existing file is read to tell whether it is a trace: more than any first
+#: line (a ``process_name`` line, its name cut to 4,096 characters and escaped).
+_HEAD_BYTES = 64 * 1024
+
+
+def check_trace_file(fd: int, path: str, verb: str) -> int:
+    """The size of the file open at ``fd``, or a ConfigError when it is a regular file that
+    is neither empty nor an lcache trace. Every trace starts with the ``process_name`` line
+    :func:`process_metadata` writes (``"lcache_trace": 1`` in its args), plain or as the
+    start of a gzip member: a trace is only ever appended to or replaced, never another file
+    (a script named at ``-o`` or ``LCACHE_TRACE`` by mistake). ``verb`` says which, in the
+    message."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return st.st_size  # a device or FIFO is not read (the CLI refuses them before)
+    head = os.pread(fd, _HEAD_BYTES, 0)
+    if head[:2] == b"\x1f\x8b":
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, _HEAD_BYTES)
+        except zlib.error:
+            head = b""
+    line, newline, _ = head.partition(b"\n")
+    try:
+        first = json.loads(line) if newline else None
+    except ValueError:
+        first = None
+    if not (isinstance(first, dict) and first.get("name") == "process_name"
+            and isinstance(first.get("args"), dict) and first["args"].get("lcache_trace") == 1):
+        raise ConfigError(f"{path} is not an lcache trace (it does not start with lcache's "
+                          f"process_name line), and tracing only {verb} a trace; move it "
+                          "away or choose another path")
+    return st.st_size
+
+
 class TraceWriter:
     """An ``O_APPEND`` file descriptor on the trace; ``write_lines`` is one ``writev()``."""
 
-    def __init__(self, path: str, compress: bool | None = None) -> None:
+    def __init__(self, path: str, compress: bool | None = None, *, fresh: bool = False) -> None:
+        """Open ``path`` to append to, created if missing; ``fresh`` starts a new file there
+        instead (``lcache trace``: a trace of one run). Either way an existing regular file
+        that is neither empty nor an lcache trace is refused (:func:`check_trace_file`).
+
+        Raises:
+            ConfigError: ``path`` holds a file that is not a trace.
+            OSError: it cannot be opened (a symbolic link is never followed).
+        """
         self.path = os.path.abspath(path)
         self.compress = is_compressed_path(path) if compress is None else compress
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        # O_NOFOLLOW: a link planted at the trace's name (in /tmp, say) is refused, not appended to
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-                          | os.O_NOFOLLOW, 0o600)
+        # O_NOFOLLOW: a link planted at the trace's name (in /tmp, say) is refused, not appended
+        # to. O_RDWR, not O_WRONLY: what is there is read first, on this very file.
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.fd = os.open(self.path, flags, 0o600)
+        try:
+            size = check_trace_file(self.fd, self.path, "replaces" if fresh else "appends to")
+            if fresh and size:  # a new file, not a truncated one: other links keep the old
+                close_file(self.fd)
+                self.fd = -1
+                os.unlink(self.path)
+                self.fd = os.open(self.path, flags | os.O_EXCL, 0o600)
+        except BaseException:
+            self.close()
+            raise
 
     def write_lines(self, lines: Iterable[str],
                     blocks: Sequence[bytes | memoryview] = ()) -> None:
