@@ -298,3 +298,17 @@ def test_trace_refuses_an_empty_output_and_one_given_twice(tmp_path: Path) -> No
     assert not (tmp_path / "a.trace").exists() and not (tmp_path / "b.trace").exists()
     assert_one_line_error(report(str(_good(tmp_path / "good.trace")), "--json", "",
                                  cwd=tmp_path), "--json ''", "an empty path")
+
+
+@pytest.mark.parametrize(("command", "option", "what"), [
+    ("report", "-o", "report"), ("report", "--json", "summary file"),
+    ("report", "--perfetto", "Perfetto file"), ("report", "--jsonl", "JSON lines file"),
+    ("advise", "--emit", "workload file"), ("advise", "-o", "page")])
+def test_report_and_advise_refuse_an_output_given_twice(
+        tmp_path: Path, command: str, option: str, what: str) -> None:
+    # `-o A -o B` wrote B and said nothing of A (click keeps the last), as trace -o did
+    good = _good(tmp_path / "good.trace")
+    run = run_lcache(command, str(good), option, "a.out", option, "b.out", cwd=tmp_path)
+    assert_one_line_error(run, f"{option} given 2 times (a.out, b.out); give one {what}")
+    assert not (tmp_path / "a.out").exists() and not (tmp_path / "b.out").exists()
+    assert not (tmp_path / "report.html").exists()

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from lcache.cli.checks import STDOUT, check_outputs, number
+from lcache.cli.checks import STDOUT, check_outputs, number, output_option
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
 
@@ -55,11 +55,11 @@ class _OneLineErrors(click.Command):
               help="One SSD's read bandwidth per second.")
 @click.option("--rated-dwpd", default="1", show_default=True,
               help="Drive writes per day the SSDs are rated for.")
-@click.option("--emit", "emit_path", default=None, metavar="FILE",
-              help="Write the fitted DLIO workload YAML to FILE ('-' prints it alone on "
-                   "stdout, the advice on stderr).")
-@click.option("-o", "--output", "html_path", default=None, metavar="FILE",
-              help="Write advice.html: the report's page with an Advice section.")
+@output_option("--emit", "emit_path", what="workload file", metavar="FILE",
+               help="Write the fitted DLIO workload YAML to FILE ('-' prints it alone on "
+                    "stdout, the advice on stderr).")
+@output_option("-o", "--output", "html_path", what="page", metavar="FILE",
+               help="Write advice.html: the report's page with an Advice section.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | None,
                gpus_per_node: str, traced_gpus: str | None, storage: str | None, check_epochs: str,

@@ -86,6 +86,22 @@ def check_outputs(outputs: Iterable[tuple[str, str | None, str, bool]],
         seen.append((option, path))
 
 
+def output_option(*decls: str, what: str, default: str | None = None,
+                  **kwargs: Any) -> Callable[[Any], Any]:
+    """``click.option(*decls, ...)`` for a command's one ``what`` file (trace, report...),
+    given once at most: click keeps the last of an option given twice and drops the others
+    silently, so it is taken with ``multiple=True`` and a repeat is refused, naming each."""
+
+    def one(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> str | None:
+        if len(values) > 1:
+            raise ConfigError(f"{param.opts[0]} given {len(values)} times "
+                              f"({', '.join(values)}); give one {what}")
+        return values[0] if values else None
+
+    return click.option(*decls, multiple=True, callback=one,
+                        default=() if default is None else (default,), **kwargs)
+
+
 def _same_output(a: str, b: str) -> bool:
     if STDOUT in (a, b):
         return a == b

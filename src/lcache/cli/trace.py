@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from lcache.cli.checks import STDOUT, check_outputs, number_option
+from lcache.cli.checks import STDOUT, check_outputs, number_option, output_option
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.trace.recorder import ENV, flush_interval
@@ -131,9 +131,9 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
 
 @click.command("trace", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
-@click.option("-o", "--output", "outputs", required=True, multiple=True,
-              type=click.Path(dir_okay=False),
-              help="Trace file to write (ending in .gz compresses it).")
+@output_option("-o", "--output", what="trace file", required=True,
+               type=click.Path(dir_okay=False),
+               help="Trace file to write (ending in .gz compresses it).")
 @click.option("--interval", default="0.2", show_default=True,
               callback=number_option("--interval", float, 0.01, 3600),
               help="Seconds between samples of /proc/<pid>/io and /proc/diskstats "
@@ -145,7 +145,7 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
 @click.option("--json", "as_json", is_flag=True,
               help="Print what was recorded as JSON on stderr when the command ends.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_cmd(outputs: tuple[str, ...], interval: float, syscalls: bool, no_lib: bool,
+def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool,
               as_json: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND and record its I/O to a trace; exits with COMMAND's exit code.
 
@@ -155,9 +155,6 @@ def trace_cmd(outputs: tuple[str, ...], interval: float, syscalls: bool, no_lib:
 
         lcache trace -o run.trace -- python train.py --epochs 1
     """
-    if len(outputs) > 1:  # multiple=True only to see this: click keeps the last silently
-        _fail(f"-o given {len(outputs)} times ({', '.join(outputs)}); give one trace file", 2)
-    output = outputs[0]
     result = run_traced(output, list(command), interval, syscalls, not no_lib)
     if "error" in result:
         _fail(result["error"], result["exit_code"])
@@ -172,16 +169,17 @@ def trace_cmd(outputs: tuple[str, ...], interval: float, syscalls: bool, no_lib:
 
 @click.command("report")
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "html_path", default="report.html", show_default=True,
-              type=click.Path(dir_okay=False), help="The self-contained HTML report.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="Also write the summary (per class) to this JSON file ('-' prints it).")
-@click.option("--perfetto", default=None, type=click.Path(dir_okay=False),
-              help="Also write the events as one JSON array that Perfetto/chrome://tracing "
-                   "open ('-' prints it).")
-@click.option("--jsonl", default=None, type=click.Path(dir_okay=False),
-              help="Also write the events as Chrome trace events, one JSON object per line "
-                   "(the recorder's binary blocks decoded; '-' prints them).")
+@output_option("-o", "--output", "html_path", what="report", default="report.html",
+               show_default=True, type=click.Path(dir_okay=False),
+               help="The self-contained HTML report.")
+@output_option("--json", "json_path", what="summary file", type=click.Path(dir_okay=False),
+               help="Also write the summary (per class) to this JSON file ('-' prints it).")
+@output_option("--perfetto", what="Perfetto file", type=click.Path(dir_okay=False),
+               help="Also write the events as one JSON array that Perfetto/chrome://tracing "
+                    "open ('-' prints it).")
+@output_option("--jsonl", what="JSON lines file", type=click.Path(dir_okay=False),
+               help="Also write the events as Chrome trace events, one JSON object per line "
+                    "(the recorder's binary blocks decoded; '-' prints them).")
 def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
                perfetto: str | None, jsonl: str | None) -> None:
     """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table.
