@@ -397,7 +397,7 @@ def test_leftover_temp_files_are_cleaned_on_reopen(open_store: Any, store_dir: P
     store = open_store()
     populate(store)
     store.close()
-    for name in ("stats.json.tmp99999", "index-int.bin.tmp99999", "store.json.tmp99999",
+    for name in ("stats.json.tmp99999", "index-int-0.bin.tmp99999", "store.json.tmp99999",
                  "segments/0000000001.sum.tmp99999"):
         (store_dir / name).write_bytes(b"half")
     store = open_store()
@@ -405,6 +405,22 @@ def test_leftover_temp_files_are_cleaned_on_reopen(open_store: Any, store_dir: P
     store.close()
     report = fsck(store_dir)
     assert report.clean, report.problems
+
+
+def test_only_the_stores_own_temp_files_are_removed_at_open(store_dir: Path) -> None:
+    """Every open deleted any name holding ".tmp" in the store folder and segments/ (a
+    user's notes.tmpl); it removes only the temp names of the store's own atomic publishes."""
+    Store.open(store_dir, **SMALL).close()
+    kept = ["notes.tmpl", "segments/x.tmp", "my.tmp12345", "stats.json.tmp", "x.json.tmp1",
+            "segments/1.sum.tmp5", "segments/0000000001.sum.tmpl"]
+    for name in kept:
+        (store_dir / name).write_bytes(b"mine")
+    leftovers = ["segments/0000000001.sum.tmp12345", "stats.json.tmp12345"]
+    for name in leftovers:
+        (store_dir / name).write_bytes(b"half")
+    Store.open(store_dir, **SMALL).close()
+    assert all((store_dir / name).read_bytes() == b"mine" for name in kept)
+    assert not any((store_dir / name).exists() for name in leftovers)
 
 
 def test_files_a_store_does_not_write_are_reported_and_kept(open_store: Any,

@@ -51,6 +51,7 @@ from lcache.store.layout import (
     prepare_dir,
     salvage_config,
     save_config,
+    temp_leftovers,
 )
 from lcache.store.segment import (
     Summary,
@@ -245,13 +246,11 @@ class _Checker:
             # Not the store's (a store opens as if it were not there): never removed.
             self.problem(f"{path} is not a file a store writes; lcache leaves it alone: move "
                          "it out of the store")
-        for folder in (self.root, segments_dir(self.root)):
-            for name in os.listdir(folder):
-                path = os.path.join(folder, name)
-                if ".tmp" in name and path not in foreign:
-                    self.problem(f"leftover temp file {path}")
-                    if self.fix:
-                        os.unlink(path)
+        for path in temp_leftovers(self.root):
+            if path not in foreign:
+                self.problem(f"leftover temp file {path}")
+                if self.fix:
+                    os.unlink(path)
         for path in stale_generation_files(self.root, self.meta):
             self.problem(f"leftover {path} of a replaced index or journal")
             if self.fix:

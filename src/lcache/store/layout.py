@@ -173,8 +173,21 @@ class StoreConfig:
 # staging area's): [0-9], not \d (which takes other scripts' digits), and \Z, not $ (which
 # takes a name ending in a newline).
 _OWN_TOP = re.compile(r"^(?:(?:store\.json|lock|stats\.json|origin|users|"
-                      r"(?:index-int|index-bytes|deletes)-[0-9]+\.bin)(?:\.tmp[0-9]+)?|"
+                      r"(?:index-int|index-bytes|deletes)-[0-9]+\.bin)(?P<temp>\.tmp[0-9]+)?|"
                       r"\.probe.*)\Z", re.DOTALL)
+
+
+def temp_leftovers(path: str) -> list[str]:
+    """The temp files of the store's own atomic publishes (``NAME.tmpPID`` of the names
+    ``_OWN_TOP`` and ``segment_file`` take) in the store directory ``path`` and its
+    ``segments``: only these are what a killed publish leaves; any other name there (a
+    user's ``notes.tmpl``) is not the store's to delete."""
+    found = [os.path.join(path, name) for name in sorted(os.listdir(path))
+             if (m := _OWN_TOP.match(name)) is not None and m.group("temp") is not None]
+    segments = os.path.join(path, "segments")
+    found += [os.path.join(segments, name) for name in sorted(os.listdir(segments))
+              if (seg := segment_file(name)) is not None and seg[2]]
+    return found
 
 
 def foreign_entries(path: str) -> list[str]:

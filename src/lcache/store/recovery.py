@@ -12,12 +12,12 @@ from lcache.store import record
 from lcache.store.files import open_in_store
 from lcache.store.hashindex import HashIndex
 from lcache.store.index import IntIndex, pack_loc
+from lcache.store.layout import temp_leftovers
 from lcache.store.segment import (
     Summary,
     list_segments,
     log_path,
     scan_log,
-    segments_dir,
     sum_path,
     try_lock,
     write_summary,
@@ -31,11 +31,9 @@ def remove_leftovers(root: str) -> None:
     # Why safe: a process killed inside atomic_write (stats.json, store.json, a summary, an
     # index being created) leaves NAME.tmpPID; every such publish happens under the meta lock,
     # which the caller holds, so none of these belongs to a live process.
-    for folder in (root, segments_dir(root)):
-        for name in os.listdir(folder):
-            if ".tmp" in name:
-                with suppress(FileNotFoundError):
-                    os.unlink(os.path.join(folder, name))
+    for path in temp_leftovers(root):  # only the store's own: the rest is not ours
+        with suppress(FileNotFoundError):
+            os.unlink(path)
     logs, sums = list_segments(root)
     for seg in sums - set(logs):  # a cleaned segment whose summary removal was interrupted
         os.unlink(sum_path(root, seg))
