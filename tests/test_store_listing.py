@@ -4,6 +4,7 @@ what is on disk whenever it is used, with handles in one process and across a fo
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,11 @@ def test_a_segment_file_id_past_32_bits_is_not_taken_for_a_segment(tmp_path: Pat
         fill(store, 60, 10)
     finally:
         store.close()
-    run = subprocess.run([sys.executable, "-m", "lcache", "fsck", "--repair", str(root)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "lcache", "fsck", "--repair", "--json",
+                          str(root)], capture_output=True, text=True, timeout=120)
+    # the planted files are not the store's: named as such, left alone, never a traceback
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    problems = json.loads(run.stdout)["problems"]
+    assert any(f"{(1 << 32) + sealed[-1]}.log is not a file a store writes" in p
+               for p in problems), problems
+    assert os.path.exists(log_path(str(root), (1 << 32) + sealed[-1]))
