@@ -228,3 +228,50 @@ def test_traces_recorded_apart_are_not_spread_over_the_gap(tmp_path: Path) -> No
     assert two["trace"]["span_s"] == pytest.approx(2 * one["trace"]["span_s"], rel=0.05)
     report = summarize([tmp_path / "a.trace", tmp_path / "b.trace"])
     assert two["trace"]["span_s"] == pytest.approx(report["trace"]["span_s"], abs=1e-6)
+
+
+_TRAIN = """
+import sys, time
+import torch
+from torch.utils.data import DataLoader
+import lcache.trace
+from lcache.data import CachedDataset, FileSource, SeedAwareSampler
+ds = CachedDataset(FileSource(sys.argv[1]), sys.argv[2], capacity="4MiB")
+sampler = SeedAwareSampler(ds, seed=0)
+loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=0, collate_fn=list)
+step = 0
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for batch in loader:
+        t0 = lcache.trace.now_ns()
+        time.sleep(0.005)  # the step's compute
+        lcache.trace.record("step", "train", step, 0, "step", t0, lcache.trace.now_ns() - t0, 0)
+        step += 1
+ds.cache.close()
+"""
+
+
+def test_markers_with_reads_ahead_give_the_batch_and_compute(tmp_path: Path) -> None:
+    """The finding (newcomer helper 55): a real CachedDataset loop (its prefetch thread reads
+    the epoch ahead, outside the marked steps) had markers, yet the batch was the median
+    reads between two markers, 0, so no batch: the workload said batch_size 1, a
+    computation_time from the read bandwidth and "no steps in the trace" beside a fit of
+    20 marked steps. The batch is the samples the run's reads (source reads, cache hits,
+    some of two neighbouring records) handed its steps: 2 epochs of 40 in 20 steps of 4."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(40):
+        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * 3000)
+    trace = tmp_path / "train.trace"
+    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", _TRAIN, str(data), str(tmp_path / "cache")],
+                   check=True, env=env, timeout=120)
+    doc = advise(trace)
+    s = doc["fit"]["steps"]
+    assert s["source"] == "markers" and s["count"] == 20, s
+    assert s["batch_samples"] == 4 and s["compute_s"] >= 0.005, s
+    w = doc["workload"]
+    assert w["doc"]["reader"]["batch_size"] == 4
+    assert w["doc"]["train"]["computation_time"] == s["compute_s"]
+    assert not any("no steps" in n for n in w["notes"]), w["notes"]
+    assert doc["fit"]["unfitted"] == []

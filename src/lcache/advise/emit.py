@@ -62,7 +62,11 @@ def _data(fitted: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], ...
     batch = steps["batch_samples"]
     compute = steps["compute_s"]
     threads = 0 if steps["reads_in_training_thread"] else max(1, data.get("threads", 1))
-    if not batch:
+    if not batch and steps["source"]:  # steps, but too few sample reads for a batch
+        batch = 1
+        notes.append(f"batch_size 1: {steps['why']}; computation_time is the fitted compute "
+                     "per step")
+    elif not batch:
         batch = 1
         mbps = data.get("MBps_mean") or 0.0
         compute = ds["record_bytes_mean"] / (mbps * 1e6) if mbps else 0.0

@@ -17,6 +17,7 @@ from lcache.advise.runs import SAMPLE_CLASSES, split_runs
 from lcache.advise.steps import Steps, from_markers, from_rhythm, split_idle
 from lcache.report.load import Trace
 from lcache.report.stats import Timeline, data_mask, event_source, nearest_rank, sequential
+from lcache.store.record import HEADER_SIZE
 
 #: The trace classes behind each group the advice speaks of.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -192,9 +193,11 @@ def fit(trace: Trace) -> dict[str, Any]:
     seq = sequential(trace, data_mask(trace))
     samples = _rows(trace, SAMPLE_CLASSES, "read") & run
     source_reads = _rows(trace, ("data-source",), "read") & run
-    steps = _steps(trace, samples)
+    steps = _steps(trace, samples, run)
     if not steps.source:
         unfitted.append({"what": "steps", "why": steps.why})
+    elif steps.batch_samples is None:
+        unfitted.append({"what": "batch", "why": steps.why})
     groups: dict[str, Any] = {}
     for name, classes in GROUPS.items():
         rows = _rows(trace, classes) & run
@@ -226,15 +229,29 @@ def fit(trace: Trace) -> dict[str, Any]:
     }
 
 
-def _steps(trace: Trace, samples: Mask) -> Steps:
+def _steps(trace: Trace, samples: Mask, run: Mask) -> Steps:
     threads = set(zip(trace.pid[samples].tolist(), trace.tid[samples].tolist(), strict=True))
     # Reads in the process's main thread alone: a loop without reader threads or workers.
     inline = len(threads) == 1 and next(iter(threads))[0] == next(iter(threads))[1]
-    markers = _rows(trace, (MARKER,), MARKER)
+    markers = _rows(trace, (MARKER,), MARKER) & run  # the fitted run's steps, as its reads
     if markers.any():
-        return from_markers(trace.ts_us[markers], trace.dur_us[markers], trace.ts_us[samples],
-                            inline)
+        return from_markers(trace.ts_us[markers], trace.dur_us[markers],
+                            _samples_read(trace, samples), inline)
     if not samples.any():
         return Steps("", why="no data reads to take the training loop's rhythm from")
     return from_rhythm(trace.ts_us[samples], trace.ts_us[samples] + trace.dur_us[samples],
                        inline)
+
+
+def _samples_read(trace: Trace, samples: Mask) -> int:
+    """The samples that ``samples`` (source reads and cache hits) handed the training loop:
+    one a source read; a cache read of neighbouring records (the store reads them in one
+    request) counts the records its bytes hold, at the source's mean sample size plus the
+    record header. Reads of the /dev/shm staging area (class cache-ram) are left out: they
+    read again what a source read or cache hit already counted."""
+    source = samples & _rows(trace, ("data-source",))
+    hits = samples & ~source
+    if not source.any():
+        return int(samples.sum())
+    record = float(trace.size[source].mean()) + HEADER_SIZE
+    return int(source.sum()) + int(np.maximum(1, np.round(trace.size[hits] / record)).sum())

@@ -59,19 +59,26 @@ class Steps:
 
 
 def from_markers(ts_us: npt.NDArray[np.float64], dur_us: npt.NDArray[np.float64],
-                 read_ts_us: npt.NDArray[np.float64], inline: bool) -> Steps:
-    """Steps from marker events (start and compute of each step); ``inline``: the reads are
-    the training thread's own."""
+                 samples: int, inline: bool) -> Steps:
+    """Steps from marker events (start and compute of each step); ``samples``: the samples
+    the run's reads handed its steps; ``inline``: the reads are the training thread's own."""
     order = np.argsort(ts_us)
     ts, dur = ts_us[order], dur_us[order]
     if len(ts) < MIN_STEPS + 1:
         return Steps("", len(ts), why=_too_short(len(ts), None))
     step_s = float(np.median(np.diff(ts))) / 1e6
-    # Reads between one step's start and the next: that step's batch (the first warms up).
-    reads = np.histogram(read_ts_us, bins=np.append(ts, np.inf))[0]
-    batch = int(np.median(reads[1:])) if len(read_ts_us) else None
+    # The batch: the run's sample reads over its steps. Not the reads between two markers:
+    # reader threads and DataLoader workers read ahead, in bursts that need not fall between
+    # the markers of the step that uses them (a prefetcher leaves most steps with none).
+    batch, why = None, ""
+    if samples >= len(ts):
+        batch = round(samples / len(ts))
+    else:
+        why = (f"{samples} samples read (data-source, cache-read) for {len(ts)} step "
+               "markers, fewer than one a step: no batch to fit; trace the loop with lcache "
+               "reading its data")
     return Steps("markers", len(ts), round(step_s, 6), round(float(np.median(dur)) / 1e6, 6),
-                 batch or None, inline)
+                 batch, inline, why=why)
 
 
 def _too_short(steps: int, step_s: float | None) -> str:
