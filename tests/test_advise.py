@@ -275,3 +275,8 @@ def test_markers_with_reads_ahead_give_the_batch_and_compute(tmp_path: Path) -> 
     assert w["doc"]["train"]["computation_time"] == s["compute_s"]
     assert not any("no steps" in n for n in w["notes"]), w["notes"]
     assert doc["fit"]["unfitted"] == []
+    # The readers' arithmetic names the bytes a step takes from the source, not "a batch"
+    # (epoch 2 hit the cache: a batch of 4 samples is more than that)
+    (readers,) = [a for a in doc["advice"] if a["topic"].startswith("reader")]
+    per_step = doc["fit"]["groups"]["data"]["read_bytes"] / 20 / 1e6
+    assert f"a step reads {per_step:,.3f} MB from the data source" in readers["arithmetic"]

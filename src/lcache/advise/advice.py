@@ -106,8 +106,9 @@ def readers(fitted: dict[str, Any]) -> dict[str, Any]:
     depth = threads + 1
     return {"topic": topic, "figure": "read_threads", "value": threads,
             "prefetch_batches": depth,
-            "arithmetic": (f"a batch is {batch_bytes / 1e6:,.3f} MB; one reader thread moved "
-                           f"{thread_Bps / 1e6:,.1f} MB/s, so it reads a batch in "
+            "arithmetic": (f"a step reads {batch_bytes / 1e6:,.3f} MB from the data source "
+                           "(cache hits left out); one reader thread moved "
+                           f"{thread_Bps / 1e6:,.1f} MB/s, so it reads that in "
                            f"{batch_s * 1e3:,.2f} ms; compute per step is "
                            f"{steps['compute_s'] * 1e3:,.2f} ms: ceil({batch_s * 1e3:,.2f} / "
                            f"{steps['compute_s'] * 1e3:,.2f}) = {threads} thread(s) keep up, "
