@@ -141,6 +141,25 @@ def test_every_class_is_reported_with_its_direction() -> None:
         assert c["MBps_needed_no_overlap"] >= c["MBps_needed_overlap"] > 0
 
 
+def test_event_classes_give_their_bytes_amortized_per_step() -> None:
+    """The finding (newcomer helper 55): checkpoint-write showed "per step 0" beside 987.8 GB
+    every 22 steps, read as no traffic. bytes_per_step stays what every step moves (0 for a
+    checkpoint); amortized_bytes_per_step spreads the event over the steps between two."""
+    doc = predict(config_from_preset("llama3-70b")).to_dict()
+    ck, restart = doc["classes"]["checkpoint-write"], doc["classes"]["checkpoint-read"]
+    interval = doc["checkpoint_interval_steps"]
+    assert ck["steps_per_event"] == pytest.approx(interval)
+    assert ck["amortized_bytes_per_step"] == pytest.approx(doc["checkpoint_bytes"] / interval)
+    assert ck["per_node"]["amortized_bytes_per_step"] == pytest.approx(
+        ck["amortized_bytes_per_step"] / doc["nodes"])
+    steps_a_day = 86_400 / doc["step_time_s"]
+    assert restart["amortized_bytes_per_step"] == pytest.approx(
+        doc["checkpoint_bytes"] * doc["config"]["restarts_per_day"] / steps_a_day)
+    data = doc["classes"]["data-read"]
+    assert data["amortized_bytes_per_step"] == data["bytes_per_step"] > 0
+    assert data["steps_per_event"] == pytest.approx(1.0)
+
+
 def test_data_read_bytes_per_step() -> None:
     p = predict(config_from_preset("llama3-8b"))
     data = p.to_dict()["classes"]["data-read"]

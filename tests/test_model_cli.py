@@ -87,6 +87,16 @@ def test_table_prints_sizes_in_both_units_and_a_verdict() -> None:
     assert "verdict:" in out and "keeps up" in out
 
 
+def test_table_shows_checkpoint_bytes_amortized_per_step() -> None:
+    """The finding (newcomer helper 55): the per step row said 0 for checkpoint-write beside
+    987.8 GB per checkpoint every 22 steps; it shows 987.8 GB / 22, and says so."""
+    code, out = _run("llama3-70b")
+    assert code == 0, out
+    row = out[out.index("per step"):out.index("per event")]
+    assert "44.9 GB" in row and "amortized: 1" in row and "per 22 steps" in row, row
+    assert "│                0 │" not in row, row
+
+
 def test_real_subprocess_json() -> None:
     out = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
                          check=True, capture_output=True, text=True, timeout=120).stdout

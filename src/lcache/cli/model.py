@@ -128,7 +128,14 @@ def _print_tables(doc: dict[str, Any]) -> None:
         return both_units(n).replace(" (", "\n(")
 
     row("direction", lambda c: c["direction"])
-    row("per step", lambda c: size(c["bytes_per_step"]))
+    def per_step(c: dict[str, Any]) -> str:
+        if c["event"] == "step":
+            return size(c["bytes_per_step"])
+        # none at most steps: the event's bytes spread over the steps between two events
+        return (f"{size(c['amortized_bytes_per_step'])}\namortized: 1 {c['event']}\nper "
+                f"{c['steps_per_event']:,.0f} steps")
+
+    row("per step", per_step)
     row("per event", lambda c: size(c["bytes_per_event"]) + f"\nper {c['event']}")
     row("per day", lambda c: size(c["bytes_per_day"]))
     row("per node per day", lambda c: size(c["per_node_bytes_per_day"]))

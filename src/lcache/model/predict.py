@@ -41,6 +41,7 @@ class ClassDemand:
         nodes: nodes the bytes are spread over.
         gpus: GPUs the bytes are spread over.
         note: how the bytes are computed.
+        steps_per_day: training steps a day, to spread a class's daily bytes over the steps.
     """
 
     name: str
@@ -55,6 +56,7 @@ class ClassDemand:
     nodes: int
     gpus: int
     note: str = ""
+    steps_per_day: float = 0.0
 
     @property
     def bytes_per_event(self) -> float:
@@ -69,8 +71,13 @@ class ClassDemand:
         write_day = self.write_bytes_per_event * self.events_per_day
         step = self.per_step
 
+        # A class that happens per checkpoint or restart moves nothing at most steps; spread
+        # over the steps, its daily bytes are what it costs a step on average.
+        amortized = per_day / self.steps_per_day if self.steps_per_day else 0.0
+
         def split(n: int) -> dict[str, float]:
             return {"bytes_per_step": self.bytes_per_event / n if step else 0.0,
+                    "amortized_bytes_per_step": amortized / n,
                     "bytes_per_event": self.bytes_per_event / n,
                     "read_bytes_per_day": read_day / n, "write_bytes_per_day": write_day / n,
                     "bytes_per_day": per_day / n}
@@ -83,6 +90,9 @@ class ClassDemand:
             "bytes_per_step": self.bytes_per_event if step else 0.0,
             "read_bytes_per_step": self.read_bytes_per_event if step else 0.0,
             "write_bytes_per_step": self.write_bytes_per_event if step else 0.0,
+            "amortized_bytes_per_step": amortized,
+            "steps_per_event": (self.steps_per_day / self.events_per_day
+                                if self.events_per_day else None),
             "bytes_per_event": self.bytes_per_event,
             "read_bytes_per_event": self.read_bytes_per_event,
             "write_bytes_per_event": self.write_bytes_per_event,
@@ -248,7 +258,8 @@ def _predict(cfg: TrainingConfig) -> Prediction:
     interval_s = interval * step_s
     memory = _memory(cfg, params)
     stall = cfg.max_stall_fraction
-    common = {"nodes": cfg.nodes, "gpus": cfg.gpus}
+    common: dict[str, Any] = {"nodes": cfg.nodes, "gpus": cfg.gpus,
+                              "steps_per_day": steps_per_day}
 
     token_b = cfg.bytes_per_token or f.token_bytes_for_vocab(m.vocab)
     opt_b = f.optimizer_bytes_per_param(cfg.master_dtype, cfg.optimizer_state_dtype)
