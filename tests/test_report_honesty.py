@@ -166,3 +166,27 @@ def test_the_page_runs_only_its_own_script(tmp_path: Path) -> None:
     (script,) = re.findall(r"<script>(.*?)</script>", page, re.S)
     digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
     assert f"script-src 'sha256-{digest}'" in policy[1]
+
+
+def test_a_share_above_one_is_not_a_percentage(tmp_path: Path) -> None:
+    """The finding (newcomer helper 55): the quick start's job wrote 8 MiB the devices had
+    not yet written back when the trace ended (0.2 MiB), and the report said "the traced job
+    made 102400.0% of the devices' traffic (the rest is other jobs' or the kernel's)". Above
+    1 the share is said to be no share, with why; below, a percentage as before. A trace of
+    no lcache.io events says what the table counts instead of a bare "0 events"."""
+    over = _write(tmp_path / "over.trace", [
+        _proc(0.0, 0), _proc(1e6, 8 * M), _disk(0.0, 0, 0), _disk(1e6, 512, 1)])
+    run = run_lcache("report", str(over), "-o", "over.html", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    page = (tmp_path / "over.html").read_text()
+    for text in (" ".join(run.stdout.split()), page):
+        assert "written back after the trace ended" in text and "cannot be told" in text
+        assert "% of the devices" not in text and "the rest is other" not in text
+    assert "no I/O events: the table counts lcache.io operations" in " ".join(
+        run.stdout.split())
+    half = _write(tmp_path / "half.trace", [
+        _op(0.0, 0), _proc(0.0, 0), _proc(1e6, M), _disk(0.0, 0, 0), _disk(1e6, 4096, 2)])
+    run = run_lcache("report", str(half), "-o", "half.html", cwd=tmp_path)
+    assert "made 50.0% of the devices' traffic" in " ".join(run.stdout.split())
+    assert "made 50.0% of the devices" in (tmp_path / "half.html").read_text()
+    assert "no I/O events" not in run.stdout

@@ -9,7 +9,7 @@ from typing import Any
 
 from lcache.io import atomic_write
 from lcache.report.load import Trace, load
-from lcache.report.stats import summarize_trace, unfinished_note
+from lcache.report.stats import summarize_trace, traffic_sentence, unfinished_note
 
 PathLike = str | os.PathLike[str]
 
@@ -106,6 +106,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                       f"{c['lat_p50_us']:,.0f}/"
                       + ("-" if c["lat_p99_us"] is None else f"{c['lat_p99_us']:,.0f}"))
     Console().print(table)
+    if not summary["trace"]["io_events"] and summary["processes"]:
+        Console().print("no I/O events: the table counts lcache.io operations (and system "
+                        "calls under `lcache trace --syscalls`), not the processes' other "
+                        "file I/O", markup=False, highlight=False, soft_wrap=True)
     note = unfinished_note(summary)
     if note is not None:
         Console().print(f"warning: {note}", style="yellow", markup=False, highlight=False,
@@ -119,4 +123,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         if d["read_bytes"] or d["write_bytes"]:
             Console().print(f"device {dev}: read {d['read_bytes'] / 2**20:,.1f} MiB, "
                             f"wrote {d['write_bytes'] / 2**20:,.1f} MiB, peak "
-                            f"{rate(d['MBps_peak'], 1)} MB/s, {rate(d['IOPS_peak'])} IOPS")
+                            f"{rate(d['MBps_peak'], 1)} MB/s, {rate(d['IOPS_peak'])} IOPS "
+                            "while the trace ran")
+    sentence = traffic_sentence(summary["traced_vs_devices"]) if summary["devices"] else None
+    if sentence is not None:
+        Console().print(sentence, markup=False, highlight=False, soft_wrap=True)

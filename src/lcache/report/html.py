@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from lcache.report.plots import Plot
-from lcache.report.stats import unfinished_note
+from lcache.report.stats import traffic_sentence, unfinished_note
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;
@@ -126,12 +126,9 @@ def render(summary: dict[str, Any], plots: list[Plot]) -> str:
     if summary["devices"]:
         parts.append("<h2>Devices (/proc/diskstats)</h2>")
         tv = summary["traced_vs_devices"]
-        if tv["share"] is not None:
-            parts.append(f'<p class="small">The traced processes made the block layer move '
-                         f'{tv["traced_bytes"]:,} bytes; the devices moved '
-                         f'{tv["device_bytes"]:,} in the same time: the traced job made '
-                         f'{tv["share"]:.1%} of the devices\' traffic (the rest is other '
-                         "jobs' or the kernel's).</p>")
+        sentence = traffic_sentence(tv)
+        if sentence is not None:
+            parts.append(f'<p class="small">{escape(sentence)}</p>')
         cols = ["read_bytes", "write_bytes", "reads", "writes", "MBps_mean", "MBps_peak",
                 "IOPS_mean", "IOPS_peak", "busy_fraction"]
         parts.append(table(["device", *cols], [

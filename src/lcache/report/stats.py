@@ -381,3 +381,19 @@ def _traced_vs_devices(trace: Trace) -> dict[str, Any]:
                  for step in [counter_steps(ts, v, trace.disk_source.get(dev))[1]])
     share = round(traced / device, 4) if device > 0 and trace.proc else None
     return {"traced_bytes": traced, "device_bytes": device, "share": share}
+
+
+def traffic_sentence(tv: dict[str, Any]) -> str | None:
+    """The traced job's part of the devices' traffic (``traced_vs_devices``) in words; a
+    share above 1 is no share: the devices moved less than the job asked of the block layer
+    while the trace ran."""
+    if tv["share"] is None:
+        return None
+    head = (f"The traced processes made the block layer move {tv['traced_bytes']:,} bytes; "
+            f"the devices moved {tv['device_bytes']:,} in the same time")
+    if tv["share"] <= 1:
+        return (f"{head}: the traced job made {tv['share']:.1%} of the devices' traffic (the "
+                "rest is other jobs' or the kernel's).")
+    return (f"{head}, {tv['share']:,.1f} times less: the job's dirty pages were written back "
+            "after the trace ended, or went to a device /proc/diskstats does not list; its "
+            "part of the devices' traffic cannot be told.")
