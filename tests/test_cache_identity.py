@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lcache.data import CachedDataset, RangeSource
+from lcache.data import CachedDataset, ImageFolderSource, RangeSource
 from lcache.data.identity import PROBES, probe_indices
+from lcache.data.warm import warm_cache
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.testing.remote import ThrottledServer
 
@@ -90,6 +91,29 @@ def test_a_change_outside_the_probe_needs_a_fingerprint(tmp_path: Path) -> None:
         CachedDataset(Split(0, odd=unprobed), cache, CAPACITY, fingerprint="v2")
     with pytest.raises(ConfigError, match="its name differ"):
         CachedDataset(Split(0), cache, CAPACITY, fingerprint="v1", name="val")
+
+
+def test_a_warmed_cache_opened_as_an_image_folder_names_both_kinds(tmp_path: Path) -> None:
+    for label in ("cat", "dog"):
+        _files(tmp_path / "imgs" / label, 3, seed=len(label))
+        for f in (tmp_path / "imgs" / label).iterdir():
+            f.rename(f.with_suffix(".jpg"))
+    cache = tmp_path / "cache"
+    warm_cache(str(tmp_path / "imgs"), str(cache), CAPACITY, show_progress=False)  # files
+    with pytest.raises(ConfigError) as info:
+        CachedDataset(ImageFolderSource(str(tmp_path / "imgs")), cache, CAPACITY)
+    message = str(info.value)
+    assert "caches FileSource " in message and "not ImageFolderSource " in message
+    assert "its kind differs" in message and "warm_cache" in message
+    # warmed through the library as the dataset will open it: every read is a hit
+    shutil.rmtree(cache)
+    source = ImageFolderSource(str(tmp_path / "imgs"))
+    figures = warm_cache(source, str(cache), CAPACITY, show_progress=False)
+    assert figures["fetched_samples"] == 6
+    ds = CachedDataset(ImageFolderSource(str(tmp_path / "imgs")), cache, CAPACITY)
+    before = _fetches(ds)  # the warm's
+    assert [ds[i][1] for i in range(6)] == [0, 0, 0, 1, 1, 1] and _fetches(ds) == before
+    ds.cache.close()
 
 
 def test_probe_reads_tens_of_items_spread_over_the_dataset() -> None:

@@ -209,7 +209,8 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tuple[str, ...],
          as_json: bool) -> None:
-    """Fetch SOURCE's samples (in path order) into the cache until it is full."""
+    """Fetch SOURCE's files (in path order) into the cache until it is full: a cache of
+    plain files, as CachedDataset(SOURCE, ...) opens it (docs/cache.md)."""
     from lcache.data.sizing import cache_capacity
     from lcache.data.warm import warm_cache
 

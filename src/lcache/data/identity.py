@@ -132,7 +132,7 @@ def _digest(data: bytes) -> str:
 def _describe(doc: dict[str, Any]) -> str:
     extra = "".join(f", {k} {doc[k]!r}" for k in ("location", "name", "fingerprint")
                     if doc.get(k))
-    return f"{doc.get('source')!r} ({doc.get('samples')} samples{extra})"
+    return f"{doc.get('kind')} {doc.get('source')!r} ({doc.get('samples')} samples{extra})"
 
 
 def read_cache_json(cache_dir: str) -> bytes | None:
@@ -287,6 +287,10 @@ class DirectoryIdentity:
         why = ("the contents of its items differ" if differs == ["content"]
                else "its " + ", ".join(differs) + (" differs" if len(differs) == 1
                                                    else " differ"))
+        if "kind" in differs and stored.get("kind") == "FileSource":
+            # what `lcache warm` makes: the user meant this cache, not another dataset
+            why += ("; `lcache warm` fills a cache of plain files (FileSource): warm a cache "
+                    f"for {doc.get('kind')} with lcache.data.warm.warm_cache (docs/cache.md)")
         raise ConfigError(
             f"{self.cache_dir} caches {_describe(stored)}, not {_describe(doc)} ({why}); "
             "use another cache directory (one per dataset and split) or delete it")
