@@ -85,6 +85,62 @@ def test_object_deleted_after_listing(tmp_path: Path) -> None:
     assert ds.stats()["fetches"] == 6
 
 
+def test_a_failed_prefetch_warns_once_naming_samples_of_its_group(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (newcomer helper 55): the warning named the first 4 samples of a group
+    of 16, and the error a sample not among them."""
+    caplog.set_level(logging.WARNING, logger="lcache")
+    data = tmp_path / "data"
+    _make_files(data, 64)
+    ds = CachedDataset(str(data), tmp_path / "cache", CAPACITY)
+    sampler = SeedAwareSampler(ds, seed=0, prefetch_window=64)
+    order = sampler.order(0).tolist()
+    victim = order[12]  # the last of the first group but 3
+    (data / f"s{victim:04d}.bin").unlink()
+    it = iter(sampler)
+    next(it)
+    deadline = time.monotonic() + 10
+    while not any("prefetching" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the prefetcher did not warn"
+        time.sleep(0.01)
+    it.close()
+    warned = [r.getMessage() for r in caplog.records if "prefetching" in r.getMessage()]
+    assert len(warned) == 1 and f"sample {victim} " in warned[0]
+    named = warned[0].split("prefetching samples ")[1].split(" failed")[0]
+    assert str(victim) in named.split(", ")
+    ds.cache.close()
+
+
+def test_closing_the_cache_or_exiting_stops_the_prefetcher_without_a_word(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (newcomer helper 55): a cache closed while the prefetcher had fetches in
+    flight, or the interpreter exiting with the sampler's generator open, warned "prefetching
+    samples [...] failed (... closed / cannot schedule new futures after interpreter
+    shutdown)"."""
+    caplog.set_level(logging.WARNING, logger="lcache")
+    _make_files(tmp_path / "data", 64)
+    with ThrottledServer(str(tmp_path), latency=0.2) as server:
+        url = server.url + "/data/"
+        ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
+        it = iter(SeedAwareSampler(ds, seed=0))
+        ds[next(it)]
+        ds.cache.close()  # fetches in flight: they end after it
+        time.sleep(0.5)
+        it.close()
+    _make_files(tmp_path / "local", 200)
+    script = (f"from lcache.data import CachedDataset, SeedAwareSampler\n"
+              f"ds = CachedDataset({str(tmp_path / 'local')!r}, {str(tmp_path / 'cache2')!r}, "
+              "'16MiB')\n"
+              "it = iter(SeedAwareSampler(ds, seed=0))\n"
+              "ds[next(it)]\n"
+              "print('exiting')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=120)
+    assert out.returncode == 0 and out.stdout == "exiting\n", out.stderr
+    assert "prefetching" not in out.stderr, out.stderr
+    assert not [r.getMessage() for r in caplog.records if "prefetching" in r.getMessage()]
+
+
 def test_object_deleted_after_http_listing(tmp_path: Path) -> None:
     files = _make_files(tmp_path / "data", 4)
     with ThrottledServer(str(tmp_path)) as server:

@@ -474,6 +474,11 @@ class SampleCache:
         with contextlib.suppress(Exception):
             self.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (a closed cache cannot be used again)."""
+        return self._closed
+
     def close(self) -> None:
         """Close the stores; remove the staging area if no other process uses it. A closed
         cache cannot be used again (its directory may be opened for another listing)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +29,21 @@ from lcache.data.cache import SampleCache
 log = logging.getLogger("lcache")
 GROUP = 16  # samples per prefetch_many: with 2 threads, 32 requests in flight
 IDLE_WAIT = 0.05  # seconds: the longest a missed wake-up can delay the prefetcher
+
+
+_LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """At interpreter exit, before ``concurrent.futures`` refuses new work: a prefetcher
+    whose sampler was never closed stops, rather than failing its fetch in flight."""
+    for prefetcher in list(_LIVE):
+        prefetcher._stopped = True
+
+
+# Private, but the hook concurrent.futures itself uses: atexit functions run only after
+# threading has joined the executors' workers, too late to stop a fetch in flight.
+getattr(threading, "_register_atexit", lambda f: None)(_stop_all)
 
 
 def consecutive_groups(positions: list[int], group: int) -> list[list[int]]:
@@ -94,6 +110,7 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lcache-prefetch")
         self._thread = threading.Thread(target=self._run, name="lcache-prefetcher", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def advance(self, position: int) -> None:
         """The reader is at ``position`` of the order (called for every sample: cheap unless
@@ -138,7 +155,7 @@ class Prefetcher:
                             break
                         self._wake_at = ahead + 1 if ahead >= reader else -1
                     self._cv.wait(IDLE_WAIT)
-                if self._stopped or self._next >= len(groups):
+                if self._stopped or self._next >= len(groups) or self.cache.closed:
                     return
                 group = [p for p in groups[self._next] if p > self._reader]
                 size = sum(int(self._sizes[self._samples[p]]) for p in group)
@@ -170,10 +187,16 @@ class Prefetcher:
                         self._staged.append((sample, nbytes))
                         self._staged_bytes += nbytes
         except Exception as exc:  # the reader fetches them again and raises there
+            if self._stopped or self.cache.closed:
+                self._stopped = True  # closed under us (or exiting): stop without a word
+                return
             self._failures += 1
             if self._failures == 1:
+                samples = sorted(self._samples[p] for p in group)
+                named = ", ".join(map(str, samples[:16])) + \
+                    (f", ... ({len(samples)} in all)" if len(samples) > 16 else "")
                 log.warning("lcache: prefetching samples %s failed (%r); readers will fetch "
-                            "on demand", [self._samples[p] for p in group[:4]], exc)
+                            "them on demand", named, exc)
         finally:
             with self._cv:
                 self._inflight -= 1
