@@ -166,6 +166,24 @@ def _halves(data: Path, files: list[bytes]) -> tuple[list[str], list[str]]:
     return names[:half], names[half:]
 
 
+def test_closing_the_dataset_releases_the_directory_to_another_split(tmp_path: Path) -> None:
+    """The finding (newcomer helper 55): CachedDataset had no close(), only ds.cache.close()."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    files = _files(data, 20)
+    train, val = _halves(data, files)
+    with CachedDataset(str(data), cache, CAPACITY, files=train) as a:
+        assert a[0] == files[0]
+        staging = a.cache.staging_dir
+        assert os.path.isdir(staging)
+    assert not os.path.exists(staging)  # its /dev/shm staging area went with it
+    with pytest.raises(ConfigError, match="was closed"):
+        a[1]
+    b = CachedDataset(str(data), cache, CAPACITY, files=val)  # the other split is welcome
+    assert b[0] == files[10]
+    b.close()
+    b.close()  # twice: nothing more to do
+
+
 def test_two_splits_open_at_once_are_refused_while_the_other_is_open(tmp_path: Path) -> None:
     data, cache = tmp_path / "data", tmp_path / "cache"
     files = _files(data, 20)

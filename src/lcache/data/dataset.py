@@ -118,6 +118,18 @@ class CachedDataset:
         ``stats()``."""
         return self.cache.stats(since)
 
+    def close(self) -> None:
+        """Close the cache (``self.cache.close()``): its stores are sealed, its directory's
+        hold is released (another listing may open it) and its staging area is removed if
+        no other process uses it. The dataset cannot be read again: make it again."""
+        self.cache.close()
+
+    def __enter__(self) -> CachedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
     """Whether ``fn`` takes a keyword argument ``name`` (named, or through ``**kwargs``)."""
