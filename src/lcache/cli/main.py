@@ -178,17 +178,22 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
     from lcache.data.shared import SharedCounters
 
     counters = SharedCounters(os.path.join(directory, "counters.bin")).totals()
+    # as ds.stats() gives them: the fetches a reader waited for (not warm's or prefetches)
+    counters["demand_misses"] = counters["fetches"] - counters["prefetched"]
     accesses = counters["accesses"]
     store = _store_summary(os.path.join(directory, "store"))
     doc = {
         "source": source["source"], "samples": source["samples"],
-        "hit_ratio": round(1 - counters["fetches"] / accesses, 4) if accesses else None,
+        # null before any read (a cache only warmed); 0 when fetches exceed accesses
+        "hit_ratio": round(max(0.0, 1 - counters["fetches"] / accesses), 4) if accesses
+        else None,
         "counters": counters, "store": store,
     }
     if as_json:
         _emit_json(doc)
         return
-    head = {"source": doc["source"], "samples": doc["samples"], "hit_ratio": doc["hit_ratio"],
+    head = {"source": doc["source"], "samples": doc["samples"],
+            "hit_ratio": "no reads yet" if doc["hit_ratio"] is None else doc["hit_ratio"],
             "capacity": store["capacity"], "bytes_on_disk": store["bytes_on_disk"],
             "cached samples": store["live_keys"]}
     console.print(_table(f"lcache sample cache {directory}", head))
