@@ -6,6 +6,7 @@ files). The ranges still hold every published DLIO and MLPerf Storage workload."
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +333,24 @@ def test_files_that_make_no_full_batch_are_refused_before_any_is_generated(
     with pytest.raises(ConfigError, match=words):
         run_workload(w, BenchOptions(show_progress=False))
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*.npz"))
+
+
+def test_a_run_without_generating_refused_for_its_files_leaves_no_folder(
+        tmp_path: Path) -> None:
+    """The finding (newcomer helper 55): without generate_data, missing files or files that
+    make no full batch were refused only after the output and checkpoint folders were made,
+    and those were left behind empty."""
+    made = tiny(tmp_path, workflow={"generate_data": True, "train": False})
+    run_workload(parse_workload(made), BenchOptions(show_progress=False))  # 4 files
+    for name in ("out", "ckpt"):
+        shutil.rmtree(tmp_path / name, ignore_errors=True)
+    for sections, words in (({"dataset": {"num_files_train": 8}}, "holds 4 npz files"),
+                            ({"reader": {"batch_size": 5}}, "make no full batch of 5")):
+        doc = tiny(tmp_path, workflow={"generate_data": False, "train": True,
+                                       "checkpoint": True}, **sections)
+        with pytest.raises(ConfigError, match=words):
+            run_workload(parse_workload(doc), BenchOptions(show_progress=False))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
 @pytest.mark.parametrize(("section", "key", "value"), [

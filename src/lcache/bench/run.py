@@ -224,6 +224,7 @@ class _Run:
         self.ck_io: ckpt.CheckpointIO | None = None
         self.saved: list[str] = []
         self.dataset_bytes = 0
+        self.files: dict[str, list[str]] = {}  # listed before the run: split -> files
         if w.on_s3 and (opts.drop_cache or self.direct):
             self.notes.append("--drop-cache and O_DIRECT do not apply to S3 reads")
 
@@ -239,7 +240,10 @@ class _Run:
         # folders that exist are checked first, then the room, then the others are made.
         _owned_dirs([d for d in dirs if os.path.lexists(d[0])])
         _check_room(w, comm.world, self.data_dir, self.ck_dir, self.generate)
-        if self.generate and w.do_train:  # before minutes of generating, not after
+        if w.do_train:  # before minutes of generating, and before a folder is made
+            if not self.generate:  # the files are there (a refused run left empty folders)
+                self.files = {split: datagen.list_files(w, self.data_dir, split) for split in
+                              ("train", "valid") if split == "train" or w.do_eval}
             _check_batches(w, comm.world, w.num_files_train)
         _owned_dirs([d for d in dirs if not os.path.lexists(d[0])])
         start = _now()
@@ -318,7 +322,7 @@ class _Run:
     # ------------------------------------------------------------------ training
     def _train(self) -> None:
         w, comm, opts = self.w, self.comm, self.opts
-        files = datagen.list_files(w, self.data_dir)
+        files = self.files.get("train") or datagen.list_files(w, self.data_dir)
         steps = steps_per_epoch(w, comm.world, len(files))
         _check_batches(w, comm.world, len(files))
         if w.total_training_steps > max_steps(w, comm.world, len(files)):
@@ -328,7 +332,8 @@ class _Run:
         reader = self._reader(files)
         eval_reader = None
         if w.do_eval:
-            eval_files = datagen.list_files(w, self.data_dir, "valid")
+            eval_files = self.files.get("valid") or datagen.list_files(w, self.data_dir,
+                                                                        "valid")
             eval_reader = self._reader(eval_files)
         traffic = StepTraffic(self.ck_dir, comm.rank, opts.step_io) if opts.step_io else None
         rng = np.random.default_rng([w.seed, comm.rank])
