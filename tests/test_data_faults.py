@@ -337,6 +337,20 @@ def test_a_capacity_typo_is_refused_before_the_source_is_listed(tmp_path: Path) 
         assert not server.paths, server.paths
 
 
+def test_small_segments_fit_the_capacity_the_cache_allows(tmp_path: Path) -> None:
+    """The finding (attack helper 59): 8 KiB segments at 400 KB to 1 MB passed the cache's
+    own minimum, then the store refused: its writers were counted from the whole capacity,
+    the indexes' room aside, and "raise capacity" did not help until about 1.06 MiB."""
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(300):
+        (root / f"{i:03d}.bin").write_bytes(bytes([i % 256]) * 2034)
+    for capacity in (400_000, 900_000):
+        with CachedDataset(str(root), tmp_path / f"c{capacity}", capacity,
+                           segment_size="8KiB") as ds:
+            assert ds[7] == bytes([7]) * 2034
+
+
 def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ConfigError) as info:

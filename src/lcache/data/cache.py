@@ -59,7 +59,7 @@ from lcache.io import atomic_write, close_file, private_dir
 from lcache.io.files import open_owned, open_regular
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
-from lcache.store.layout import foreign_entries, load_config
+from lcache.store.layout import foreign_entries, index_floor, load_config
 from lcache.store.record import HEADER_SIZE
 from lcache.store.segment import list_segments
 
@@ -426,7 +426,10 @@ class SampleCache:
             self._store = Store.open(
                 os.path.join(self.cache_dir, "store"), capacity=self.main_capacity,
                 segment_size=self.segment_size, policy="planned",
-                max_writers=min(MAX_WRITERS, self.main_capacity // self.segment_size - 2),
+                # two segments short of what the capacity holds beside the indexes' room (a
+                # count from the whole capacity left an 8 KiB-segment store under its minimum)
+                max_writers=min(MAX_WRITERS, (self.main_capacity - index_floor(
+                    self.main_capacity)) // self.segment_size - 2),
                 sync="never", direct_writes=False)
 
     def _hold_staging(self) -> int:
