@@ -269,6 +269,27 @@ def test_s3_cached_dataset_exact_bytes(s3_endpoint: str, s3_objects: dict[str, b
     assert s["source"] == "s3://samples/train/"
 
 
+def test_s3_folder_markers_and_dot_dot_keys_are_left_out_by_name(
+        s3_endpoint: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (attack helper 59): the S3 console's folder marker ``p/dir/`` was listed
+    as the sample ``p/dir``, a key that does not exist, and every epoch failed on it; keys
+    such as ``p/a/../b.bin`` were left out without a word."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("markers")
+    for key, value in (("p/dir/", b""), ("p/dir/in.bin", b"in"), ("p/top.bin", b"top"),
+                       ("p/a/../b.bin", b"b")):
+        fs.pipe_file(f"markers/{key}", value)
+    with caplog.at_level("WARNING", logger="lcache"):
+        ds = CachedDataset("s3://markers/p/", tmp_path / "cache", CAPACITY,
+                           storage_options=_s3_options(s3_endpoint))
+    assert ds.cache.source.paths == ["markers/p/dir/in.bin", "markers/p/top.bin"]
+    assert _read_all(ds) == [b"in", b"top"]
+    assert "1 names under s3://markers/p/ have a '..' part" in caplog.text
+    assert "e.g. markers/p/a/.." in caplog.text  # the prefix that holds b.bin
+
+
 def test_s3_object_rewritten_with_same_size_is_fetched_again(s3_endpoint: str,
                                                              tmp_path: Path) -> None:
     import s3fs

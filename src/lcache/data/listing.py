@@ -127,6 +127,7 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
     sem = asyncio.Semaphore(remote.options.concurrency)
     files: dict[str, dict[str, Any]] = {}
     seen = {root.rstrip("/")}
+    left_out: list[str] = []  # object names no sample may have (a key "a/../b" on S3)
 
     async def visit(folder: str) -> None:
         async with sem:
@@ -137,10 +138,19 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
         below = folder.rstrip("/") + "/"
         subdirs = []
         for entry in entries:
-            name = str(entry["name"]).rstrip("/")
+            raw = str(entry["name"])
+            name = raw.rstrip("/")
             rest = name[len(below):] if name.startswith(below) else ""
             if climbs(rest) or (http and ("?" in rest or "#" in rest)):
+                if not http:  # a real key; in an HTML page, a link to the parent
+                    left_out.append(raw)
                 continue  # "%2e%2e/x" is "../x"; "?C=N;O=D" is the page sorted, not a file
+            if entry.get("type") != "directory" and raw.endswith("/"):
+                # an object store's "folder" marker (the S3 console makes p/dir/): listed as
+                # the file p/dir, which does not exist, it failed every epoch
+                if entry.get("size"):
+                    left_out.append(raw)
+                continue
             if entry.get("type") == "directory":
                 # Only below this folder: an HTML listing also links to parents and siblings.
                 if name.startswith(below) and name not in seen:
@@ -152,6 +162,10 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
         await asyncio.gather(*(visit(d) for d in subdirs))
 
     await visit(root)
+    if left_out:
+        log.warning("lcache: %d names under %s have a '..' part or end in '/' (an object "
+                    "store's key may; a sample's name may not): what they hold is left out, "
+                    "e.g. %s", len(left_out), remote.url, sorted(left_out)[0])
     return files
 
 
