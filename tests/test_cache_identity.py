@@ -19,6 +19,7 @@ import pytest
 
 from lcache.data import CachedDataset, ImageFolderSource, RangeSource
 from lcache.data.identity import PROBES, probe_indices
+from lcache.data.remote import tells_rewrites
 from lcache.data.warm import warm_cache
 from lcache.errors import ConfigError, StorePermissionError
 from lcache.testing.remote import ThrottledServer
@@ -334,7 +335,20 @@ def test_a_listing_versioned_to_the_second_only_is_named(
                 caplog.at_level(logging.WARNING, logger="lcache"):
             ds = CachedDataset(server.url + "/d/", tmp_path / f"cache-{etags}", CAPACITY)
             ds.cache.close()
-        assert ("finer than a second" in caplog.text) is warned, caplog.text
+        assert ("no version finer than a whole second" in caplog.text) is warned, caplog.text
+
+
+def test_nginx_etags_count_whole_seconds() -> None:
+    """The finding (attack helper 54): nginx's default ETag is the modification time in
+    whole seconds and the size, in hex: a same-second same-size rewrite keeps it, and such
+    a server was taken as versioned, without the warning."""
+    modified = "Mon, 07 Dec 2026 02:00:39 GMT"  # 0x6b161347 seconds
+    assert not tells_rewrites(f'ETag="6b161347-b"|Last-Modified={modified}')
+    assert not tells_rewrites(f'ETag=W/"6b161347-b"|Last-Modified={modified}')
+    assert tells_rewrites(f'ETag="6b161348-b"|Last-Modified={modified}')  # not its stamp
+    assert tells_rewrites(f'ETag="d41d8cd98f00b204e9800998ecf8427e"|Last-Modified={modified}')
+    assert tells_rewrites('ETag="6b161347-b"')  # no time to compare: taken as it is
+    assert not tells_rewrites(f"Last-Modified={modified}")
 
 
 def test_directory_of_an_older_lcache_is_dropped(tmp_path: Path,

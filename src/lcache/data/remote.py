@@ -12,10 +12,13 @@ neither timeout nor retries (a blocked local read cannot be interrupted).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import email.utils
 import errno
 import inspect
 import os
 import random
+import re
 import sys
 import time
 import urllib.parse
@@ -107,9 +110,23 @@ def object_version(info: dict[str, Any]) -> str:
 
 def tells_rewrites(version: str) -> bool:
     """Whether an ``object_version`` changes with every rewrite of the same size: it has a
-    field besides whole-second modification times."""
-    return any(field.partition("=")[0] not in COARSE_FIELDS
-               for field in version.split("|") if field)
+    field besides whole-second modification times (nginx's ETag, ``"<mtime>-<size>"`` in
+    hex, is one of them)."""
+    fields = dict(field.partition("=")[::2] for field in version.split("|") if field)
+    return any(name not in COARSE_FIELDS and not _nginx_etag(value, fields)
+               for name, value in fields.items())
+
+
+def _nginx_etag(value: str, fields: dict[str, str]) -> bool:
+    """Whether ETag ``value`` is nginx's default: the Last-Modified seconds and the size."""
+    stamp = re.fullmatch(r'(?:W/)?"?([0-9a-f]+)-[0-9a-f]+"?', value.strip())
+    modified = fields.get("Last-Modified") or fields.get("last_modified")
+    if stamp is None or not modified:
+        return False
+    with contextlib.suppress(TypeError, ValueError, IndexError):
+        seconds = email.utils.parsedate_to_datetime(modified).timestamp()
+        return int(stamp.group(1), 16) == int(seconds)
+    return False
 
 
 def _normal_url(url: str) -> str:
