@@ -291,6 +291,32 @@ def test_kill_9_during_generation_leaves_whole_files_only(tmp_path: Path) -> Non
     assert names == file_names(w)  # complete, and no temp file left
 
 
+def test_generation_and_checkpoints_leave_a_users_tmp_files_alone(tmp_path: Path) -> None:
+    """Only bench's own temp names (NAME.tmpPID of a file it writes there) are swept: a
+    user's notes.tmp434343 in the data or checkpoint folder stays (it was deleted, its
+    number being no live pid; attack helper 60), and a number too large for a pid is a
+    dead writer's, not an OverflowError traceback."""
+    doc = small(tmp_path, dataset={"num_files_train": 4, "format": "indexed_binary"})
+    w = parse_workload(doc)
+    train = tmp_path / "data" / "train"
+    train.mkdir(parents=True)
+    huge = "9" * 30
+    own = [f"{file_names(w)[0]}.tmp{huge}", f"{file_names(w)[1]}.off.idx.tmp{huge}"]
+    users = ["notes.tmp434343", f"big.tmp{huge}", "img.npz.tmp1", "notes.tmp"]
+    for name in own + users:
+        (train / name).write_text("x")
+    generate(w, str(tmp_path / "data"))
+    left = {p.name for p in train.iterdir()}
+    assert set(users) <= left and not set(own) & left
+    folder = tmp_path / "ckpt" / "global_epoch1_step2"
+    folder.mkdir(parents=True)
+    for name in ("notes.tmp434343", f"model_states-0.pt.tmp{huge}"):
+        (folder / name).write_text("x")
+    io = ckpt.CheckpointIO(str(tmp_path / "ckpt"), ckpt.rank_files(w, 0, 1))
+    io.save("global_epoch1_step2")
+    assert sorted(p.name for p in folder.iterdir()) == ["model_states-0.pt", "notes.tmp434343"]
+
+
 def test_missing_dataset_says_how_to_generate(tmp_path: Path) -> None:
     w = parse_workload(small(tmp_path))
     with pytest.raises(ConfigError, match="generate_data"):

@@ -269,7 +269,9 @@ class CheckpointIO:
         """Write this rank's files of checkpoint ``name``; returns the bytes written."""
         target = os.path.join(self.folder, name)
         os.makedirs(target, mode=0o700, exist_ok=True)
-        sweep_stale_temps(target)  # a rank killed mid-save left its temp files here
+        # this rank killed mid-save left its temp files here (only its own names: the
+        # folder may hold a user's files)
+        sweep_stale_temps(target, (f.name for f in self.files))
         buf = self._buffer()
         for f in self.files:
             path = os.path.join(target, f.name)

@@ -31,7 +31,7 @@ import io
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -46,6 +46,7 @@ IO_CLASS = "data-source"
 _CHUNK = 16 << 20
 _CHECK_MEMORY_FROM = 64 << 20
 _SIZE_CHUNK = 1 << 20  # files whose sides are drawn at a time
+_PID_MAX = 1 << 22  # Linux's highest pid_max: a larger number is no process's
 
 
 def _count(w: Workload, split: str) -> int:
@@ -169,27 +170,39 @@ def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
     return files, written
 
 
-def sweep_stale_temps(folder: str) -> int:
-    """Remove ``NAME.tmpPID`` files whose writer process is gone (killed mid-write).
+def sweep_stale_temps(folder: str, names: Iterable[str]) -> int:
+    """Remove the ``NAME.tmpPID`` files in ``folder`` whose writer process is gone (killed
+    mid-write), for the ``names`` bench itself publishes there only: any other file (a
+    user's ``notes.tmp434343``) is not bench's to delete.
 
     A live writer's temp file is left alone. Returns how many were removed.
     """
+    own = set(names)
     removed = 0
     for entry in os.scandir(folder):
         head, sep, pid = entry.name.rpartition(".tmp")
-        if not sep or not head or not (pid.isascii() and pid.isdigit()) or not entry.is_file():
+        if not sep or head not in own or not (pid.isascii() and pid.isdigit()):
             continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its writer still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
+        if not entry.is_file(follow_symlinks=False) or not _writer_gone(int(pid)):
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
             removed += 1
     return removed
+
+
+def _writer_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs (a number no pid can be, 0 or past the highest pid,
+    counts as gone: os.kill would signal a group, or raise OverflowError)."""
+    if not 0 < pid <= _PID_MAX:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's live process
+    return False
 
 
 def _existing(w: Workload, data_dir: str, split: str) -> set[str]:
@@ -239,6 +252,20 @@ def _made_for_another(w: Workload, root: str, split: str, have: set[str], sizes:
     return None
 
 
+def _published_names(w: Workload, root: str, split: str) -> dict[str, set[str]]:
+    """The names :func:`_publish` gives the split's files (and their index files), by
+    folder: the only temp files (``NAME.tmpPID``) a dead writer of this workload leaves."""
+    out: dict[str, set[str]] = {}
+    index = w.format not in ("npz", "npy", "tfrecord")
+    for i in range(_count(w, split)):
+        folder, name = os.path.split(f"{root}/{file_name(w, split, i)}")
+        names = out.setdefault(folder, set())
+        names.add(name)
+        if index:
+            names.update((name + ".off.idx", name + ".sz.idx"))
+    return out
+
+
 def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: int,
                     sizes: np.ndarray, progress: Callable[[int], None] | None
                     ) -> tuple[int, int]:
@@ -254,9 +281,10 @@ def _generate_split(w: Workload, data_dir: str, split: str, rank: int, world: in
     folders = {root} | {os.path.dirname(f"{root}/{file_name(w, split, i)}")
                         for i in range(min(_count(w, split), _subfolders(w, split)))}
     if not w.on_s3:
+        own = _published_names(w, root, split)
         for folder in sorted(folders):
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            sweep_stale_temps(folder)
+            sweep_stale_temps(folder, own.get(folder, ()))
     files = written = 0
     first = 0 if split == "train" else w.num_files_train  # distinct contents for valid/
 
