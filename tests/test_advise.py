@@ -63,6 +63,60 @@ def test_markers_give_steps_and_compute(tmp_path: Path) -> None:
     assert s["step_s"] == pytest.approx(0.005, rel=1e-3)
 
 
+_RANKS = """
+import os, sys
+import lcache.trace
+MS = 1_000_000
+lcache.trace.enable(sys.argv[1])
+ranks = int(sys.argv[2])
+t0 = lcache.trace.now_ns()
+def loop(rank):
+    t = t0 + rank * 1000  # the ranks step together, 1 us apart
+    for step in range(30):
+        for k in range(4):
+            i = (step * 4 * ranks + rank * 4 + k) % 400
+            lcache.trace.record("read", f"/data/{i:05d}.bin", 0, 65536, "data-source",
+                                t + k * MS // 4, MS // 4, 65536)
+        lcache.trace.record("step", "train", step, 0, "step", t, 9 * MS, 0)
+        t += 10 * MS
+children = []
+for rank in range(1, ranks):
+    pid = os.fork()
+    if pid == 0:
+        loop(rank)
+        lcache.trace.flush()
+        os._exit(0)
+    children.append(pid)
+loop(0)
+for pid in children:
+    os.waitpid(pid, 0)
+lcache.trace.disable()
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ranks_stepping_together_are_fitted_per_rank(tmp_path: Path, ranks: int) -> None:
+    """The finding (attack helper 60): step markers of 2 processes (ranks) in one trace were
+    pooled, 60 steps 1 us apart (the ranks' interleaved markers) with 2 read threads. Each
+    process's markers are its own steps: 30 of 10 ms, a batch of 4 read in the training
+    thread, as one rank gives; the ranks are said, and the workload is a rank's."""
+    trace = tmp_path / "ranks.trace"
+    subprocess.run([sys.executable, "-c", _RANKS, str(trace), str(ranks)], check=True,
+                   env=subprocess_env(), timeout=60)
+    doc = advise(trace)
+    s = doc["fit"]["steps"]
+    assert s["source"] == "markers" and s["count"] == 30, s
+    assert s["step_s"] == pytest.approx(0.010) and s["compute_s"] == pytest.approx(0.009)
+    assert s["batch_samples"] == 4 and s["reads_in_training_thread"], s
+    assert s.get("ranks", 1) == ranks
+    reader = doc["workload"]["doc"]["reader"]
+    assert reader["batch_size"] == 4 and reader["read_threads"] == 0
+    assert any(f"{ranks} ranks stepping together" in n
+               for n in doc["workload"]["notes"]) == (ranks > 1)
+    (readers,) = [a for a in doc["advice"] if a["topic"].startswith("reader")]
+    assert f"a step reads {4 * 65536 / 1e6:,.3f} MB" in readers["arithmetic"]
+
+
 def test_reads_that_never_pause_fit_the_rest(tmp_path: Path) -> None:
     """A read-bound loop shows no step: said, and the dataset and capacity still fitted."""
     doc = _advise(tmp_path, loop(40, 4, period_ms=2, read_ms=2, samples=80))

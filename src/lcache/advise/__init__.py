@@ -35,7 +35,8 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
     """Fit, emit, scale (with ``scale_gpus`` or ``model``), check (with ``storage``) and advise.
 
     ``traced_gpus``: the GPUs (ranks) the traces hold; default one per trace file (as
-    ``lcache bench --trace`` writes them).
+    ``lcache bench --trace`` writes them), or the processes that recorded step markers at
+    once where more.
 
     Returns ``{"fit", "workload": {"doc", "yaml", "notes"}, "scale", "check", "advice",
     "unfitted"}``; writes the advice page to ``html_path``.
@@ -62,7 +63,8 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
     if scale_gpus is not None or model is not None:
         from lcache.advise.scale import scale
 
-        out["scale"] = scale(fitted, scale_gpus, gpus_per_node, traced_gpus or len(names),
+        out["scale"] = scale(fitted, scale_gpus, gpus_per_node,
+                             traced_gpus or max(len(names), fitted["steps"].get("ranks", 1)),
                              t, model)
     if storage is not None:
         from lcache.advise.check import run_check

@@ -98,7 +98,8 @@ def readers(fitted: dict[str, Any]) -> dict[str, Any]:
                 "hide reads behind: " + (steps.get("why") or "")}
     if data is None or not data["read_bytes"]:
         return {"topic": topic, "missing": "no data reads in the trace"}
-    batch_bytes = data["read_bytes"] / max(1, steps["count"])
+    # a rank's step: the count is a rank's, the bytes all ranks'
+    batch_bytes = data["read_bytes"] / max(1, steps["count"] * steps.get("ranks", 1))
     # One thread's rate: bytes over the time the reads were in flight, summed over reads.
     thread_Bps = data["read_bytes"] / max(data["busy_s"], 1e-9)
     batch_s = batch_bytes / thread_Bps

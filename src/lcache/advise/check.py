@@ -46,7 +46,10 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
     steps = fitted["steps"]
     data = fitted["groups"].get("data")
     if w.do_train and data is not None and steps["count"] and w.computation_time > 0:
-        need = data["read_bytes"] / steps["count"] / w.computation_time
+        # the workload is a rank's (one rank runs here): a rank's step reads all ranks'
+        # bytes over the ranks
+        per_step = data["read_bytes"] / (steps["count"] * steps.get("ranks", 1))
+        need = per_step / w.computation_time
         have = m.get("train_io_measured_mean_MB_per_second", 0.0) * 2**20
         au = m.get("train_au_mean_percentage", 0.0) / 100
         classes["data"] = {
@@ -54,7 +57,7 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
             "measured_MBps": round(have / 1e6, 3), "au": round(au, 4),
             "keeps_up": au >= w.au,
             "margin": round(au / w.au, 3),
-            "arithmetic": (f"a step reads {data['read_bytes'] / steps['count'] / 1e6:,.3f} MB "
+            "arithmetic": (f"a step reads {per_step / 1e6:,.3f} MB "
                            f"in {w.computation_time:.4f} s of compute: "
                            f"{need / 1e6:,.1f} MB/s needed; AU {au:.1%} against "
                            f"{w.au:.0%} (margin = AU / target)")}

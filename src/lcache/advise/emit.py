@@ -61,7 +61,15 @@ def _data(fitted: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], ...
     dataset["record_length_bytes"] = max(1, record)
     batch = steps["batch_samples"]
     compute = steps["compute_s"]
-    threads = 0 if steps["reads_in_training_thread"] else max(1, data.get("threads", 1))
+    ranks = steps.get("ranks", 1)
+    # a rank's reader threads: the trace's most at once were all ranks'
+    threads = 0 if steps["reads_in_training_thread"] else max(1, -(-data.get("threads", 1)
+                                                                     // ranks))
+    if ranks > 1:
+        notes.append(f"the trace holds {ranks} ranks stepping together: batch_size, "
+                     "read_threads and the steps are one rank's; run the workload with "
+                     f"{ranks} ranks (torchrun --nproc_per_node {ranks} -m lcache bench run) to "
+                     "load the storage as the traced job did")
     if not batch and steps["source"]:  # steps, but too few sample reads for a batch
         batch = 1
         notes.append(f"batch_size 1: {steps['why']}; computation_time is the fitted compute "

@@ -235,12 +235,21 @@ def _steps(trace: Trace, samples: Mask, run: Mask) -> Steps:
     inline = len(threads) == 1 and next(iter(threads))[0] == next(iter(threads))[1]
     markers = _rows(trace, (MARKER,), MARKER) & run  # the fitted run's steps, as its reads
     if markers.any():
+        stepping = set(np.unique(trace.pid[markers]).tolist())
+        if len(stepping) > 1:  # ranks: each reads in its own training thread, or not
+            inline = all(p == t and p in stepping for p, t in threads)
         return from_markers(trace.ts_us[markers], trace.dur_us[markers],
-                            _samples_read(trace, samples), inline)
+                            _samples_read(trace, samples), inline,
+                            _process(trace)[markers])
     if not samples.any():
         return Steps("", why="no data reads to take the training loop's rhythm from")
     return from_rhythm(trace.ts_us[samples], trace.ts_us[samples] + trace.dur_us[samples],
                        inline)
+
+
+def _process(trace: Trace) -> npt.NDArray[np.int64]:
+    """Per event, its process: the pid within its trace file (two files may hold one pid)."""
+    return event_source(trace).astype(np.int64) * (1 << 32) + trace.pid.astype(np.int64)
 
 
 def _samples_read(trace: Trace, samples: Mask) -> int:

@@ -45,6 +45,7 @@ class Steps:
     inline: bool = False
     prefetch_batches: int | None = None
     why: str = ""
+    ranks: int = 1  # processes that recorded step markers: count and batch are per rank
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -55,30 +56,56 @@ class Steps:
             out["au_estimate"] = round(min(1.0, self.compute_s / self.step_s), 4)
         if self.why:
             out["why"] = self.why
+        if self.ranks > 1:
+            out["ranks"] = self.ranks
         return out
 
 
 def from_markers(ts_us: npt.NDArray[np.float64], dur_us: npt.NDArray[np.float64],
-                 samples: int, inline: bool) -> Steps:
+                 samples: int, inline: bool,
+                 pid: npt.NDArray[np.int64] | None = None) -> Steps:
     """Steps from marker events (start and compute of each step); ``samples``: the samples
-    the run's reads handed its steps; ``inline``: the reads are the training thread's own."""
-    order = np.argsort(ts_us)
-    ts, dur = ts_us[order], dur_us[order]
-    if len(ts) < MIN_STEPS + 1:
-        return Steps("", len(ts), why=_too_short(len(ts), None))
-    step_s = float(np.median(np.diff(ts))) / 1e6
-    # The batch: the run's sample reads over its steps. Not the reads between two markers:
-    # reader threads and DataLoader workers read ahead, in bursts that need not fall between
-    # the markers of the step that uses them (a prefetcher leaves most steps with none).
+    the run's reads handed its steps; ``inline``: the reads are the training thread's own;
+    ``pid``: the process of each marker. Markers are fitted per process: one process's
+    steps follow each other, several processes stepping at once (ranks) do not, so the
+    step is the time between a process's own markers, and the count and the batch are a
+    rank's (the markers over the most processes that stepped at once; a job resumed in a
+    new process counts its steps in both)."""
+    if pid is None:
+        pid = np.zeros(len(ts_us), dtype=np.int64)
+    per_process = [np.sort(ts_us[pid == p]) for p in np.unique(pid)]
+    ranks = _most_at_once([(float(t[0]), float(t[-1])) for t in per_process])
+    count = round(len(ts_us) / ranks)
+    if count < MIN_STEPS + 1:
+        return Steps("", count, why=_too_short(count, None), ranks=ranks)
+    diffs = np.concatenate([np.diff(t) for t in per_process])
+    if not len(diffs):
+        return Steps("", count, why="each process recorded one step marker: no time between "
+                     "two steps of one process to fit", ranks=ranks)
+    step_s = float(np.median(diffs)) / 1e6
+    # The batch: the run's sample reads over its steps (all ranks' over all ranks' markers:
+    # a rank's). Not the reads between two markers: reader threads and DataLoader workers
+    # read ahead, in bursts that need not fall between the markers of the step that uses
+    # them (a prefetcher leaves most steps with none).
     batch, why = None, ""
-    if samples >= len(ts):
-        batch = round(samples / len(ts))
+    if samples >= len(ts_us):
+        batch = round(samples / len(ts_us))
     else:
-        why = (f"{samples} samples read (data-source, cache-read) for {len(ts)} step "
+        why = (f"{samples} samples read (data-source, cache-read) for {len(ts_us)} step "
                "markers, fewer than one a step: no batch to fit; trace the loop with lcache "
                "reading its data")
-    return Steps("markers", len(ts), round(step_s, 6), round(float(np.median(dur)) / 1e6, 6),
-                 batch, inline, why=why)
+    return Steps("markers", count, round(step_s, 6), round(float(np.median(dur_us)) / 1e6, 6),
+                 batch, inline, why=why, ranks=ranks)
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    """Most of the (first, last) spans that overlap at one instant."""
+    edges = sorted([(a, 0) for a, _ in spans] + [(b, 1) for _, b in spans])
+    level = peak = 0
+    for _, end in edges:  # a start before an end at the same instant: they overlap
+        level += -1 if end else 1
+        peak = max(peak, level)
+    return max(1, peak)
 
 
 def _too_short(steps: int, step_s: float | None) -> str:

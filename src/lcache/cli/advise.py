@@ -37,7 +37,8 @@ class _OneLineErrors(click.Command):
                    "and whether optimizer offload fits.")
 @click.option("--gpus-per-node", default="8", show_default=True)
 @click.option("--traced-gpus", default=None, metavar="N",
-              help="GPUs (ranks) the traces hold (default: one per trace file).")
+              help="GPUs (ranks) the traces hold (default: one per trace file, or the "
+                   "processes stepping together where more).")
 @click.option("--storage", default=None, metavar="DIR",
               help="Run the emitted workload in DIR (an existing directory) and say per "
                    "class whether it keeps up.")
