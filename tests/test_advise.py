@@ -334,3 +334,9 @@ def test_markers_with_reads_ahead_give_the_batch_and_compute(tmp_path: Path) -> 
     (readers,) = [a for a in doc["advice"] if a["topic"].startswith("reader")]
     per_step = doc["fit"]["groups"]["data"]["read_bytes"] / 20 / 1e6
     assert f"a step reads {per_step:,.3f} MB from the data source" in readers["arithmetic"]
+    # epoch 2 hit the cache: train.epochs (source reads) is 1, and the YAML says why
+    # (attack helper 60: it said epochs: 1 of a 2-epoch run, silently)
+    assert doc["fit"]["dataset"]["epochs_read"] == 2.0
+    assert w["doc"]["train"]["epochs"] == 1
+    assert ("# note: train.epochs 1 counts the source reads only: cache hits were left out "
+            "of the epochs, and the traced run read 2 epochs") in w["yaml"]

@@ -88,6 +88,11 @@ def _data(fitted: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], ...
     reader = {"data_loader": "pytorch", "batch_size": batch, "read_threads": threads,
               "prefetch_size": max(threads, steps.get("prefetch_batches") or 0) or 2}
     epochs = max(1, round(ds["epochs_seen"]))
+    traced = round(ds.get("epochs_read", ds["epochs_seen"]))
+    if traced > epochs:
+        notes.append(f"train.epochs {epochs} counts the source reads only: cache hits were "
+                     f"left out of the epochs, and the traced run read {traced} epochs of "
+                     "samples (source reads and cache hits)")
     train = {"epochs": epochs, "computation_time": round(compute or 0.0, 6)}
     return dataset, reader, train
 

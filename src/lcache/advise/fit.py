@@ -211,6 +211,8 @@ def fit(trace: Trace) -> dict[str, Any]:
                          "cache-read) in the trace: dataset, batch and reader threads cannot "
                          "be fitted; trace the training loop, with lcache reading its data"})
     dataset = _dataset(trace, source_reads)
+    if dataset is not None:  # the epochs the loop was handed, cache hits too
+        dataset["epochs_read"] = round(_samples_read(trace, samples) / dataset["samples"], 3)
     generated = _rows(trace, ("data-source",), "write") & run & data_mask(trace)
     if dataset is not None and generated.any():
         dataset["generated_bytes"] = int(np.where(trace.result[generated] > 0,
