@@ -86,6 +86,38 @@ if __name__ == "__main__":
     assert all(m[0] == "start" and m[-1].startswith("end/") for m in markers.values())
 
 
+def test_spawn_pool_workers_ended_by_terminate_flush_their_events(tmp_path: Path) -> None:
+    """Attack helper 60: a spawn child imports lcache while it loads its main module, and
+    its bootstrap runs no after-fork hook, so it had neither the Finalize nor the SIGTERM
+    handler: 800 reads of ``with spawn Pool`` were lost, and report refused the trace."""
+    out, events = _run(tmp_path, READS + """
+import multiprocessing as mp, time
+
+def init(b, d):
+    global both, done
+    both, done = b, d
+
+def work(n):
+    both.wait(60)  # one task per worker
+    reads(n)
+    done.release()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    b, d = ctx.Barrier(2), ctx.Semaphore(0)
+    with ctx.Pool(2, initializer=init, initargs=(b, d)) as pool:
+        pool.map_async(work, [100, 100], chunksize=1)
+        assert d.acquire(timeout=60) and d.acquire(timeout=60)
+""")
+    assert out.returncode == 0, out.stderr
+    reads_ = _reads(events)
+    assert len(reads_) == 200 and len({e["pid"] for e in reads_}) == 2
+    markers = _markers(events)
+    assert len(markers) == 3
+    assert all(m[0] == "start" and m[-1].startswith("end/") for m in markers.values())
+
+
 CHILD = """
 import multiprocessing as mp, signal, time
 ctx = mp.get_context("fork")

@@ -68,6 +68,7 @@ class Recorder:
         self._start()
 
     def _start(self) -> None:
+        self._ended = False
         # Written now, not at the first flush: a process killed before its first flush still
         # shows that it recorded, and so that its events may be missing.
         self.writer.write_lines([*process_metadata(self.pid, _process_name(), os.getppid()),
@@ -152,7 +153,9 @@ class Recorder:
         """Flush, then write the end marker: nothing of this process is left unwritten."""
         self.flush(tidy)
         with self._flush_lock:
-            if self.writer.fd >= 0:
+            # once: a multiprocessing child's Finalize and then its atexit both end it
+            if self.writer.fd >= 0 and not self._ended:
+                self._ended = True
                 self.writer.write_lines([_marker(self.pid, "end", how)])
 
     def flush_from_signal_handler(self, how: str | None) -> None:
@@ -364,11 +367,18 @@ def _register_once() -> None:
     atexit.register(_at_exit)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     # multiprocessing children (DataLoader workers) end with os._exit, after running their
-    # Finalize hooks but not atexit; the child's bootstrap clears the finalizers inherited
+    # Finalize hooks but not atexit; a forked child's bootstrap clears the finalizers inherited
     # from the parent and then runs its after-fork hooks, so register the flush from there.
+    import multiprocessing.process as mp_process
     import multiprocessing.util as mp_util
 
     mp_util.register_after_fork(_FORK_HOOK, _register_multiprocessing_finalizer)
+    # A spawn or forkserver child imports lcache while it unpickles its main module or task,
+    # and its bootstrap runs no after-fork hook (SpawnProcess._after_fork does nothing); a
+    # child that imports lcache after its bootstrap has run them already. Either way, now.
+    if (mp_process.parent_process() is not None
+            or getattr(mp_process.current_process(), "_inheriting", False)):
+        _register_multiprocessing_finalizer(None)
 
 
 def _at_exit() -> None:
@@ -394,7 +404,7 @@ def _install_sigterm_handler() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may install handlers; spawned children still do
     prior = signal.getsignal(signal.SIGTERM)
-    if prior is signal.SIG_IGN or prior is None:
+    if prior is _on_sigterm or prior is signal.SIG_IGN or prior is None:
         return  # ignored: the process does not die of it; None: a handler set in C, kept
     _prior_sigterm = prior
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -443,10 +453,17 @@ class _ForkHook:
 _FORK_HOOK = _ForkHook()
 
 
+_finalizer: object = None  # our multiprocessing.util.Finalize, once registered
+
+
 def _register_multiprocessing_finalizer(_: object) -> None:
+    global _finalizer
     import multiprocessing.util as mp_util
 
-    mp_util.Finalize(None, _at_exit, exitpriority=-100)
+    # Once: registered at import and again by a bootstrap that runs the after-fork hooks
+    # (Python 3.10 also does in spawn children), the flush must not run twice.
+    if not (isinstance(_finalizer, mp_util.Finalize) and _finalizer.still_active()):
+        _finalizer = mp_util.Finalize(None, _at_exit, exitpriority=-100)
     _install_sigterm_handler()
 
 
