@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lcache.report.load import json_lines
+from lcache.report.load import json_lines, load
 
 
 def _run(tmp_path: Path, code: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
@@ -195,3 +195,6 @@ os.kill(os.getpid(), __import__("signal").SIGKILL)
     assert out.returncode == -signal.SIGKILL
     assert _reads(events) == []  # lost, and the markers say so
     assert list(_markers(events).values()) == [["start"]]
+    # a trace of nothing but that start marker is read, with the note, not refused
+    trace = load(str(tmp_path / "t.trace"))
+    assert len(trace) == 0 and [pid for _, pid in trace.unfinished] == list(_markers(events))
