@@ -658,3 +658,19 @@ def test_tracing_appends_only_to_a_trace(tmp_path: Path) -> None:
         starts = [e for e in _events(trace) if e.get("name") == "recorder"
                   and e["args"]["state"] == "start"]
         assert len(starts) == (1 if name == "empty.trace" else 2), name
+
+
+def test_tracing_refuses_a_fifo_or_a_device(tmp_path: Path) -> None:
+    """Attack helper 60: enable() or LCACHE_TRACE naming a FIFO was accepted, and the job
+    hung once its events filled the pipe's buffer; a device or socket is no trace either."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):
+        with pytest.raises(lcache.ConfigError, match=f"{path} is a .*not a regular file"):
+            lcache.trace.enable(path)
+        assert not lcache.trace.enabled()
+    env = dict(subprocess_env(), LCACHE_TRACE=str(fifo))
+    run = subprocess.run([sys.executable, "-c", "import lcache"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr.count("\n") == 1, run.stderr
+    assert f"{fifo} is a FIFO, not a regular file" in run.stderr

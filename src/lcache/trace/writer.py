@@ -48,15 +48,21 @@ _HEAD_BYTES = 64 * 1024
 
 
 def check_trace_file(fd: int, path: str, verb: str) -> int:
-    """The size of the file open at ``fd``, or a ConfigError when it is a regular file that
-    is neither empty nor an lcache trace. Every trace starts with the ``process_name`` line
-    :func:`process_metadata` writes (``"lcache_trace": 1`` in its args), plain or as the
-    start of a gzip member: a trace is only ever appended to or replaced, never another file
-    (a script named at ``-o`` or ``LCACHE_TRACE`` by mistake). ``verb`` says which, in the
-    message."""
+    """The size of the file open at ``fd``, or a ConfigError when it is not a regular file
+    (a FIFO would hang the job once its buffer is full; a device or socket is no trace), or
+    is a regular file that is neither empty nor an lcache trace. Every trace starts with the
+    ``process_name`` line :func:`process_metadata` writes (``"lcache_trace": 1`` in its
+    args), plain or as the start of a gzip member: a trace is only ever appended to or
+    replaced, never another file (a script named at ``-o`` or ``LCACHE_TRACE`` by mistake).
+    ``verb`` says which, in the message."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-        return st.st_size  # a device or FIFO is not read (the CLI refuses them before)
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket"
+                if stat.S_ISSOCK(st.st_mode) else "a device or other special file")
+        raise ConfigError(f"{path} is {kind}, not a regular file, and tracing only {verb} "
+                          "a trace file; choose a file path")
+    if st.st_size == 0:
+        return 0
     head = os.pread(fd, _HEAD_BYTES, 0)
     if head[:2] == b"\x1f\x8b":
         try:
