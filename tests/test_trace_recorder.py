@@ -674,3 +674,21 @@ def test_tracing_refuses_a_fifo_or_a_device(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stderr.count("\n") == 1, run.stderr
     assert f"{fifo} is a FIFO, not a regular file" in run.stderr
+
+
+def test_a_trace_is_appended_to_in_its_own_format(tmp_path: Path) -> None:
+    """Attack helper 60: the format came from the suffix alone, so a gzip trace renamed
+    without .gz got plain lines appended (or the reverse), and no line of it could be read."""
+    for first, second in (("a.trace.gz", "a.trace"), ("b.trace", "b.trace.gz")):
+        lcache.trace.enable(str(tmp_path / first))
+        lcache.trace.record("read", "/x", 0, 10, "data-source", lcache.trace.now_ns(), 5, 10)
+        lcache.trace.disable()
+        os.rename(tmp_path / first, tmp_path / second)
+        lcache.trace.enable(str(tmp_path / second))
+        lcache.trace.record("read", "/y", 0, 20, "data-source", lcache.trace.now_ns(), 5, 20)
+        lcache.trace.disable()
+        assert sorted(e["args"]["size"] for e in _io(_events(tmp_path / second))) == [10, 20]
+    for compress in (True, False):  # nor does compress= mix formats in one file
+        lcache.trace.enable(str(tmp_path / "b.trace.gz"), compress=compress)
+        lcache.trace.disable()
+        assert len(_io(_events(tmp_path / "b.trace.gz"))) == 2

@@ -110,6 +110,9 @@ class TraceWriter:
                 self.fd = -1
                 os.unlink(self.path)
                 self.fd = os.open(self.path, flags | os.O_EXCL, 0o600)
+            elif size:  # appended in the file's own format, whatever its name or `compress`:
+                # a plain line after gzip members (or the reverse) made the whole file unreadable
+                self.compress = os.pread(self.fd, 2, 0) == b"\x1f\x8b"
         except BaseException:
             self.close()
             raise
