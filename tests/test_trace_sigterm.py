@@ -198,3 +198,40 @@ os.kill(os.getpid(), __import__("signal").SIGKILL)
     # a trace of nothing but that start marker is read, with the note, not refused
     trace = load(str(tmp_path / "t.trace"))
     assert len(trace) == 0 and [pid for _, pid in trace.unfinished] == list(_markers(events))
+
+
+def test_sigterm_during_a_childs_own_flush_waits_for_it(tmp_path: Path) -> None:
+    """The finding (helper 61): a Pool worker ended while its main thread was flushing (its
+    exit flush) lost those events: the handler could not take the flush's lock, so it wrote
+    nothing and the process died. Here all 300,000 were lost; the flush now finishes, then
+    the process ends by SIGTERM with its end marker."""
+    code = """
+import os, sys, threading, time, signal, multiprocessing as mp
+from lcache import trace
+
+def child(n):
+    t0 = time.perf_counter_ns()
+    for i in range(n):
+        trace.record("read", "/x/data.bin", i * 4096, 4096, "cache-read", t0, 1000, 4096)
+    started = threading.Event()
+
+    def killer():
+        started.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=killer, daemon=True).start()
+    started.set()
+    trace.flush()  # the handler runs while this flush holds its lock
+    time.sleep(30)
+
+if __name__ == "__main__":
+    p = mp.get_context("fork").Process(target=child, args=(300_000,))
+    p.start()
+    p.join(60)
+    print(p.exitcode)
+"""
+    out, events = _run(tmp_path, code)
+    assert out.stdout == f"{-signal.SIGTERM}\n", out.stderr
+    assert len(_reads(events)) == 300_000
+    assert sorted(_markers(events).values()) == [["start", "end/exit"],
+                                                 ["start", "end/sigterm"]]

@@ -64,6 +64,7 @@ class Recorder:
         self._mounts = _mount_table()
         self._flush_lock = threading.Lock()
         self._flushing = 0  # ident of the thread in flush(), 0: none
+        self._deferred_sigterm = False  # a SIGTERM that came while this thread flushed
         self.pid = os.getpid()
         self._start()
 
@@ -100,6 +101,9 @@ class Recorder:
                 self._flush_locked(tidy)
             finally:
                 self._flushing = 0
+        if self._deferred_sigterm:  # it came during this flush (_on_sigterm): now end
+            self._deferred_sigterm = False
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _flush_locked(self, tidy: bool) -> None:
         if self.writer.fd < 0:
@@ -165,7 +169,7 @@ class Recorder:
         lost, the end marker says nothing); the flush thread holds the lock only for one
         ``writev``, so it is waited for."""
         if self._flushing == threading.get_ident():
-            return
+            return  # only by a handler other than _on_sigterm, which defers to the flush
         if not self._flush_lock.acquire(timeout=5.0):
             return
         self._flush_lock.release()
@@ -188,6 +192,7 @@ class Recorder:
         self._written = set()
         self._flush_lock = threading.Lock()
         self._flushing = 0
+        self._deferred_sigterm = False
         self._start()
 
 
@@ -419,9 +424,16 @@ def _on_sigterm(signum: int, frame: object) -> None:
     global _in_sigterm
     if _in_sigterm:
         return
+    rec = _active
+    if rec is not None and rec.pid == os.getpid() and \
+            rec._flushing == threading.get_ident():
+        # this thread was inside flush, holding its lock: waiting would deadlock, and dying
+        # now lost the events being written (a Pool worker ended while its exit flush ran);
+        # the flush sends SIGTERM again when it is done
+        rec._deferred_sigterm = True
+        return
     _in_sigterm = True
     prior = _prior_sigterm
-    rec = _active
     try:
         if rec is not None and rec.pid == os.getpid():
             with contextlib.suppress(Exception):  # whatever happens, the process must end
