@@ -235,3 +235,36 @@ if __name__ == "__main__":
     assert len(_reads(events)) == 300_000
     assert sorted(_markers(events).values()) == [["start", "end/exit"],
                                                  ["start", "end/sigterm"]]
+
+
+def test_persistent_dataloader_workers_alive_at_exit_flush_their_events(
+        tmp_path: Path) -> None:
+    """The finding (helpers 57 and 63): a loader with persistent workers still alive when the
+    program ended lost its workers' events. multiprocessing's exit sends them SIGTERM, and
+    torch's worker handler (installed in C after ours) ends a worker with _exit(0) when its
+    parent sends it: no flush. lcache's dataset now puts the flush back in the worker."""
+    out, events = _run(tmp_path, """
+import os, sys
+from torch.utils.data import DataLoader
+from lcache.data import CachedDataset
+
+root = os.path.join(os.path.dirname(sys.argv[1]), "src")
+os.makedirs(root)
+for i in range(40):
+    with open(os.path.join(root, f"{i:03d}.bin"), "wb") as f:
+        f.write(bytes([i]) * 4096)
+ds = CachedDataset(root, os.path.join(os.path.dirname(sys.argv[1]), "cache"), "16MiB")
+loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                    collate_fn=list)
+for epoch in range(2):
+    assert sorted(b[0] for batch in loader for b in batch) == list(range(40))
+print("done")
+""")
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    markers = _markers(events)
+    assert len(markers) == 3 and all(m == ["start", "end/exit"] or m == ["start", "end/sigterm"]
+                                     for m in markers.values()), markers
+    main = next(p for p, m in markers.items() if m == ["start", "end/exit"])
+    workers = {e["pid"] for e in events if e.get("ph") == "X" and e["pid"] != main}
+    assert len(workers) == 2  # both workers' reads are there

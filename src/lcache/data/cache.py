@@ -62,6 +62,7 @@ from lcache.store.counters import RateLimitedWarning
 from lcache.store.layout import foreign_entries, index_floor, load_config
 from lcache.store.record import HEADER_SIZE
 from lcache.store.segment import list_segments
+from lcache.trace import recorder as _recorder
 
 log = logging.getLogger("lcache")
 
@@ -395,6 +396,7 @@ class SampleCache:
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self._refused = set()
+            _recorder.flush_on_sigterm_in_dataloader_worker()
         if self._store is not None:
             return
         if self._closed:

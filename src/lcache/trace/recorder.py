@@ -415,6 +415,31 @@ def _install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def flush_on_sigterm_in_dataloader_worker() -> None:
+    """In a torch DataLoader worker, flush on SIGTERM. The worker loop installs a handler of
+    its own in C (``signal.getsignal`` still names ours) that ends the worker with
+    ``_exit(0)`` when its parent sends SIGTERM, as multiprocessing's exit does to the
+    persistent workers of a loader still alive when the program ends: their events were
+    lost. Ours flushes, writes the end marker, then exits as torch's does (a death by the
+    signal would make the parent's loader raise at exit). Called by lcache's dataset in the
+    worker's main thread; nothing when not tracing."""
+    global _prior_sigterm
+    rec = _active
+    if rec is None or rec.pid != os.getpid() or "torch" not in sys.modules or \
+            threading.current_thread() is not threading.main_thread():
+        return
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None or _prior_sigterm is _exit_as_torch_worker:
+        return
+    _prior_sigterm = _exit_as_torch_worker
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _exit_as_torch_worker(signum: int, frame: object) -> None:
+    os._exit(0)
+
+
 _in_sigterm = False  # a second SIGTERM during our flush: the first one goes on and ends it
 
 
@@ -438,7 +463,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
         if rec is not None and rec.pid == os.getpid():
             with contextlib.suppress(Exception):  # whatever happens, the process must end
                 # the program's handler may carry on: no end marker then
-                rec.flush_from_signal_handler(None if callable(prior) else "sigterm")
+                ends = not callable(prior) or prior is _exit_as_torch_worker
+                rec.flush_from_signal_handler("sigterm" if ends else None)
     finally:
         _in_sigterm = False
     if callable(prior):
