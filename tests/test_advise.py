@@ -340,3 +340,76 @@ def test_markers_with_reads_ahead_give_the_batch_and_compute(tmp_path: Path) -> 
     assert w["doc"]["train"]["epochs"] == 1
     assert ("# note: train.epochs 1 counts the source reads only: cache hits were left out "
             "of the epochs, and the traced run read 2 epochs") in w["yaml"]
+
+
+_WORKERS = """
+import sys, time
+from torch.utils.data import DataLoader
+import lcache.trace
+from lcache.data import CachedDataset, FileSource, SeedAwareSampler
+from lcache.demo import FixedOrder, RemoteDataset
+data, cache, persistent, uncached_first = sys.argv[1:5]
+source = FileSource(data)
+step = 0
+def train(dataset, sampler):
+    global step
+    loader = DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2,
+                        persistent_workers=persistent == "1", collate_fn=list)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            t0 = lcache.trace.now_ns()
+            time.sleep(0.002)  # the step's compute
+            lcache.trace.record("step", "train", step, 0, "step", t0,
+                                lcache.trace.now_ns() - t0, 0)
+            step += 1
+    del loader  # persistent workers end here, and flush their trace events
+ds = CachedDataset(source, cache, capacity="100MiB")
+if uncached_first == "1":  # as lcache demo: the same samples without a cache, then through it
+    train(RemoteDataset(source), FixedOrder(len(ds), 0))
+train(ds, SeedAwareSampler(ds, seed=0))
+ds.cache.close()
+"""
+
+
+def _train_with_workers(tmp_path: Path, persistent: bool, uncached_first: bool = False,
+                        ) -> dict:  # type: ignore[type-arg]
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(128):
+        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
+    trace = tmp_path / "train.trace"
+    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", _WORKERS, str(data), str(tmp_path / "cache"),
+                    str(int(persistent)), str(int(uncached_first))],
+                   check=True, env=env, timeout=120)
+    return advise(trace)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_cached_dataloader_job_is_one_run(tmp_path: Path, persistent: bool) -> None:
+    """The finding (attack helper 60, item D): a cached DataLoader job was split into runs:
+    its main process's prefetcher reads the epoch ahead before the workers start (a run with
+    no markers, fitted with no batch), and its later epochs read the cache, not the source
+    (3 runs that read differently; the last fitted, a workload that read nothing). The
+    workers are the main process's children (their ppid): one job, one run, which reads the
+    dataset once from the source and hits the cache after: 128 samples, 48 steps of 8 over 3
+    epochs."""
+    doc = _train_with_workers(tmp_path, persistent)
+    assert doc["fit"]["runs"]["count"] == 1, doc["fit"]["runs"]
+    assert not any(u["what"] == "one run" for u in doc["unfitted"]), doc["unfitted"]
+    s = doc["fit"]["steps"]
+    assert s["source"] == "markers" and s["count"] == 48 and s["batch_samples"] == 8, s
+    ds = doc["fit"]["dataset"]
+    assert ds["samples"] == 128 and ds["source_reads"] == 128, ds
+    assert ds["epochs_read"] == 3.0, ds
+    assert doc["workload"]["doc"]["reader"]["batch_size"] == 8
+
+
+def test_one_process_uncached_then_cached_is_two_runs(tmp_path: Path) -> None:
+    """A job that starts over (as ``lcache demo``: the samples without a cache, then the same
+    samples through lcache, from one process) is two runs, though one job's."""
+    doc = _train_with_workers(tmp_path, True, uncached_first=True)
+    runs = doc["fit"]["runs"]
+    assert runs["count"] == 2 and runs["fitted"] == 2, runs
+    assert doc["fit"]["steps"]["count"] == 48 and doc["fit"]["steps"]["batch_samples"] == 8

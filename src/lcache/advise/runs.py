@@ -2,9 +2,13 @@
 
 The processes that read samples are grouped by time: processes whose reads overlap belong to
 one run (ranks, DataLoader workers, reader threads). Groups that follow each other are one
-run when they read alike (a DataLoader's fresh workers every epoch), and different runs when
-they read differently (other classes, other files): ``lcache demo`` reads the remote without
-a cache, then through lcache. Then one run is fitted, and the others are named.
+run when they read alike (a DataLoader's fresh workers every epoch), or when they are one
+job's (its processes descend from one process of the trace file) and the later group reads
+from the source no sample the run already read there: a cached job's main process reads
+ahead before its workers start, and its later epochs read the cache. Else they are different
+runs (other classes, other files, another job, or one job starting over): ``lcache demo``
+reads the remote without a cache, then, in the same process, the same samples through
+lcache. Then one run is fitted, and the others are named.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lcache.report.load import Trace
+from lcache.report.stats import event_source
 
 Mask = npt.NDArray[np.bool_]
 #: Reads that hand a training step its samples: from the source, or hits in the SSD cache.
@@ -57,11 +62,21 @@ def split_runs(trace: Trace) -> Runs:
     masks = [(trace.ts_us >= edges[k]) & (trace.ts_us < edges[k + 1])
              for k in range(len(groups))]
     kinds = [_kind(trace, m & reads) for m in masks]
-    # Consecutive groups that read alike are one run.
+    job = _jobs(trace)
+    jobs = [set(job[reads & m].tolist()) for m in masks]
+    source = reads & (trace.cls == (trace.classes.index("data-source")
+                                    if "data-source" in trace.classes else -1))
+    key = trace.file.astype(np.int64) * (1 << 40) + np.maximum(trace.offset, 0)
+    # Consecutive groups that read alike are one run, and so are one job's groups that go
+    # on reading (new samples from the source, or the cache) rather than start over.
     runs: list[int] = [0]
+    seen = set(key[source & masks[0]].tolist())  # the run's samples read from the source
     for k in range(1, len(groups)):
-        if kinds[k] != kinds[runs[-1]]:
+        fresh = set(key[source & masks[k]].tolist())
+        if kinds[k] != kinds[runs[-1]] and not (jobs[k] & jobs[k - 1] and not fresh & seen):
             runs.append(k)
+            seen = set()
+        seen |= fresh
     bounds = [*runs, len(groups)]
     merged = [np.logical_or.reduce(masks[bounds[i]:bounds[i + 1]]) for i in range(len(runs))]
     t0 = float(trace.ts_us.min())
@@ -78,6 +93,23 @@ def split_runs(trace: Trace) -> Runs:
                f"run {best + 1}, the one with the most sample reads; trace each run apart "
                "to fit the others")
     return Runs(out, merged[best], best, why)
+
+
+def _jobs(trace: Trace) -> npt.NDArray[np.int64]:
+    """Per event, its job: the topmost ancestor of its process present in its trace file (a
+    DataLoader worker's parent is the training process), as ``(file << 32) + pid``."""
+    process = event_source(trace).astype(np.int64) * (1 << 32) + trace.pid.astype(np.int64)
+    parent = {(s << 32) + p: (s << 32) + pp for (s, p), pp in trace.ppid.items()}
+    present = set(parent) | set(np.unique(process).tolist())
+    top: dict[int, int] = {}
+    for p in np.unique(process).tolist():
+        q, path = p, {p}
+        while parent.get(q) in present and parent[q] not in path:  # a reused pid may loop
+            q = parent[q]
+            path.add(q)
+        top[p] = q
+    uniq, inverse = np.unique(process, return_inverse=True)
+    return np.array([top[p] for p in uniq.tolist()], np.int64)[inverse]
 
 
 def _kind(trace: Trace, rows: Mask) -> tuple[frozenset[int], frozenset[int]]:

@@ -52,6 +52,9 @@ class Trace:
     classes: list[str]
     files: list[str]
     process_names: dict[int, str] = field(default_factory=dict)
+    #: (index in ``paths``, pid) -> the pid of its parent, as its ``process_name`` line says
+    #: (a DataLoader worker's parent is the training process)
+    ppid: dict[tuple[int, int], int] = field(default_factory=dict)
     #: pid -> (timestamps in us, counters: one row per sample, columns PROC_FIELDS)
     proc: dict[int, tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]] = field(
         default_factory=dict)
@@ -424,6 +427,7 @@ class _Builder:
         self.fid_names: dict[tuple[int, int, int], str] = {}  # (source, pid, fid) -> path
         self.where: dict[str, dict[str, str]] = {}  # path -> {"dev", "fs", "mnt"}
         self.process_names: dict[int, str] = {}
+        self.ppid: dict[tuple[int, int], int] = {}  # (source, pid) -> parent pid
         self.proc: dict[int, list[tuple[int, float, list[int]]]] = {}  # (source, ts, values)
         self.disks: dict[str, list[tuple[int, float, list[int]]]] = {}
         self.ignored = 0
@@ -472,6 +476,8 @@ class _Builder:
                 self.recording[(source, pid)] = args["state"] == "start"
             elif ph == "M" and ev.get("name") == "process_name":
                 self.process_names[pid] = str(args.get("name", ""))
+                if "ppid" in args:
+                    self.ppid[(source, pid)] = _int(args["ppid"])
             elif ph == "C" and ev.get("cat") == PROC_IO:
                 self.proc.setdefault(pid, []).append(
                     (source, _us(ev["ts"]), [_counter(args[k], k) for k in PROC_FIELDS]))
@@ -618,6 +624,7 @@ def load(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tr
         ops=[_printable(n) for n in b.ops], classes=[_printable(n) for n in b.classes],
         files=[_printable(n) for n in b.files],
         process_names={pid: _printable(n) for pid, n in b.process_names.items()},
+        ppid=b.ppid,
         proc={pid: series(rows) for pid, rows in b.proc.items()},
         disks={_printable(dev): series(rows) for dev, rows in b.disks.items()},
         file_where=[b.where.get(name, {}) for name in b.files],
