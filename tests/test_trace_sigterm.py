@@ -268,3 +268,30 @@ print("done")
     main = next(p for p, m in markers.items() if m == ["start", "end/exit"])
     workers = {e["pid"] for e in events if e.get("ph") == "X" and e["pid"] != main}
     assert len(workers) == 2  # both workers' reads are there
+
+
+def test_lcaches_threads_leave_sigterm_to_the_programs(tmp_path: Path) -> None:
+    """The finding (attack helper 64): a traced Pool worker sometimes outlived
+    Pool.terminate(), which then waited for ever (3 of 41 runs): the SIGTERM went to the
+    trace's flush thread, while the Python handler runs only in the main thread, blocked in
+    a C wait on the queue's lock. lcache's own threads block SIGTERM, so the kernel gives it
+    to the program's."""
+    out, _ = _run(tmp_path, READS + """
+import threading
+from lcache.io import default_engine
+from lcache.trace import recorder
+
+recorder.flush()
+default_engine().submit_read(os.open(sys.argv[1], os.O_RDONLY), 0, memoryview(bytearray(4096))).wait()
+ours = [t for t in threading.enumerate() if t.name.startswith(("lcache-trace-flush",
+                                                                "lcache-io-"))]
+
+def blocks_sigterm(tid):
+    with open(f"/proc/self/task/{tid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk"))
+    return bool(mask >> (15 - 1) & 1)
+
+print(len(ours) > 1, all(blocks_sigterm(t.native_id) for t in ours),
+      blocks_sigterm(threading.main_thread().native_id))
+""")
+    assert out.stdout == "True True False\n", out.stderr

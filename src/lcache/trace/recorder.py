@@ -32,7 +32,7 @@ import time
 
 from lcache.checks import env_seconds
 from lcache.errors import ConfigError
-from lcache.forksafe import fork_safe_lock
+from lcache.forksafe import background_thread, fork_safe_lock
 from lcache.io import tracer as _io_tracer
 from lcache.io.tracer import IOEvent
 from lcache.trace import blocks as blocks_mod
@@ -236,6 +236,7 @@ _interval = FLUSH_INTERVAL_S  # set by enable(), checked there: the thread never
 
 
 def _flush_loop() -> None:
+    background_thread()
     while True:
         time.sleep(_interval)
         rec = _active

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+from lcache.forksafe import background_thread
 from lcache.io import close_file
 from lcache.trace import blocks
 from lcache.trace.schema import DISKS
@@ -167,6 +168,7 @@ class ProcSampler:
         self.cpu_s += time.thread_time() - cpu0  # what sampling costs the machine
 
     def _run(self) -> None:
+        background_thread()
         while True:
             self.sample()
             if self._stop.wait(self.interval):
