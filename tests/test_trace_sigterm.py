@@ -282,7 +282,8 @@ from lcache.io import default_engine
 from lcache.trace import recorder
 
 recorder.flush()
-default_engine().submit_read(os.open(sys.argv[1], os.O_RDONLY), 0, memoryview(bytearray(4096))).wait()
+fd = os.open(sys.argv[1], os.O_RDONLY)
+default_engine().submit_read(fd, 0, memoryview(bytearray(4096))).wait()
 ours = [t for t in threading.enumerate() if t.name.startswith(("lcache-trace-flush",
                                                                 "lcache-io-"))]
 
