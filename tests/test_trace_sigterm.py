@@ -296,3 +296,45 @@ print(len(ours) > 1, all(blocks_sigterm(t.native_id) for t in ours),
       blocks_sigterm(threading.main_thread().native_id))
 """)
     assert out.stdout == "True True False\n", out.stderr
+
+
+def test_a_dataloader_worker_keeps_torchs_answers_to_sigterm(tmp_path: Path) -> None:
+    """The findings (attack helper 65) on 3969515: with tracing on, a SIGTERM handler that
+    the program's worker_init_fn installed was replaced, and a worker killed by someone other
+    than its parent exited 0: the loader said only "exited unexpectedly", 6 s later. Torch's
+    own answers are kept: the program's handler runs (here: exit code 3), and a foreign
+    SIGTERM kills the worker (the loader says so at once)."""
+    code = """
+import os, signal, sys, time
+from torch.utils.data import DataLoader
+from lcache.data import CachedDataset
+
+def own(_):
+    signal.signal(signal.SIGTERM, lambda *a: os._exit(3))
+
+root = os.path.join(os.path.dirname(sys.argv[1]), "src")
+os.makedirs(root, exist_ok=True)
+for i in range(64):
+    with open(os.path.join(root, f"{i:03d}.bin"), "wb") as f:
+        f.write(bytes([i]) * 4096)
+for init in (own, None):
+    ds = CachedDataset(root, os.path.join(os.path.dirname(sys.argv[1]), f"c{init is None}"),
+                       "16MiB")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                        collate_fn=list, worker_init_fn=init)
+    it = iter(loader)
+    next(it)
+    os.kill(it._workers[0].pid, signal.SIGTERM)  # not its parent's: another process's
+    try:  # torch's SIGCHLD handler raises in the main thread, while it sleeps or reads
+        time.sleep(1)
+        for _ in it:
+            pass
+    except RuntimeError as exc:
+        print(str(exc).split(".")[0])
+    del it, loader
+"""
+    out, _ = _run(tmp_path, code)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stderr
+    assert "exited unexpectedly with exit code 3" in lines[0], lines
+    assert "is killed by signal: Terminated" in lines[1], lines

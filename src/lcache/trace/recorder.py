@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import signal
 import sys
@@ -387,7 +388,15 @@ def _register_once() -> None:
         _register_multiprocessing_finalizer(None)
 
 
+# The pid of a process of this fork tree whose exit has begun (written by its atexit, before
+# multiprocessing's SIGTERMs its daemonic children): a DataLoader worker whose parent it is
+# ends quietly on that SIGTERM, as torch's own handler does for its parent's.
+_EXITING = mmap.mmap(-1, 8)  # anonymous and shared: forked children see the parent's writes
+_EXITING_MADE_BY = os.getpid()
+
+
 def _at_exit() -> None:
+    _EXITING[:8] = os.getpid().to_bytes(8, "little")
     rec = _active
     if rec is not None and rec.pid == os.getpid():
         with contextlib.suppress(OSError):
@@ -431,14 +440,22 @@ def flush_on_sigterm_in_dataloader_worker() -> None:
         return
     from torch.utils.data import get_worker_info
 
-    if get_worker_info() is None or _prior_sigterm is _exit_as_torch_worker:
-        return
+    if get_worker_info() is None or _prior_sigterm is _exit_as_torch_worker or \
+            signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return  # not a worker, done, or a handler of the program's (worker_init_fn): kept
     _prior_sigterm = _exit_as_torch_worker
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _exit_as_torch_worker(signum: int, frame: object) -> None:
-    os._exit(0)
+    """What torch's worker handler does: exit 0 when the parent sent SIGTERM (here: the
+    parent is exiting; a worker not forked from it cannot tell, and exits 0 as well), else
+    die of it, so the loader says the worker was killed."""
+    exiting = int.from_bytes(_EXITING[:8], "little")
+    if exiting == os.getppid() or os.getpid() == _EXITING_MADE_BY:
+        os._exit(0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 _in_sigterm = False  # a second SIGTERM during our flush: the first one goes on and ends it
