@@ -22,8 +22,10 @@ def fork_safe_lock() -> threading.Lock:
 
 
 def background_thread() -> None:
-    """Called first in each long-lived thread lcache starts: SIGTERM is blocked there, so the
-    kernel gives it to a thread of the program's. A traced ``multiprocessing`` child handles
+    """Called first in lcache's threads that run none of the program's code (the trace's
+    flush and /proc sampler): SIGTERM is blocked there, so the kernel gives it to a thread of
+    the program's (the I/O engine's threads run ``on_done`` callbacks, and a process started
+    from one would inherit the mask). A traced ``multiprocessing`` child handles
     SIGTERM in Python (``lcache.trace.recorder``), which runs handlers in the main thread
     only: one taken by our thread while the main thread waited in a C call (a Pool worker on
     its queue's lock) was never acted on, and ``Pool.terminate()`` waited for ever."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from lcache.checks import env_number
 from lcache.errors import ConfigError, DiskFullError, LCacheError
-from lcache.forksafe import background_thread, fork_safe_lock
+from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _tracing
 from lcache.io.buffers import PAGE, align_down, align_up, aligned_empty
 from lcache.io.files import O_DIRECT, open_file
@@ -424,7 +424,8 @@ class IOEngine:
             self._pid = os.getpid()
 
     def _worker(self) -> None:
-        background_thread()
+        # SIGTERM is not blocked here (lcache.forksafe.background_thread): on_done callbacks
+        # of the program's run in these threads, and processes they start inherit the mask
         q = self._queue
         while True:
             item = q.get()
