@@ -413,3 +413,28 @@ def test_one_process_uncached_then_cached_is_two_runs(tmp_path: Path) -> None:
     runs = doc["fit"]["runs"]
     assert runs["count"] == 2 and runs["fitted"] == 2, runs
     assert doc["fit"]["steps"]["count"] == 48 and doc["fit"]["steps"]["batch_samples"] == 8
+
+
+def test_two_trainings_of_one_traced_driver_are_two_runs(tmp_path: Path) -> None:
+    """The finding (attack helper 65): a traced Python driver that ran two trainings one
+    after the other (other data, other caches) made them one job, and so one run: 44 steps
+    of batch 5 over 96 samples of mixed sizes. One job's groups are one run only when the
+    later one goes on with files the run used."""
+    for name, n in (("data", 128), ("data2", 64)):
+        (tmp_path / name).mkdir()
+        for i in range(n):
+            (tmp_path / name / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
+    driver = (
+        "import subprocess, sys\n"
+        "import lcache  # in the trace: the trainings' common ancestor\n"
+        f"for data, cache in (('data', 'cA'), ('data2', 'cB')):\n"
+        f"    subprocess.run([sys.executable, '-c', {_WORKERS!r}, {str(tmp_path)!r} + '/' + "
+        f"data, {str(tmp_path)!r} + '/' + cache, '1', '0'], check=True)\n")
+    trace = tmp_path / "drv.trace"
+    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", driver], check=True, env=env, timeout=180)
+    doc = advise(trace)
+    runs = doc["fit"]["runs"]
+    assert runs["count"] == 2 and runs["fitted"] == 1, runs
+    s, ds = doc["fit"]["steps"], doc["fit"]["dataset"]
+    assert (s["count"], s["batch_samples"], ds["samples"]) == (48, 8, 128), (s, ds)

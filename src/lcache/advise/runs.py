@@ -68,15 +68,21 @@ def split_runs(trace: Trace) -> Runs:
                                     if "data-source" in trace.classes else -1))
     key = trace.file.astype(np.int64) * (1 << 40) + np.maximum(trace.offset, 0)
     # Consecutive groups that read alike are one run, and so are one job's groups that go
-    # on reading (new samples from the source, or the cache) rather than start over.
+    # on with files the run used (the cache it wrote, the source it read: not two trainings
+    # a driver ran one after the other) without starting over (re-reading source samples).
+    moved = np.isin(trace.op, [trace.ops.index(o) for o in ("read", "write") if o in trace.ops])
+    files = [set(trace.file[m & moved & (trace.file >= 0)].tolist()) for m in masks]
     runs: list[int] = [0]
     seen = set(key[source & masks[0]].tolist())  # the run's samples read from the source
+    used = set(files[0])  # the files the run read or wrote
     for k in range(1, len(groups)):
         fresh = set(key[source & masks[k]].tolist())
-        if kinds[k] != kinds[runs[-1]] and not (jobs[k] & jobs[k - 1] and not fresh & seen):
+        goes_on = bool(jobs[k] & jobs[k - 1]) and not fresh & seen and bool(files[k] & used)
+        if kinds[k] != kinds[runs[-1]] and not goes_on:
             runs.append(k)
-            seen = set()
+            seen, used = set(), set()
         seen |= fresh
+        used |= files[k]
     bounds = [*runs, len(groups)]
     merged = [np.logical_or.reduce(masks[bounds[i]:bounds[i + 1]]) for i in range(len(runs))]
     t0 = float(trace.ts_us.min())
