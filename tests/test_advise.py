@@ -312,15 +312,7 @@ def test_markers_with_reads_ahead_give_the_batch_and_compute(tmp_path: Path) -> 
     computation_time from the read bandwidth and "no steps in the trace" beside a fit of
     20 marked steps. The batch is the samples the run's reads (source reads, cache hits,
     some of two neighbouring records) handed its steps: 2 epochs of 40 in 20 steps of 4."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(40):
-        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * 3000)
-    trace = tmp_path / "train.trace"
-    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
-    subprocess.run([sys.executable, "-c", _TRAIN, str(data), str(tmp_path / "cache")],
-                   check=True, env=env, timeout=120)
-    doc = advise(trace)
+    doc = _traced_run(tmp_path, _TRAIN, 40, 3000)
     s = doc["fit"]["steps"]
     assert s["source"] == "markers" and s["count"] == 20, s
     assert s["batch_samples"] == 4 and s["compute_s"] >= 0.005, s
@@ -372,18 +364,25 @@ ds.cache.close()
 """
 
 
-def _train_with_workers(tmp_path: Path, persistent: bool, uncached_first: bool = False,
-                        ) -> dict:  # type: ignore[type-arg]
+def _traced_run(tmp_path: Path, script: str, samples: int, size: int,
+                *args: str) -> dict:  # type: ignore[type-arg]
+    """advise's document of ``script`` (args: data dir, cache dir, ``args``) run traced over
+    ``samples`` files of ``size`` bytes."""
     data = tmp_path / "data"
     data.mkdir()
-    for i in range(128):
-        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
+    for i in range(samples):
+        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * size)
     trace = tmp_path / "train.trace"
     env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
-    subprocess.run([sys.executable, "-c", _WORKERS, str(data), str(tmp_path / "cache"),
-                    str(int(persistent)), str(int(uncached_first))],
+    subprocess.run([sys.executable, "-c", script, str(data), str(tmp_path / "cache"), *args],
                    check=True, env=env, timeout=120)
     return advise(trace)
+
+
+def _train_with_workers(tmp_path: Path, persistent: bool, uncached_first: bool = False,
+                        ) -> dict:  # type: ignore[type-arg]
+    return _traced_run(tmp_path, _WORKERS, 128, 4096, str(int(persistent)),
+                       str(int(uncached_first)))
 
 
 @pytest.mark.parametrize("persistent", [False, True])
