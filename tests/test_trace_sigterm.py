@@ -243,21 +243,8 @@ def test_persistent_dataloader_workers_alive_at_exit_flush_their_events(
     program ended lost its workers' events. multiprocessing's exit sends them SIGTERM, and
     torch's worker handler (installed in C after ours) ends a worker with _exit(0) when its
     parent sends it: no flush. lcache's dataset now puts the flush back in the worker."""
-    out, events = _run(tmp_path, """
-import os, sys
-from torch.utils.data import DataLoader
-from lcache.data import CachedDataset
-
-root = os.path.join(os.path.dirname(sys.argv[1]), "src")
-os.makedirs(root)
-for i in range(40):
-    with open(os.path.join(root, f"{i:03d}.bin"), "wb") as f:
-        f.write(bytes([i]) * 4096)
-ds = CachedDataset(root, os.path.join(os.path.dirname(sys.argv[1]), "cache"), "16MiB")
-loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
-                    collate_fn=list)
-for epoch in range(2):
-    assert sorted(b[0] for batch in loader for b in batch) == list(range(40))
+    out, events = _run(tmp_path, PERSISTENT + """
+train(os.path.dirname(sys.argv[1]))
 print("done")
 """)
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr
@@ -268,6 +255,56 @@ print("done")
     main = next(p for p, m in markers.items() if m == ["start", "end/exit"])
     workers = {e["pid"] for e in events if e.get("ph") == "X" and e["pid"] != main}
     assert len(workers) == 2  # both workers' reads are there
+
+
+def test_a_multiprocessing_child_ends_its_persistent_loader_as_torch_does(
+        tmp_path: Path) -> None:
+    """The finding (attack helper 66) on d787066: the exit mark was an atexit hook, which a
+    multiprocessing child never runs: a child whose loader was alive at its end had its
+    workers die of its exit SIGTERM, its loader raised, it exited 1 and lost its events.
+    (And lcache imported before multiprocessing made the main process's hook run too late:
+    PERSISTENT imports lcache first.)"""
+    out, events = _run(tmp_path, PERSISTENT + """
+import multiprocessing as mp
+
+def child(root):
+    train(root)
+    print("child done", flush=True)
+
+if __name__ == "__main__":
+    p = mp.get_context("fork").Process(target=child, args=(os.path.dirname(sys.argv[1]),))
+    p.start()
+    p.join()
+    print("child exit", p.exitcode)
+""")
+    assert out.stdout == "child done\nchild exit 0\n", out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    markers = _markers(events)  # the main process, the child, its two workers
+    assert len(markers) == 4 and all(m[-1].startswith("end/") for m in markers.values()), \
+        markers
+
+
+PERSISTENT = """
+import lcache  # first: before torch and multiprocessing, as a program may import it
+import os, sys
+from torch.utils.data import DataLoader
+from lcache.data import CachedDataset
+
+LOADERS = []
+
+def train(folder):
+    root = os.path.join(folder, "src")
+    os.makedirs(root, exist_ok=True)
+    for i in range(40):
+        with open(os.path.join(root, f"{i:03d}.bin"), "wb") as f:
+            f.write(bytes([i]) * 4096)
+    ds = CachedDataset(root, os.path.join(folder, f"cache{os.getpid()}"), "16MiB")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                        collate_fn=list)
+    for epoch in range(2):
+        assert sorted(b[0] for batch in loader for b in batch) == list(range(40))
+    LOADERS.append(loader)  # alive when the process ends
+"""
 
 
 def test_lcaches_threads_leave_sigterm_to_the_programs(tmp_path: Path) -> None:

@@ -380,6 +380,7 @@ def _register_once() -> None:
     import multiprocessing.util as mp_util
 
     mp_util.register_after_fork(_FORK_HOOK, _register_multiprocessing_finalizer)
+    _mark_exit()
     # A spawn or forkserver child imports lcache while it unpickles its main module or task,
     # and its bootstrap runs no after-fork hook (SpawnProcess._after_fork does nothing); a
     # child that imports lcache after its bootstrap has run them already. Either way, now.
@@ -388,15 +389,32 @@ def _register_once() -> None:
         _register_multiprocessing_finalizer(None)
 
 
-# The pid of a process of this fork tree whose exit has begun (written by its atexit, before
-# multiprocessing's SIGTERMs its daemonic children): a DataLoader worker whose parent it is
-# ends quietly on that SIGTERM, as torch's own handler does for its parent's.
+# The pid of a process of this fork tree whose exit has begun, written before
+# multiprocessing's exit SIGTERMs its daemonic children: a DataLoader worker whose parent it
+# is ends quietly on that SIGTERM, as torch's own handler does for its parent's.
 _EXITING = mmap.mmap(-1, 8)  # anonymous and shared: forked children see the parent's writes
 _EXITING_MADE_BY = os.getpid()
+_exit_marker: object = None  # this process's Finalize that writes _EXITING
+
+
+def _mark_exit() -> None:
+    """Have this process write its pid to ``_EXITING`` when its exit begins: in
+    multiprocessing's exit function (the main process's atexit, a child's bootstrap), a
+    finalizer of priority >= 0 runs before the daemonic children are terminated. An atexit
+    hook did not do: a child runs none, and the main process's ran after that function when
+    lcache was imported before multiprocessing."""
+    global _exit_marker
+    import multiprocessing.util as mp_util
+
+    if not (isinstance(_exit_marker, mp_util.Finalize) and _exit_marker.still_active()):
+        _exit_marker = mp_util.Finalize(None, _write_exiting, exitpriority=100)
+
+
+def _write_exiting() -> None:
+    _EXITING[:8] = os.getpid().to_bytes(8, "little")
 
 
 def _at_exit() -> None:
-    _EXITING[:8] = os.getpid().to_bytes(8, "little")
     rec = _active
     if rec is not None and rec.pid == os.getpid():
         with contextlib.suppress(OSError):
@@ -520,6 +538,7 @@ def _register_multiprocessing_finalizer(_: object) -> None:
     # (Python 3.10 also does in spawn children), the flush must not run twice.
     if not (isinstance(_finalizer, mp_util.Finalize) and _finalizer.still_active()):
         _finalizer = mp_util.Finalize(None, _at_exit, exitpriority=-100)
+    _mark_exit()
     _install_sigterm_handler()
 
 
