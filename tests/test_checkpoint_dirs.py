@@ -160,6 +160,11 @@ def test_a_link_in_the_root_is_never_a_checkpoint_of_it(tmp_path: Path) -> None:
     out = CliRunner().invoke(cli, ["ckpt", "ls", "--json", str(root)])
     assert out.exit_code == 0, out.output
     assert [c["name"] for c in json.loads(out.output)["checkpoints"]] == ["step-9"]
+    # a save under a link's name: refused as a link, not as "a checkpoint named 'a-link'
+    # already exists" (helper 56), and nothing is written through it
+    with pytest.raises(ConfigError, match="a-link is a link"):
+        ck.save({"step": 10}, root / "a-link")
+    assert ck.load(tmp_path / "archive" / "kept-forever") == {"kept": True}
 
 
 def test_retention_skips_what_it_cannot_remove_with_a_warning(

@@ -102,14 +102,16 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
     Raises:
         CheckpointExistsError: ``alone``, and another save of that name is running.
     """
-    if is_complete(os.path.join(root, name)):
+    if is_complete(os.path.join(root, name)) and not os.path.islink(os.path.join(root, name)):
         raise CheckpointExistsError(f"a checkpoint named {name!r} already exists in {root}; "
                                     "checkpoints are never overwritten: pick a new name "
                                     "(e.g. with the step number) or delete it first")
     final = os.path.join(root, name)
     if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
-        raise ConfigError(f"{final} exists and is not a directory: a checkpoint would be "
-                          "published there as one; pick another name or move it away")
+        what = "is a link (no checkpoint of the folder)" if os.path.islink(final) else \
+            "exists and is not a directory"
+        raise ConfigError(f"{final} {what}: a checkpoint would be published there as one; "
+                          "pick another name or move it away")
     if os.path.isdir(final) and os.listdir(final):
         raise ConfigError(f"{final} exists and is neither a checkpoint nor empty: pick "
                           "another name or move it away")
