@@ -408,6 +408,9 @@ def test_bad_arguments_are_config_errors_and_a_weight_decay_of_inf_is_refused(
         with pytest.raises(ConfigError, match=f"'{option}': inf.*inf or NaN"):
             OffloadedOptimizer(params, dir=tmp_path / "a", **{option: float("inf")})
     OffloadedOptimizer(params, dir=tmp_path / "a", eps=float("inf")).close()
+    # finite options that overflow the weights are not told to be finite (helper 64)
+    with pytest.raises(ConfigError, match="the options are finite, but the weights overflow"):
+        OffloadedOptimizer(params, dir=tmp_path / "a", lr=1e30)
 
 
 @pytest.mark.parametrize(("make", "word"), [

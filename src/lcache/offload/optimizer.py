@@ -331,7 +331,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             bad = {k: v for k, v in options.items()
                    if isinstance(v, float) and not math.isfinite(v)}
             raise ConfigError(f"{name}({bad or options}) turns finite weights into inf or NaN "
-                              "in the first steps; give finite options")
+                              "in the first steps; " + ("give finite options" if bad else
+                              "the options are finite, but the weights overflow: give "
+                              "smaller ones"))
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor)
                   and k not in names and v.numel() != 1]
         if shared or not torch.equal(pieces, whole.detach().view(-1)):
