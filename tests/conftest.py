@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import resource
 import shutil
@@ -259,3 +260,23 @@ def fork_while_held(lock: Any, target: Any, *args: Any) -> int | None:
     finally:
         release.set()
         holder.join()
+
+
+def make_files(root: Path, n: int, size: int | None = None) -> list[bytes]:
+    """``n`` files ``s0000.bin``... under ``root`` (sorted = numbered), distinct contents (of
+    ``size`` bytes, or 700 + 53 i)."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        data = random.Random(i).randbytes(size if size is not None else 700 + 53 * i)
+        (root / f"s{i:04d}.bin").write_bytes(data)
+        out.append(data)
+    return out
+
+
+def local_samples(root: Path, n: int = 20) -> Path:
+    """``root`` made with ``n`` random 1,000-byte samples ``000.bin``..."""
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"{i:03d}.bin").write_bytes(os.urandom(1000))
+    return root
