@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import re
@@ -49,14 +51,24 @@ def doc_blocks(page: str, lang: str = "python") -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)
 
 
-def run_doc_python(page: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+#: a docs block that checks its own results
+CHECKS_ITSELF = re.compile(r"^\s*assert\b", re.MULTILINE)
+
+
+def run_doc_python(page: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a docs page's Python block as a reader would, with ``tmp_path`` as the working
-    directory and the temporary directory, and no trace of the test run's own."""
+    directory and the temporary directory, and no trace of the test run's own; returns what
+    it printed (also printed here, for ``-s``). A runner checks the block asserts
+    (``CHECKS_ITSELF``) or prints the figures the page gives."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("LCACHE_TRACE", raising=False)
-    exec(compile(code, str(ROOT / page), "exec"), {"__name__": "__doc__"})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(ROOT / page), "exec"), {"__name__": "__doc__"})
+    sys.stdout.write(out.getvalue())
+    return out.getvalue()
 
 
 def run_doc_shell(script: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:

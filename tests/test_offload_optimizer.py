@@ -26,7 +26,13 @@ from tests._offload_model import (  # one_thread: an autouse fixture
     same,
     train,
 )
-from tests.conftest import doc_blocks, mounted_tmpfs, run_doc_python, subprocess_env
+from tests.conftest import (
+    CHECKS_ITSELF,
+    doc_blocks,
+    mounted_tmpfs,
+    run_doc_python,
+    subprocess_env,
+)
 
 
 @pytest.mark.parametrize(("impl", "size"), [({}, 3000), ({"foreach": False}, 3000),
@@ -375,7 +381,10 @@ def test_bytes_per_step_are_what_lcache_model_predicts(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("code", doc_blocks("docs/offload.md"))
 def test_docs_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_doc_python("docs/offload.md", code, tmp_path, monkeypatch)
+    printed = run_doc_python("docs/offload.md", code, tmp_path, monkeypatch)
+    # the activations example prints what the page says it prints
+    assert CHECKS_ITSELF.search(code) or "spilled 17 MiB (34 storages, 0 shared)" in printed, \
+        printed
 
 
 def test_a_missing_directory_or_a_class_that_is_no_optimizer_is_refused(

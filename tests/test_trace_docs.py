@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import doc_blocks, run_doc_python, run_doc_shell
+from .conftest import CHECKS_ITSELF, doc_blocks, run_doc_python, run_doc_shell
 
 PAGE = "docs/trace.md"
 PYTHON = doc_blocks(PAGE)
@@ -21,6 +21,7 @@ def test_doc_has_examples() -> None:
 @pytest.mark.parametrize("code", PYTHON, ids=[f"python{i}" for i in range(len(PYTHON))])
 def test_python_example(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_doc_python(PAGE, code, tmp_path, monkeypatch)
+    assert CHECKS_ITSELF.search(code), "an example that checks nothing: add an assert"
 
 
 @pytest.mark.parametrize("script", BASH, ids=[f"bash{i}" for i in range(len(BASH))])
