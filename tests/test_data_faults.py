@@ -42,14 +42,9 @@ from .conftest import (
     subprocess_env,
 )
 
-NOBODY = 65534
 CAPACITY = "16MiB"
 CRASH_LEFTOVERS = ("left unsealed by a crashed writer", "leftover temp file",
                    "summary without a log")
-
-
-
-
 
 
 def _closed_port() -> int:

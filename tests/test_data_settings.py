@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,17 +30,8 @@ from .conftest import local_samples, make_files, run_as_nobody, subprocess_env
 
 NOBODY = 65534
 CAPACITY = "16MiB"
-CRASH_LEFTOVERS = ("left unsealed by a crashed writer", "leftover temp file",
-                   "summary without a log")
 
 
-
-
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
 # ------------------------------------------------------------------------ refused settings
 def _as_nobody(path: Path) -> str:
     return run_as_nobody("from lcache.data import CachedDataset", """
@@ -211,10 +201,6 @@ def test_deleted_cache_dir_reused_for_another_source(tmp_path: Path) -> None:
     shutil.rmtree(cache)  # "use another cache directory or delete it"
     new = CachedDataset([b"new-0", b"new-1", b"new-2"], cache, CAPACITY)
     assert new[0] == b"new-0"
-
-
-
-
 
 
 def test_a_cache_inside_its_local_source_is_refused_before_anything_is_written(
