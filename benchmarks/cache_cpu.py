@@ -210,6 +210,8 @@ def main() -> None:
     if args.samples < max(BATCHES) or size < 8:
         p.error(f"--samples must be >= {max(BATCHES)} and --sample-size >= 8 bytes")
     rng = np.random.default_rng(args.seed)
+    if args.dir is not None and not os.path.isdir(args.dir):
+        p.error(f"--dir {args.dir}: not a folder (make it first)")
     payloads = [i.to_bytes(8, "little") + rng.bytes(size - 8) for i in range(args.samples)]
     root = Path(tempfile.mkdtemp(prefix="lcache-cpu-", dir=args.dir))
     # the admit row makes and removes two files a segment: what a file creation costs here
