@@ -169,6 +169,19 @@ def test_listing_reused_within_its_ttl_only(tmp_path: Path) -> None:
         assert _listed(server) > asked
 
 
+def test_a_kept_listing_keeps_the_order_of_a_files_mapping(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    for name in "ab":
+        (tmp_path / "d" / f"{name}.bin").write_bytes(name.encode() * 10)
+    cache = tmp_path / "cache"
+    first = FileSource(str(tmp_path / "d"), files={"a.bin": 10, "b.bin": 10}, cache_dir=cache,
+                       listing_ttl=3600)
+    other = FileSource(str(tmp_path / "d"), files={"b.bin": 10, "a.bin": 10}, cache_dir=cache,
+                       listing_ttl=3600)
+    assert [os.path.basename(p) for p in first.paths] == ["a.bin", "b.bin"]
+    assert [os.path.basename(p) for p in other.paths] == ["b.bin", "a.bin"]
+
+
 def test_ranks_of_one_launch_list_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _tree(tmp_path / "d", [f"{i}.bin" for i in range(4)])
     cache = tmp_path / "cache"

@@ -380,7 +380,9 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         return
     cache_dir = private_dir(os.path.abspath(cache_dir), "cache directory")
     path = os.path.join(cache_dir, LISTING_FILE)
-    digest = xxhash.xxh3_128_hexdigest(json.dumps(key, sort_keys=True, default=str).encode())
+    # Not sort_keys: it sorts the mappings inside too, and files={"b": 1, "a": 1} was given
+    # the listing of {"a": 1, "b": 1}: sample 0 served a's bytes for b
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(key, default=str).encode())
     launch = launch_id()
     fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
     try:
