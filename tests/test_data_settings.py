@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from lcache.data import (
+    Access,
     CachedDataset,
     FileSource,
     LitDataSource,
@@ -333,6 +334,13 @@ def test_ranges_and_keys_of_the_wrong_kind(tmp_path: Path) -> None:
     for key in (1.5, "1", None, True):  # 1.5 was sample 1, "1" and True too
         with pytest.raises(TypeError, match="give a whole number"):
             ds[key]
+    for key in (Access(True), Access(1.5), Access("1")):  # the store's TypeError, or sample 1
+        with pytest.raises(TypeError, match="give a whole number"):
+            ds[key]
+    assert ds[Access(np.int64(1), np.True_)] == ds[1]  # was the store's TypeError
+    assert 1 in ds.cache.store()
+    ds[Access(np.int64(1), np.False_)]  # read and dropped, as keep=False is
+    assert 1 not in ds.cache.store()
     mark = ds.stats()
     for since in ([1], {**mark, "accesses": "x"}, ds.stats(since=mark)):
         with pytest.raises(ConfigError, match="since= takes what an earlier stats"):

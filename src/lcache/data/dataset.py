@@ -84,16 +84,16 @@ class CachedDataset:
         indices: list[int] = []
         keeps: list[bool | None] = []
         for key in keys:
-            if isinstance(key, Access):
-                index, keep = key.sample, key.keep
-            else:
-                try:
-                    if isinstance(key, bool):  # ds[True] was sample 1
-                        raise TypeError
-                    index, keep = operator.index(key), None
-                except TypeError:
-                    raise TypeError(f"sample {key!r:.100}: give a whole number (or the "
-                                    "Access items SeedAwareSampler yields)") from None
+            sample, keep = (key.sample, key.keep) if isinstance(key, Access) else (key, None)
+            try:
+                if isinstance(sample, bool):  # ds[True] was sample 1
+                    raise TypeError
+                index = operator.index(sample)  # numpy's integers too
+            except TypeError:
+                raise TypeError(f"sample {key!r:.100}: give a whole number (or the "
+                                "Access items SeedAwareSampler yields)") from None
+            if keep is not None:  # numpy's False is not False: it was taken as "keep"
+                keep = bool(keep)
             if not 0 <= index < n:
                 raise IndexError(f"sample {index} is outside 0..{n - 1}")
             indices.append(index)
