@@ -289,6 +289,16 @@ def test_s3_folder_markers_and_dot_dot_keys_are_left_out_by_name(
     assert "1 names under s3://markers/p/ have a '..' part" in caplog.text
     assert "e.g. markers/p/a/.." in caplog.text  # the prefix that holds b.bin
 
+    # Keys with an empty part (p//x.bin) were left out without a word (attack helper 67).
+    for key in ("q//x.bin", "q/y//z.bin", "q/ok.bin"):
+        fs.pipe_file(f"markers/{key}", b"x")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lcache"):
+        ds = CachedDataset("s3://markers/q/", tmp_path / "cache2", CAPACITY,
+                           storage_options=_s3_options(s3_endpoint))
+    assert ds.cache.source.paths == ["markers/q/ok.bin"]
+    assert "2 names under s3://markers/q/ have a '..' part or end in '/'" in caplog.text
+
 
 def test_s3_object_rewritten_with_same_size_is_fetched_again(s3_endpoint: str,
                                                              tmp_path: Path) -> None:

@@ -156,6 +156,8 @@ async def _walk(remote: Remote, root: str, progress: Progress) -> dict[str, dict
                 if name.startswith(below) and name not in seen:
                     seen.add(name)
                     subdirs.append(name)
+                elif not http and name in seen and raw.endswith("/"):
+                    left_out.append(raw)  # an S3 prefix "d//": its keys "d//x" were lost
             elif name.startswith(below) or name == folder.rstrip("/"):
                 files[name] = entry
         progress.update(files=len(entries) - len(subdirs), directories=1)
