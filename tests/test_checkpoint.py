@@ -658,3 +658,38 @@ def test_a_second_process_saving_the_same_name_is_refused(tmp_path: Path) -> Non
         other.wait()
     ck.save({"w": np.ones(4)}, root / "step-1")  # its lock ends with it
     assert ck.load(root / "step-1")["w"].tolist() == [1.0] * 4
+
+
+def _save_from_threads(threads: int, saves: int, save: Any) -> list[BaseException]:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            for i in range(saves):
+                save(t, i)
+        except BaseException as exc:  # collected for the assertion
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return errors
+
+
+def test_threads_sharing_the_modules_checkpointer_take_turns(tmp_path: Path) -> None:
+    """The module's save() shares one checkpointer (and its host buffer) per process: two
+    threads saving at once published each other's bytes, under checksums that verified, and
+    damaged ones (attack helper 68)."""
+    def save(t: int, i: int) -> None:
+        ck.save({"w": np.full(1 << 18, t * 1000 + i, np.float32)}, tmp_path / f"{t}-{i:03d}")
+
+    assert _save_from_threads(2, 12, save) == []
+    for t in range(2):
+        for i in range(12):
+            got = ck.load(tmp_path / f"{t}-{i:03d}")["w"]
+            assert got.shape == (1 << 18,) and (got == t * 1000 + i).all(), (t, i)
+

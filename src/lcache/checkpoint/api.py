@@ -285,6 +285,10 @@ class Checkpointer:
                                    "queue_depth": queue_depth})
         self._buffer = HostBuffer()
         self._pending: CheckpointHandle | None = None
+        # Held from waiting for the previous save until this one's thread has started: two
+        # threads saving through one checkpointer (the module's save() does) snapshotted into
+        # the one host buffer while it was being written, and published each other's bytes.
+        self._turn = threading.RLock()
 
     def async_save(self, state: Any, path: str | os.PathLike[str], *,
                    meta: dict[str, Any] | None = None, **overrides: Any) -> CheckpointHandle:
@@ -318,6 +322,12 @@ class Checkpointer:
         options = _checked({**self._defaults, **overrides})
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
+        with self._turn:
+            return self._start(state, root, name, rank, world, options, meta, t0)
+
+    def _start(self, state: Any, root: str, name: str, rank: int, world: int,
+               options: dict[str, Any], meta: dict[str, Any] | None, t0: float
+               ) -> CheckpointHandle:
         self.wait_pending()
         # every rank reaches this point in the same order: the place for the one collective
         # that makes the vote group, and for the ticket that orders the votes
@@ -354,14 +364,16 @@ class Checkpointer:
 
     def wait_pending(self) -> None:
         """Finish the previous save (its errors stay with its handle, and are logged)."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending._thread is not None:
-            pending._thread.join()
+        with self._turn:
+            pending, self._pending = self._pending, None
+            if pending is not None and pending._thread is not None:
+                pending._thread.join()
 
     def close(self) -> None:
         """Finish the pending save and free the host buffer."""
-        self.wait_pending()
-        self._buffer.release()
+        with self._turn:
+            self.wait_pending()
+            self._buffer.release()
 
 
 def _checked(options: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +42,6 @@ class HostBuffer:
         self._owner: Any = None
         self.view: memoryview = memoryview(bytearray(0))
         self.pinned = False
-        self.lock = threading.Lock()  # held from snapshot until the persist is done with it
 
     def ensure(self, nbytes: int, pinned: bool) -> memoryview:
         """A view of at least ``nbytes`` (contents undefined); reallocates only to grow."""
