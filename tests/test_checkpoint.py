@@ -693,3 +693,14 @@ def test_threads_sharing_the_modules_checkpointer_take_turns(tmp_path: Path) -> 
             got = ck.load(tmp_path / f"{t}-{i:03d}")["w"]
             assert got.shape == (1 << 18,) and (got == t * 1000 + i).all(), (t, i)
 
+
+def test_threads_with_their_own_checkpointers_save_into_one_folder(tmp_path: Path) -> None:
+    """One save's clean-up removed another's staging folder between its mkdir and its open:
+    a raw FileNotFoundError, about 2 saves in 100 (attack helper 68)."""
+    savers = [ck.Checkpointer() for _ in range(4)]
+
+    def save(t: int, i: int) -> None:
+        savers[t].save({"t": t, "i": i}, tmp_path / f"{t}-{i:03d}")
+
+    assert _save_from_threads(4, 60, save) == []
+    assert len(ck.list_checkpoints(tmp_path)[0]) == 240

@@ -123,7 +123,10 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
             raise StorePermissionError(f"cannot create a staging directory in the checkpoint "
                                        f"directory {root}: {exc.strerror}; choose a directory "
                                        "you can write") from exc
-        fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # another save's clean-up removed it after our mkdir
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if alone else fcntl.LOCK_SH)
         except BlockingIOError:
