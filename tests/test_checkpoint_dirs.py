@@ -194,3 +194,16 @@ def test_retention_skips_what_it_cannot_remove_with_a_warning(
         assert ck.save({"step": 4}, root / "step-4", keep_last=1) == str(root / "step-4")
     assert "retention after checkpoint " + str(root / "step-4") + " did not run" in caplog.text
     assert ck.load(ck.latest(root)) == {"step": 4}
+
+
+def test_checkpoints_with_the_longest_names_are_removed(tmp_path: Path) -> None:
+    """A name over 214 bytes could be saved but never removed: its trash name was too long
+    (ENAMETOOLONG), so retention kept every one and the disk filled (attack helper 68)."""
+    root = tmp_path / "ckpts"
+    longest = 255 - len(dirs.PARTIAL)
+    names = [f"{i}".ljust(longest, "x") for i in range(3)] + ["é" * (longest // 2)]
+    for name in names:
+        ck.save({"n": name}, root / name, keep_last=2)
+    assert sorted(os.listdir(root)) == sorted(names[2:])
+    ck.remove_checkpoint(root / names[3])
+    assert os.listdir(root) == [names[2]]

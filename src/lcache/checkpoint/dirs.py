@@ -116,6 +116,7 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
         raise ConfigError(f"{final} exists and is neither a checkpoint nor empty: pick "
                           "another name or move it away")
     stage = staging_dir(root, name)
+    busy = 0
     for _ in range(10):
         try:
             os.makedirs(stage, mode=0o700, exist_ok=True)
@@ -130,31 +131,49 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if alone else fcntl.LOCK_SH)
         except BlockingIOError:
+            # another save of this name, or a clean-up moving a leftover away: ask again
             close_file(fd)
-            raise CheckpointExistsError(
-                f"another save of a checkpoint named {name!r} into {root} is running; "
-                "checkpoints are never overwritten: pick a new name (e.g. with the step "
-                "number)") from None
+            busy += 1
+            time.sleep(0.01)
+            continue
         try:
             if os.path.samestat(os.fstat(fd), os.stat(stage)):
                 return stage, fd
         except FileNotFoundError:
             pass
         close_file(fd)  # a clean-up removed it between mkdir and flock: make it again
+    if busy == 10:
+        raise CheckpointExistsError(
+            f"another save of a checkpoint named {name!r} into {root} is running; "
+            "checkpoints are never overwritten: pick a new name (e.g. with the step number)")
     raise ConfigError(f"cannot hold staging directory {stage}: something keeps removing it")
 
 
-def _unlocked(path: str) -> bool:
-    """Whether no live process holds the lock of staging dir ``path``."""
+def _trash_path(root: str, name: str) -> str:
+    """A trash name for ``name`` in ``root``, cut to fit 255 bytes (a checkpoint named with
+    215 or more could not be renamed to it: ENAMETOOLONG, and retention kept every one)."""
+    tail = f"-{os.getpid()}-{time.time_ns()}".encode()
+    short = os.fsencode(name)[:255 - len(TRASH) - len(tail)]
+    return os.path.join(root, os.fsdecode(os.fsencode(TRASH) + short + tail))
+
+
+def _take_if_unlocked(path: str) -> str | None:
+    """Move staging dir ``path`` to the trash if no live save holds its lock; returns where
+    it went. The lock is held through the rename: checked, then let go before the removal, a
+    save that took the directory in between lost it (a raw FileNotFoundError)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+        if not os.path.samestat(os.fstat(fd), os.stat(path)):
+            return None  # replaced since we opened it: someone else's now
+        trash = _trash_path(os.path.dirname(path), os.path.basename(path))
+        os.rename(path, trash)
+        return trash
+    except (BlockingIOError, FileNotFoundError):
+        return None
     finally:
         close_file(fd)
 
@@ -175,7 +194,13 @@ def clean_leftovers(root: str, keep: str | None = None) -> list[str]:
     for path in leftovers(root):
         if path == keep:
             continue
-        if os.path.basename(path).startswith(PARTIAL) and not _unlocked(path):
+        if os.path.basename(path).startswith(PARTIAL):
+            taken = _take_if_unlocked(path)
+            if taken is None:
+                continue
+            shutil.rmtree(taken, ignore_errors=True)
+            if not os.path.exists(taken):
+                removed.append(path)
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
@@ -283,7 +308,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     if why:
         raise ConfigError(f"{given} is not an lcache checkpoint ({why}); nothing was "
                           "deleted: remove_checkpoint deletes only checkpoints")
-    trash = os.path.join(root, f"{TRASH}{name}-{os.getpid()}-{time.time_ns()}")
+    trash = _trash_path(root, name)
     os.rename(full, trash)
     fsync_dir(root)
     shutil.rmtree(trash, ignore_errors=True)  # what is left, the next save's clean-up removes
