@@ -196,6 +196,25 @@ def test_retention_skips_what_it_cannot_remove_with_a_warning(
     assert ck.load(ck.latest(root)) == {"step": 4}
 
 
+def test_a_clock_set_back_never_makes_retention_remove_the_new_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints were ordered by their wall-clock creation time: after the clock stepped
+    back (or on a node whose clock is behind), save(keep_last=1) returned the path of a
+    checkpoint it had already removed, and latest() gave the older one (attack helper 68)."""
+    import time
+
+    root = tmp_path / "ckpts"
+    for step in range(3):
+        ck.save({"step": step}, root / f"step-{step}", keep_last=1)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 600)
+    assert ck.save({"step": 3}, root / "step-3", keep_last=1) == str(root / "step-3")
+    assert os.listdir(root) == ["step-3"]
+    assert ck.latest(root) == str(root / "step-3")
+    ck.save({"step": 4}, root / "step-4")
+    assert [c.name for c in ck.list_checkpoints(root)[0]] == ["step-3", "step-4"]
+
+
 def test_checkpoints_with_the_longest_names_are_removed(tmp_path: Path) -> None:
     """A name over 214 bytes could be saved but never removed: its trash name was too long
     (ENAMETOOLONG), so retention kept every one and the disk filled (attack helper 68)."""

@@ -177,8 +177,6 @@ class CheckpointHandle:
         self.persist_s = time.perf_counter() - t0
 
     def _publish(self, shards: list[dict[str, Any]]) -> None:
-        body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
-                "meta": self._meta, "shards": shards}
         stage = dirs.staging_dir(self.root, self.name)
         keep = self._options.get("keep_last")
         if keep is not None:  # a saver killed between publishing and its retention left one
@@ -186,6 +184,9 @@ class CheckpointHandle:
             # are logged by the retention after publishing; they never fail the save)
             with contextlib.suppress(LCacheError, OSError):
                 dirs.apply_retention(self.root, keep)
+        body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
+                "sequence": dirs.next_sequence(self.root), "meta": self._meta,
+                "shards": shards}
         self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                  {s["file"] for s in shards})
         self._stage = None

@@ -45,11 +45,12 @@ class CheckpointInfo:
     arrays: int
     data_bytes: int
     meta: dict[str, Any]
+    sequence: int = 0  # its place among the checkpoints of its directory (0: written before)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "created_unix": self.created_unix,
                 "world_size": self.world_size, "arrays": self.arrays,
-                "data_bytes": self.data_bytes, "meta": self.meta}
+                "data_bytes": self.data_bytes, "meta": self.meta, "sequence": self.sequence}
 
 
 def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -233,7 +234,7 @@ def read_info(path: str) -> CheckpointInfo:
     return CheckpointInfo(
         os.path.basename(path), path, float(body["created_unix"]), body["world_size"],
         sum(len(s["arrays"]) for s in shards), sum(s["data_bytes"] for s in shards),
-        body.get("meta", {}))
+        body.get("meta", {}), body.get("sequence", 0))
 
 
 def require_dir(root: str) -> None:
@@ -266,8 +267,17 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
             good.append(read_info(path))
         except (LCacheError, OSError):
             bad.append(name)
-    good.sort(key=lambda c: (c.created_unix, c.name))
+    # By sequence first: ordered by the wall clock alone, a save after the clock was set back
+    # (or on a node whose clock is behind) sorted before its elders, and keep_last removed it
+    # as soon as it was published
+    good.sort(key=lambda c: (c.sequence, c.created_unix, c.name))
     return good, bad
+
+
+def next_sequence(root: str) -> int:
+    """The sequence number of a checkpoint published in ``root`` now: after every other's."""
+    good, _ = list_checkpoints(root)
+    return 1 + max((c.sequence for c in good), default=0)
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:

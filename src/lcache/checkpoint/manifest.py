@@ -144,6 +144,9 @@ def check_body(body: dict[str, Any], where: str) -> None:
     created = body.get("created_unix")
     if not (_is_int(created) or isinstance(created, float)) or not 0 <= created < 1e11:
         raise CorruptionError(f"{where}: invalid creation time {created!r:.40}")
+    sequence = body.get("sequence", 0)
+    if not (_is_int(sequence) and 0 <= sequence < 1 << 53):
+        raise CorruptionError(f"{where}: invalid sequence number {sequence!r:.40}")
     if not isinstance(body.get("meta", {}), dict):
         raise CorruptionError(f"{where}: meta is not a JSON object")
     ranks: set[int] = set()
