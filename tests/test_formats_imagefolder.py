@@ -66,6 +66,22 @@ def test_over_http_and_through_the_cache(tree: Path, tmp_path: Path) -> None:
         assert ds.stats()["from_ssd"] == len(want)
 
 
+def test_classes_whose_names_need_quoting_over_http(tmp_path: Path) -> None:
+    """The test server redirected "a%20b" (no slash) to the unquoted "a b/", another class:
+    listing it failed, or listed the other one's files (attack helper 67)."""
+    root = tmp_path / "train"
+    classes = ["a b", "a%20b", "a+b", "\u00e9", "z%zz"]
+    for i, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        (root / name / "x.jpg").write_bytes(payload(i, "img"))
+    local = ImageFolderSource(str(root))
+    with ThrottledServer(str(tmp_path)) as server:
+        remote = ImageFolderSource(server.url + "/train/")
+        assert remote.classes == local.classes == sorted(classes)
+        assert [remote.decode(remote.fetch(i)) for i in range(len(classes))] == \
+            [local.decode(local.fetch(i)) for i in range(len(classes))]
+
+
 def test_a_new_class_drops_the_samples_whose_label_changed(tree: Path, tmp_path: Path) -> None:
     ds = CachedDataset(ImageFolderSource(str(tree)), tmp_path / "cache", "16MiB")
     before = [ds[i] for i in range(len(ds))]

@@ -206,7 +206,8 @@ class ThrottledServer:
         path = os.path.join(self.root, *parts)
         if os.path.isdir(path):
             if not url_path.endswith("/"):
-                self._send(writer, 301, {"Location": url_path + "/"}, b"")
+                # quoted: "a%20b" decoded is "a b", which is another folder
+                self._send(writer, 301, {"Location": urllib.parse.quote(url_path + "/")}, b"")
                 return
             listing = _listing(path, url_path, sort_links=fault == "sort-links")
             self._send(writer, 200, {"Content-Type": "text/html; charset=utf-8"},
