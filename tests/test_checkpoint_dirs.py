@@ -226,3 +226,16 @@ def test_checkpoints_with_the_longest_names_are_removed(tmp_path: Path) -> None:
     assert sorted(os.listdir(root)) == sorted(names[2:])
     ck.remove_checkpoint(root / names[3])
     assert os.listdir(root) == [names[2]]
+
+
+def test_the_sequence_number_stops_at_its_largest(tmp_path: Path) -> None:
+    """A manifest at the largest sequence number must not make the next save's unreadable."""
+    from lcache.checkpoint import manifest
+
+    ck.save({"step": 0}, tmp_path / "step-0")
+    where = tmp_path / "step-0" / "manifest.json"
+    body = manifest.parse_manifest(where.read_bytes(), str(where))
+    where.write_bytes(manifest.dump_manifest({**body, "sequence": manifest.MAX_SEQUENCE}))
+    ck.save({"step": 1}, tmp_path / "step-1")
+    assert ck.load(ck.latest(tmp_path)) == {"step": 1}
+    assert [c.sequence for c in ck.list_checkpoints(tmp_path)[0]] == [manifest.MAX_SEQUENCE] * 2

@@ -22,7 +22,7 @@ from typing import Any
 
 from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from lcache.checkpoint.format import MANIFEST
-from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_SEQUENCE, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
@@ -277,7 +277,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
 def next_sequence(root: str) -> int:
     """The sequence number of a checkpoint published in ``root`` now: after every other's."""
     good, _ = list_checkpoints(root)
-    return 1 + max((c.sequence for c in good), default=0)
+    return min(1 + max((c.sequence for c in good), default=0), MAX_SEQUENCE)
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
