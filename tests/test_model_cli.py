@@ -97,6 +97,23 @@ def test_table_shows_checkpoint_bytes_amortized_per_step() -> None:
     assert "│                0 │" not in row, row
 
 
+@pytest.mark.parametrize("how", ["option", "model file"])
+def test_no_restarts_a_day_prints_never(tmp_path: Path, how: str) -> None:
+    """The finding (attack helper 69, finding 1): 0 restarts a day, a legitimate setting, made
+    checkpoint-read's steps per event infinite (null in JSON) and the table a TypeError; its
+    per step cell says the restart never happens."""
+    path = tmp_path / "m.yaml"
+    path.write_text("preset: llama3-8b\ntraining: {restarts_per_day: 0}\n")
+    args = ("llama3-8b", "--restarts-per-day", "0") if how == "option" else \
+        ("--model-file", str(path))
+    result = CliRunner().invoke(cli, ["model", *args])
+    assert result.exit_code == 0 and result.exception is None, result.output
+    row = result.output[result.output.index("per step"):result.output.index("per event")]
+    assert "never: no restart" in row and "per 22 steps" in row, row
+    code, out = _run(*args, "--json")
+    assert code == 0 and json.loads(out)["classes"]["checkpoint-read"]["steps_per_event"] is None
+
+
 def test_real_subprocess_json() -> None:
     out = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
                          check=True, capture_output=True, text=True, timeout=120).stdout

@@ -131,6 +131,8 @@ def _print_tables(doc: dict[str, Any]) -> None:
     def per_step(c: dict[str, Any]) -> str:
         if c["event"] == "step":
             return size(c["bytes_per_step"])
+        if c["steps_per_event"] is None:  # the event never happens (0 restarts a day)
+            return f"0\nnever: no {c['event']}"
         # none at most steps: the event's bytes spread over the steps between two events
         return (f"{size(c['amortized_bytes_per_step'])}\namortized: 1 {c['event']}\nper "
                 f"{c['steps_per_event']:,.0f} steps")
