@@ -114,6 +114,18 @@ def test_no_restarts_a_day_prints_never(tmp_path: Path, how: str) -> None:
     assert code == 0 and json.loads(out)["classes"]["checkpoint-read"]["steps_per_event"] is None
 
 
+def test_model_name_reaches_the_terminal_escaped(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 10): a model file's name went into the table's
+    title raw, so its ESC sequences acted on the terminal and its [markup] on rich; it is
+    shown escaped, as ``ckpt`` shows names."""
+    path = tmp_path / "red.yaml"
+    path.write_text('preset: llama3-8b\nname: "\\x1b[31mred [bold]x"\n')
+    run = run_lcache("model", "--model-file", str(path), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "\x1b" not in run.stdout, run.stdout[:300]
+    assert "\\x1b[31mred [bold]x" in run.stdout.replace("\n", " "), run.stdout[:300]
+
+
 def test_real_subprocess_json() -> None:
     out = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
                          check=True, capture_output=True, text=True, timeout=120).stdout
