@@ -65,6 +65,10 @@ def test_storage_check(trace: Path, tmp_path: Path) -> None:
     ((".",), ["a directory"]),
     (("/dev/zero",), ["not a regular file"]),
     (("T", "--hit-ratio", "1.5"), ["--hit-ratio", "out of range"]),
+    # attack helper 69, finding 7: printed with :g these read "--hit-ratio 1", inside
+    # 0.001..1, and a 400-digit --ssds was an OverflowError traceback
+    (("T", "--hit-ratio", "1.0000001"), ["--hit-ratio 1.0000001 is out of range"]),
+    (("T", "--ssds", "9" * 400), ["--ssds 999999999999... (400 digits) is out of range"]),
     (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
     (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
     (("T", "--scale-gpus", "1e9"), ["--scale-gpus", "digits only"]),

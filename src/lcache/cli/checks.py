@@ -127,7 +127,12 @@ def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
                 what = "a whole number written with digits only (1000000, not 1e6)"
         raise ConfigError(f"{option} {value!r:.40} is not {what}; give one in {span}") from None
     if not lo <= n <= hi:
-        raise ConfigError(f"{option} {n:g} is out of range; give one in {span}")
+        # as typed, never rounded (1.0000001 printed with :g read "1", inside 0.001..1); a
+        # long one cut: a float's repr is exact, a whole number's digits are counted
+        typed = value.strip() if isinstance(value, str) else repr(n)
+        if len(typed) > 40:
+            typed = repr(n) if kind is not int else f"{str(n)[:12]}... ({len(str(n))} digits)"
+        raise ConfigError(f"{option} {typed} is out of range; give one in {span}")
     return n
 
 
