@@ -105,6 +105,20 @@ def test_model_set_tag_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run, "--model-set gpus", "the tag !!python/name:os.system")
 
 
+@pytest.mark.parametrize("option", [("--model-set", "foo=1"), ("--max-step-bytes", "garbage"),
+                                    ("--max-step-bytes", "1GiB")])
+def test_offload_options_without_offload_from_are_refused(tmp_path: Path,
+                                                          option: tuple[str, str]) -> None:
+    """The finding (attack helper 69, finding 8): read only with --offload-from, both were
+    accepted without it, never checked (an unknown setting, a size that is none), and the
+    run went ahead as if they had not been given."""
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(tiny(tmp_path)))
+    run = run_lcache("bench", "run", str(path), *option, cwd=tmp_path)
+    assert_one_line_error(run, option[0], "--offload-from")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("duration", ["nan", "inf", "-1"])
 def test_from_model_duration_is_a_positive_number(tmp_path: Path, duration: str) -> None:
     run = run_lcache("bench", "from-model", "bert-large", "--duration", duration, "--dir",

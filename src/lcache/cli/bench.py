@@ -125,6 +125,14 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
     """
     from lcache.bench import BenchOptions, load_workload, resolve_config, run_workload
 
+    if not offload_preset:  # both are read only with --offload-from; alone, never checked
+        ctx = click.get_current_context()
+        for param, flag in (("model_settings", "--model-set"),
+                            ("max_step_bytes", "--max-step-bytes")):
+            if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT:
+                raise ConfigError(f"{flag} applies only to the offload traffic of "
+                                  "--offload-from PRESET, which was not given; add it or drop "
+                                  f"{flag}")
     w = load_workload(resolve_config(config), overrides)
     opts = BenchOptions(data_dir=data_dir, output=output, checkpoint_dir=checkpoint_dir,
                         generate=generate, drop_cache=drop_cache, direct=odirect, trace=trace,
