@@ -692,10 +692,13 @@ class SampleCache:
         return self.prefetch_many([index], [keep])
 
     def prefetch_many(self, indices: Sequence[int], keeps: Sequence[bool],
-                      wanted: Callable[[int], bool] = lambda sample: True) -> int:
+                      wanted: Callable[[int], bool] = lambda sample: True,
+                      done: list[int] | None = None) -> int:
         """Fetch samples into the cache (the main store where ``keep``, else staging) unless
         they are there, being fetched, or no longer ``wanted(sample)`` once claimed (a reader
-        got to it first). One ``fetch_many``. Returns the bytes fetched (0: nothing done)."""
+        got to it first). One ``fetch_many``. Returns the bytes fetched (0: nothing done);
+        the samples fetched are appended to ``done`` where given (this caller's own count:
+        the counters add up every process using the directory)."""
         main, staging = self.store(), self.staging()
         if staging in self._refused:  # nothing fetched ahead could be kept until read
             return 0
@@ -716,6 +719,8 @@ class SampleCache:
                 self._put_many(staging, staged, [fetched[k] for k in staged])
         total = sum(len(b) for b in fetched.values())
         self.counters.add(fetches=len(todo), remote_bytes=total, prefetched=len(todo))
+        if done is not None:
+            done.extend(todo)
         return total
 
     def _put_many(self, store: Store, keys: list[int], values: Sequence[bytes | memoryview]

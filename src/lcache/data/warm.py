@@ -40,6 +40,7 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
     fits = int(np.searchsorted(np.cumsum(sizes), cache.plan_capacity(writers=1), "right"))
     todo = [i for i in range(fits) if i not in cache.store()]
     fetched = 0
+    done: list[int] = []  # what this run fetched; another warm of this cache may fetch the rest
     start = time.perf_counter()
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), transient=True,
@@ -49,17 +50,22 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
         task = bar.add_task("warming", total=int(sizes[todo].sum()) if todo else 0)
         groups = [todo[lo : lo + GROUP] for lo in range(0, len(todo), GROUP)]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for n in pool.map(lambda g: cache.prefetch_many(g, [True] * len(g)), groups):
+            for n in pool.map(lambda g: cache.prefetch_many(g, [True] * len(g), done=done),
+                              groups):
                 fetched += n
                 bar.advance(task, n)
     seconds = time.perf_counter() - start
-    cache.store().flush()
+    store = cache.store()
+    store.flush()
     stats = cache.stats()
+    # what the cache holds now (whoever fetched it), not what would fit: a sample the disk
+    # refused is not in it
+    cached = sum(1 for i in range(len(cache.source)) if i in store)
     cache.close()
     return {
         "samples": len(cache.source), "dataset_bytes": cache.dataset_bytes,
-        "capacity": cache.capacity, "cached_samples": fits,
-        "fetched_samples": len(todo), "fetched_bytes": fetched,
+        "capacity": cache.capacity, "cached_samples": cached,
+        "fetched_samples": len(done), "fetched_bytes": fetched,
         "seconds": round(seconds, 3),
         "MBps": round(fetched / seconds / 1e6, 1) if seconds > 0 else 0.0,
         "admit_failures": stats["admit_failures"],

@@ -1,0 +1,61 @@
+"""``lcache warm``'s figures: what the run fetched and what the cache holds, with another warm
+of the same cache running beside it and with a disk that fills."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lcache.data.warm import warm_cache
+
+from .conftest import bounded_memory, make_files, mounted_tmpfs, subprocess_env
+
+KIB = 1024
+
+
+def test_two_warms_of_one_cache_count_what_each_fetched(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 5): two warms of one cache at once each said
+    fetched_samples = every sample (what it had planned, before the other fetched any), while
+    their fetched_bytes added up to one copy; the samples each fetched add up to one copy."""
+    n, size = 2000, 16 * KIB
+    make_files(tmp_path / "src", n, size=size)
+    env = subprocess_env()
+    env.pop("LCACHE_TRACE", None)
+    args = [sys.executable, "-m", "lcache", "warm", str(tmp_path / "src"), "--cache",
+            str(tmp_path / "cache"), "--capacity", "100MB", "--threads", "1", "--json"]
+    runs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=bounded_memory) for _ in range(2)]
+    docs = []
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        docs.append(json.loads(out))
+    assert sum(d["fetched_samples"] for d in docs) == n, docs
+    assert sum(d["fetched_bytes"] for d in docs) == n * size, docs
+    # what the cache holds when each run ends: all of it once both have
+    assert max(d["cached_samples"] for d in docs) == n, docs
+    assert all(d["cached_samples"] >= d["fetched_samples"] for d in docs), docs
+    again = warm_cache(str(tmp_path / "src"), str(tmp_path / "cache"), "100MB",
+                       show_progress=False)
+    assert (again["fetched_samples"], again["fetched_bytes"], again["cached_samples"]) == \
+        (0, 0, n)
+
+
+@pytest.mark.root
+def test_cached_samples_are_those_the_cache_holds_when_the_disk_fills(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (attack helper 69, finding 5): cached_samples was what the capacity holds,
+    so a disk that filled before the capacity was used still reported every sample cached."""
+    caplog.set_level(logging.WARNING, logger="lcache")
+    make_files(tmp_path / "src", 128, size=64 * KIB)  # 8 MiB: more than the 6 MiB device
+    with mounted_tmpfs(tmp_path / "mnt", "6m") as mnt:
+        doc = warm_cache(str(tmp_path / "src"), str(mnt / "cache"), "64MiB", threads=1,
+                         show_progress=False)
+    assert doc["admit_failures"] == 1, doc
+    assert doc["fetched_samples"] == 128, doc  # all fetched, the refused ones staged
+    assert 0 < doc["cached_samples"] < 96, doc  # 96 x 64 KiB = 6 MiB
