@@ -676,6 +676,34 @@ def test_tracing_refuses_a_fifo_or_a_device(tmp_path: Path) -> None:
     assert f"{fifo} is a FIFO, not a regular file" in run.stderr
 
 
+def test_lcache_trace_makes_no_folder_and_every_refusal_is_status_2(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 9): LCACHE_TRACE made the folders it named (a
+    typo made nodir/; as root, /nonexist/), and a directory or a link went on with exit status
+    0 and Python's errno text, while /dev/null exited 2. Each is refused as `lcache trace -o`
+    refuses it: the CLI in one line with exit status 2; a program importing lcache is told in
+    one line and goes on, untraced."""
+    missing = tmp_path / "nodir" / "x.trace"
+    with pytest.raises(lcache.ConfigError, match="nodir does not exist, and tracing makes none"):
+        lcache.trace.enable(str(missing))
+    assert not lcache.trace.enabled() and not (tmp_path / "nodir").exists()
+    (tmp_path / "adir").mkdir()
+    link = tmp_path / "link.trace"
+    link.symlink_to(tmp_path / "elsewhere.trace")
+    for path, words in ((missing, "nodir does not exist"), (tmp_path / "adir", "is a directory"),
+                        (link, "too many levels of symbolic links")):
+        env = dict(subprocess_env(), LCACHE_TRACE=str(path))
+        cli = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 2 and cli.stdout == "", (path, cli.stderr)
+        assert cli.stderr.count("\n") == 1 and words in cli.stderr, cli.stderr
+        assert "Errno" not in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+        lib = subprocess.run([sys.executable, "-c", "import lcache; print('went on')"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert (lib.returncode, lib.stdout) == (0, "went on\n"), lib.stderr
+        assert lib.stderr.count("\n") == 1 and words in lib.stderr, lib.stderr
+    assert not (tmp_path / "nodir").exists() and not (tmp_path / "elsewhere.trace").exists()
+
+
 def test_a_trace_is_appended_to_in_its_own_format(tmp_path: Path) -> None:
     """Attack helper 60: the format came from the suffix alone, so a gzip trace renamed
     without .gz got plain lines appended (or the reverse), and no line of it could be read."""

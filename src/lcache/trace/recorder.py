@@ -276,13 +276,15 @@ def enable(path: str, *, compress: bool | None = None) -> None:
     no-op; enabling another path switches to it.
 
     Args:
-        path: the trace file (created, or appended to when it is an lcache trace or empty).
+        path: the trace file (created in an existing directory, or appended to when it is an
+            lcache trace or empty).
             Ending in ``.gz`` compresses it.
         compress: force gzip on or off, whatever the suffix.
 
     Raises:
         ConfigError: ``$LCACHE_TRACE_FLUSH_S`` is not seconds from 0.001 to 1,000,000, or
-            ``path`` holds a file that is not an lcache trace (it is left as it is).
+            ``path`` holds a file that is not an lcache trace (it is left as it is), is a
+            directory, or its directory does not exist (none is made).
     """
     global _active, _interval
     with _lock:
@@ -546,11 +548,13 @@ def enable_from_environment() -> None:
     """Honour ``LCACHE_TRACE=path`` (called when lcache is imported)."""
     path = os.environ.get(ENV)
     if path and _active is None:
+        global env_error
         try:
             enable(path)
         except ConfigError as exc:  # the CLI exits with status 2 on it (lcache.cli.main)
-            global env_error
             env_error = exc
-            sys.stderr.write(f"lcache: cannot trace to LCACHE_TRACE={path}: {exc}\n")
-        except OSError as exc:
-            sys.stderr.write(f"lcache: cannot trace to LCACHE_TRACE={path}: {exc}\n")
+        except OSError as exc:  # a file it may not open: refused alike, in words, not a repr
+            reason = exc.strerror or str(exc)
+            env_error = ConfigError(reason[:1].lower() + reason[1:])
+        if env_error is not None:  # a program importing lcache goes on, untraced
+            sys.stderr.write(f"lcache: cannot trace to LCACHE_TRACE={path}: {env_error}\n")

@@ -91,14 +91,21 @@ class TraceWriter:
         that is neither empty nor an lcache trace is refused (:func:`check_trace_file`).
 
         Raises:
-            ConfigError: ``path`` holds a file that is not a trace.
+            ConfigError: ``path`` holds a file that is not a trace, or is a directory, or its
+                directory is missing (none is made).
             OSError: it cannot be opened (a symbolic link is never followed).
         """
         self.path = os.path.abspath(path)
         self.compress = is_compressed_path(path) if compress is None else compress
         directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
+        # None is made, as `lcache trace -o` makes none: a mistyped LCACHE_TRACE made the
+        # folders it named (as root, /nonexist/ at the top of the file system).
+        if not os.path.isdir(directory):
+            raise ConfigError(f"{path}: its directory {directory} does not exist, and tracing "
+                              "makes none; create it or choose another path")
+        if os.path.isdir(self.path):
+            raise ConfigError(f"{path} is a directory, and tracing only writes a trace file; "
+                              "choose a file path")
         # O_NOFOLLOW: a link planted at the trace's name (in /tmp, say) is refused, not appended
         # to. O_RDWR, not O_WRONLY: what is there is read first, on this very file.
         flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
