@@ -150,6 +150,18 @@ def test_checkpoint_folder_that_cannot_hold_files(tmp_path: Path) -> None:
         run_workload(load_workload(str(path)), BenchOptions(show_progress=False))
 
 
+def test_a_dataset_folder_on_a_virtual_filesystem_is_said_to_hold_no_files(
+        tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 10): a dataset folder under /proc was refused as
+    "needs about 48.1 KiB in /proc/self/data, which has 0 B free; ... or free some space":
+    there is no space to free there; the filesystem holds no files at all."""
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(tiny(tmp_path, dataset={"data_folder": "/proc/self/data"})))
+    err = assert_one_line_error(run_lcache("bench", "run", str(path), cwd=tmp_path),
+                                "/proc/self/data", "has no room for files at all")
+    assert "free some space" not in err, err
+
+
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
 def test_a_data_file_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
     """Regression: a directory in place of a data file was "error: Is a directory", naming

@@ -27,13 +27,19 @@ def meminfo(key: str) -> int:
     return 0
 
 
-def free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still put on the filesystem holding ``path``, which
-    may not exist yet (its nearest existing parent's: checked before anything is created)."""
+def _statvfs(path: str) -> os.statvfs_result:
+    """``statvfs`` of the filesystem holding ``path``, which may not exist yet (its nearest
+    existing parent's: checked before anything is created)."""
     path = os.path.abspath(path)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
-    st = os.statvfs(path)
+    return os.statvfs(path)
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still put on the filesystem holding ``path``, which
+    may not exist yet."""
+    st = _statvfs(path)
     return st.f_bavail * st.f_frsize
 
 
@@ -55,7 +61,12 @@ def need_space(path: str, nbytes: int, what: str, lower: str, reusable: int = 0)
         lower: the settings that shrink it, for the message.
         reusable: bytes of files there that the run rewrites in place.
     """
-    free = free_bytes(path) + reusable
+    st = _statvfs(path)
+    free = st.f_bavail * st.f_frsize + reusable
+    if nbytes > free and st.f_blocks == 0:  # /proc, /sys: no space to free, none to hold files
+        raise ConfigError(f"{what} cannot go in {path}: its filesystem has no room for files "
+                          "at all (a virtual one, such as /proc or /sys); choose a folder on a "
+                          "disk")
     if nbytes > free:
         raise ConfigError(f"{what} needs about {format_size(nbytes)} in {path}, which has "
                           f"{format_size(free)} free; lower {lower} or free some space")
