@@ -18,7 +18,7 @@ from lcache.checkpoint import dirs
 from lcache.cli.main import cli
 from lcache.errors import ConfigError, StorePermissionError
 
-from .conftest import run_as_nobody
+from .conftest import assert_one_line_error, run_as_nobody, run_lcache
 
 
 def test_a_missing_directory_is_an_error_an_empty_one_is_not(tmp_path: Path) -> None:
@@ -47,6 +47,19 @@ def test_cli_on_a_missing_directory_exits_2_with_one_line(
     assert out.exit_code == 2, out.output
     lines = out.output.strip().splitlines()
     assert len(lines) == 1 and "no checkpoint directory at ckpst" in lines[0], out.output
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_verify_of_a_folder_that_is_no_checkpoint_exits_2_with_one_line(
+        tmp_path: Path, as_json: bool) -> None:
+    """The finding (attack helper 69, finding 10): `ckpt verify` of a plain folder (no
+    manifest, no checkpoint in it) printed "DAMAGED home: 0 arrays", as if a checkpoint were
+    there and broken; it says the folder is no checkpoint."""
+    (tmp_path / "home" / "notes").mkdir(parents=True)
+    (tmp_path / "home" / "notes.txt").write_text("mine\n")
+    run = run_lcache("ckpt", "verify", "home", *(["--json"] if as_json else []), cwd=tmp_path)
+    assert_one_line_error(run, "home is not a checkpoint", "no manifest.json")
+    assert run.stdout == "" and "DAMAGED" not in run.stderr
 
 
 # --------------------------------------------------------------------------- permissions

@@ -87,6 +87,7 @@ def verify_cmd(directory: str, as_json: bool) -> None:
     from lcache.checkpoint import list_checkpoints, verify
     from lcache.checkpoint.dirs import require_dir
     from lcache.checkpoint.format import MANIFEST
+    from lcache.errors import ConfigError
 
     require_dir(directory)  # a mistyped path is one line and exit status 2, not "DAMAGED"
     if os.path.lexists(os.path.join(directory, MANIFEST)):
@@ -94,8 +95,10 @@ def verify_cmd(directory: str, as_json: bool) -> None:
     else:
         good, bad = list_checkpoints(directory)
         paths = [c.path for c in good] + [os.path.join(directory, b) for b in bad]
-        if not paths:
-            paths = [directory]  # reports "no complete checkpoint"
+        if not paths:  # a plain folder was "DAMAGED home: 0 arrays"
+            raise ConfigError(f"{shown(directory)} is not a checkpoint (it has no {MANIFEST}; "
+                              "an unfinished save has none either) and holds no checkpoint; "
+                              "give a checkpoint or a folder of them")
     reports: list[dict[str, Any]] = []
     total = sum(_data_bytes(p) for p in paths)
     with Progress(*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(),
