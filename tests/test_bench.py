@@ -584,6 +584,18 @@ def test_run_adds_the_models_offload_traffic(tmp_path: Path) -> None:
     assert files and files[0].stat().st_size == 2**19  # the read half laid out, then rewritten
 
 
+def test_from_model_notes_are_one_line_however_long(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 10): the note on --steps was wrapped at 80
+    columns (rich's console, without soft_wrap), splitting the number it quotes."""
+    steps = "9" * 23
+    res = CliRunner().invoke(cli, ["bench", "from-model", "bert-large", "--duration", "0.3",
+                                   "--steps", steps, "--dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    (note,) = [line for line in res.output.splitlines() if "--steps" in line]
+    assert note.startswith("note: one checkpoint interval of bert-large is ") and \
+        note.endswith("(one per real step at most)") and f"--steps {steps} emulates" in note
+
+
 def test_from_model_runs_on_real_storage(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, [
         "bench", "from-model", "bert-large", "--duration", "0.3", "--steps", "3",

@@ -210,11 +210,12 @@ def from_model_cmd(preset: str, duration: float, steps: int, directory: str,
     if info["steps"] < steps:
         console.print(f"note: one checkpoint interval of {preset} is "
                       f"{info['checkpoint_interval_steps']} real steps; --steps {steps} "
-                      f"emulates {info['steps']} (one per real step at most)")
+                      f"emulates {info['steps']} (one per real step at most)",
+                      highlight=False, soft_wrap=True)  # one line however long --steps is
     if info["duration_s"] < duration:
         console.print(f"note: one checkpoint interval of {preset} takes "
                       f"{info['duration_s']:.3g} s; --duration {duration:g} emulates that "
-                      "(bytes and time are never scaled up)")
+                      "(bytes and time are never scaled up)", highlight=False, soft_wrap=True)
     table = Table(title=f"{preset}: one checkpoint interval scaled by {info['scale']:.3g} into "
                   f"{info['duration_s']:.3g} s ({info['steps']} steps of "
                   f"{info['emulated_step_s']:.3f} s)")
