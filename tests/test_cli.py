@@ -95,6 +95,37 @@ def test_an_ordinary_directory_is_refused_and_left_alone(tmp_path: Path,
     assert listing(plain) == before
 
 
+@pytest.mark.parametrize("args", [("stats",), ("stats", "--json")])
+def test_a_folder_with_a_store_json_lcache_did_not_write_is_left_alone(
+        tmp_path: Path, args: tuple[str, ...]) -> None:
+    """The finding (attack helper 69, finding 2): `lcache stats DIR` on a folder whose
+    store.json is not lcache's made `lock` (4096 B) and `segments/` there, zero-padded a
+    user's `lock`, and said to run `lcache fsck --repair`, which cannot help."""
+    folder = tmp_path / "h3"
+    folder.mkdir(mode=0o700)
+    (folder / "store.json").write_text('{"app": "x"}\n')
+    (folder / "lock").write_text("my lock notes\n")
+    before = listing(folder)
+    out = run(*args, str(folder))
+    err = assert_one_line_error(out, f"{folder / 'store.json'} is not an lcache store "
+                                "configuration", "not an lcache store")
+    assert "fsck" not in err and out.stdout == ""
+    assert listing(folder) == before
+    assert (folder / "lock").read_text() == "my lock notes\n"
+
+
+def test_store_demo_leaves_a_lock_it_did_not_write_alone(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 2): `lcache store-demo --dir DIR` zero-padded
+    a user's DIR/store/lock to 4096 bytes and used it ("p2" became "r2")."""
+    (tmp_path / "store").mkdir(mode=0o700)
+    (tmp_path / "store" / "lock").write_bytes(b"p2\n")
+    out = run("store-demo", "--dir", str(tmp_path), "--samples", "10")
+    assert_one_line_error(out, f"{tmp_path / 'store' / 'lock'} is not the lock file of an "
+                          "lcache store", "move it")
+    assert [p.name for p in (tmp_path / "store").iterdir()] == ["lock"]
+    assert (tmp_path / "store" / "lock").read_bytes() == b"p2\n"
+
+
 def test_fsck_clean_then_damaged_then_repaired(tmp_path: Path) -> None:
     root = tmp_path / "s"
     make_store(root)

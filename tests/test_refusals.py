@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,9 @@ from lcache import (
     StorePermissionError,
 )
 from lcache.store import Store, fsck, parse_size
+from lcache.store.layout import MetaPage
 
-from .conftest import KIB, SEG, run_as_nobody
+from .conftest import KIB, SEG, run_as_nobody, subprocess_env
 
 NOBODY = 65534
 
@@ -164,6 +167,60 @@ def test_an_ordinary_directory_is_not_made_a_store(tmp_path: Path) -> None:
         with pytest.raises(StoreNotFoundError, match=f"no lcache store in {plain}"):
             fsck(plain, repair=repair)
     assert listing(plain) == before
+
+
+def test_a_lock_lcache_did_not_write_is_left_alone(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 2): Store.open made ``DIR/lock`` before it read
+    ``store.json``, so a user's ``lock`` was zero-padded to a page (its first byte changed)
+    and ``segments/`` was made beside it; a ``store.json`` that is not lcache's was answered
+    with advice to run ``fsck --repair``, which has nothing to rebuild from."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (mine / "lock").write_bytes(b"p2\n")
+    before = listing(mine)
+    with pytest.raises(ConfigError, match=f"{mine / 'lock'} is not the lock file of an lcache"):
+        Store.open(mine, capacity="8MiB", segment_size=SEG, max_writers=2)
+    assert listing(mine) == before and (mine / "lock").read_bytes() == b"p2\n"
+
+    (mine / "store.json").write_text('{"app": "x"}')
+    before = listing(mine)
+    for create in (False, True):
+        with pytest.raises(CorruptionError, match="holds no segments: it is not an lcache "
+                                                  "store") as info:
+            Store.open(mine, create=create)
+        assert "fsck" not in str(info.value)
+    assert listing(mine) == before
+
+
+def test_a_lock_lcache_made_is_its_own(tmp_path: Path) -> None:
+    """A ``lock`` left by a store whose creation stopped before ``store.json``, or one made
+    before locks were marked (in a store with its configuration), is the store's."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir(mode=0o700)
+    MetaPage(str(fresh / "lock")).close()  # what a creation killed at that point leaves
+    Store.open(fresh, capacity="8MiB", segment_size=SEG, max_writers=2).close()
+
+    old = tmp_path / "old"
+    with Store.open(old, capacity="8MiB", segment_size=SEG, max_writers=2) as store:
+        store.put(1, b"one")
+    (old / "lock").write_bytes(bytes(4096))  # no mark, as locks were made before
+    with Store.open(old, create=False) as store:
+        assert bytes(store.get(1) or b"") == b"one"
+
+
+def test_processes_creating_one_store_at_once_all_open_it(tmp_path: Path) -> None:
+    """Each sees either no ``lock`` or a whole, marked one: none takes another's lock,
+    caught half-made, for a user's file."""
+    root = tmp_path / "s"
+    code = ("import sys; from lcache.store import Store; "
+            f"Store.open(sys.argv[1], capacity='8MiB', segment_size={SEG}, max_writers=2)"
+            ".close()")
+    children = [subprocess.Popen([sys.executable, "-c", code, str(root)], env=subprocess_env(),
+                                 stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".probe")) == []
 
 
 def test_corrupt_config_file(open_store: Any, store_dir: Path) -> None:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import numbers
@@ -22,6 +23,7 @@ import re
 import stat
 import struct
 import tempfile
+from contextlib import suppress
 from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
@@ -30,10 +32,11 @@ from lcache import jsondoc
 from lcache.errors import (
     ConfigError,
     CorruptionError,
+    DiskFullError,
     StoreNotFoundError,
     StorePermissionError,
 )
-from lcache.io import close_file, read_and_close
+from lcache.io import close_file, pread_full, pwrite_full, read_and_close
 from lcache.io.dirs import check_private_dir, private_dir
 from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
@@ -169,9 +172,9 @@ class StoreConfig:
 
 
 # The files a store writes in its directory (a ``.tmpPID`` suffix is an interrupted atomic
-# publish, ``.probe`` prepare_dir's probe; ``origin`` and ``users`` are a sample cache's
-# staging area's): [0-9], not \d (which takes other scripts' digits), and \Z, not $ (which
-# takes a name ending in a newline).
+# publish, ``.probe`` prepare_dir's probe or a new lock page before it is linked in;
+# ``origin`` and ``users`` are a sample cache's staging area's): [0-9], not \d (which takes
+# other scripts' digits), and \Z, not $ (which takes a name ending in a newline).
 _OWN_TOP = re.compile(r"^(?:(?:store\.json|lock|stats\.json|origin|users|"
                       r"(?:index-int|index-bytes|deletes)-[0-9]+\.bin)(?P<temp>\.tmp[0-9]+)?|"
                       r"\.probe.*)\Z", re.DOTALL)
@@ -209,11 +212,7 @@ def foreign_entries(path: str) -> list[str]:
     return found
 
 
-def has_store(path: str) -> bool:
-    """Whether ``path`` holds a store: its ``store.json``, or segments (a store whose
-    configuration was lost, for ``fsck --repair``). Creates nothing."""
-    if os.path.lexists(os.path.join(path, CONFIG_NAME)):
-        return True
+def _holds_segments(path: str) -> bool:
     segments = os.path.join(path, "segments")
     try:
         return os.path.isdir(segments) and any(
@@ -222,20 +221,61 @@ def has_store(path: str) -> bool:
         return False
 
 
+def has_store(path: str) -> bool:
+    """Whether ``path`` holds a store: its ``store.json``, or segments (a store whose
+    configuration was lost, for ``fsck --repair``). Creates nothing."""
+    return os.path.lexists(os.path.join(path, CONFIG_NAME)) or _holds_segments(path)
+
+
+def _refuse_foreign(path: str) -> None:
+    """Refuse a directory whose ``store.json`` or ``lock`` is not lcache's, before anything
+    in it is created or changed: a folder named as a store may hold a user's files under
+    those names (a ``lock`` was zero-padded to a page, and ``stats`` made ``segments/``).
+
+    A directory with segments is a store whatever else is lost (``fsck --repair`` rebuilds
+    the rest from them); one with a valid configuration too. Otherwise nothing there is a
+    store's yet, and an existing ``lock`` must be one lcache made (``lock_is_ours``).
+
+    Raises:
+        CorruptionError: ``store.json`` is not lcache's configuration and there are no
+            segments (no advice to run ``fsck --repair``: it has nothing to rebuild from).
+        ConfigError: a ``lock`` lcache did not write.
+    """
+    if _holds_segments(path):
+        return
+    try:
+        config = load_config(path, repair_advice=False)
+    except CorruptionError as exc:
+        raise CorruptionError(
+            f"{exc}, and {path} holds no segments: it is not an lcache store (or one with "
+            "nothing to rebuild a configuration from), and nothing was changed; choose "
+            "another directory, or restore store.json") from exc
+    if config is not None:
+        return
+    lock = os.path.join(path, "lock")
+    if os.path.lexists(lock) and not lock_is_ours(lock):
+        raise ConfigError(
+            f"{lock} is not the lock file of an lcache store, and a store there would "
+            "overwrite it; nothing was changed: move it, or choose another directory")
+
+
 def prepare_dir(path: str, create: bool) -> None:
     """Check (or create, owner-only) the store directory.
 
     Without ``create``, nothing is created or changed unless the directory already holds a
-    store (``has_store``).
+    store (``has_store``). Nothing in a directory is changed before its ``store.json`` and
+    ``lock``, where present, are known to be lcache's (``_refuse_foreign``).
 
     Raises:
         StoreNotFoundError: no store there and ``create`` is false.
         StorePermissionError: not private to you (see ``lcache.io.dirs``), not writable, or
             its ``segments`` is a symbolic link.
+        CorruptionError, ConfigError: see ``_refuse_foreign``.
     """
     if not create and not has_store(path):
         raise StoreNotFoundError(f"no lcache store in {path}")
     private_dir(path, "cache directory", create=create)
+    _refuse_foreign(path)
     try:
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
         close_file(fd)
@@ -255,14 +295,17 @@ def prepare_dir(path: str, create: bool) -> None:
     check_private_dir(segments, "segment directory")
 
 
-def _config_error(cfg_path: str, why: str) -> CorruptionError:
+def _config_error(cfg_path: str, why: str, repair_advice: bool) -> CorruptionError:
     root = os.path.dirname(cfg_path)
-    return CorruptionError(f"{cfg_path} {why}; run `lcache fsck --repair {root}` to rewrite it "
-                           "from what the store holds")
+    advice = f"; run `lcache fsck --repair {root}` to rewrite it from what the store holds"
+    return CorruptionError(f"{cfg_path} {why}{advice if repair_advice else ''}")
 
 
-def load_config(path: str) -> StoreConfig | None:
+def load_config(path: str, *, repair_advice: bool = True) -> StoreConfig | None:
     """The stored configuration, or ``None`` if the directory has none yet.
+
+    Args:
+        repair_advice: end an error with the advice to run ``lcache fsck --repair``.
 
     Raises:
         CorruptionError: it is unreadable, not a configuration, a symbolic link, or holds a
@@ -273,12 +316,17 @@ def load_config(path: str) -> StoreConfig | None:
         fd = open_in_store(cfg_path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except CorruptionError as exc:
+        if repair_advice:
+            raise
+        raise CorruptionError(re.split(r";? \(?run `lcache fsck", str(exc))[0]) from exc
     try:
         raw = jsondoc.loads(read_and_close(fd, 1 << 20))
     except (OSError, ValueError) as exc:
-        raise _config_error(cfg_path, f"is unreadable ({exc})") from exc
+        raise _config_error(cfg_path, f"is unreadable ({exc})", repair_advice) from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise _config_error(cfg_path, f"is not an lcache store configuration (format {FORMAT})")
+        raise _config_error(cfg_path, f"is not an lcache store configuration (format {FORMAT})",
+                            repair_advice)
     known = {f.name for f in fields(StoreConfig)}
     try:
         config = StoreConfig(**{k: raw[k] for k in known if k in raw})
@@ -286,7 +334,7 @@ def load_config(path: str) -> StoreConfig | None:
         # file is damaged and how to repair it rather than "raise capacity"
         config.validate(stored=True)
     except (TypeError, ConfigError) as exc:
-        raise _config_error(cfg_path, f"is damaged ({exc})") from exc
+        raise _config_error(cfg_path, f"is damaged ({exc})", repair_advice) from exc
     return config
 
 
@@ -366,6 +414,56 @@ def salvage_config(root: str, largest_segment: int) -> StoreConfig:
     return config
 
 
+# The mark at the end of the first 4 KiB of a lock page lcache made (the shared words sit at
+# its start): how a store being created tells its own ``lock`` from a user's file of that name.
+_LOCK_MARK = b"lcache lock page"
+_LOCK_MARK_AT = 4096 - len(_LOCK_MARK)
+
+
+def lock_is_ours(path: str) -> bool:
+    """Whether ``path`` is a regular file with the mark of a lock page lcache made (locks of
+    stores made before the mark have none: they are known by the store around them)."""
+    try:
+        fd = open_in_store(path, os.O_RDONLY)
+    except (OSError, CorruptionError):
+        return False
+    try:
+        mark = bytearray(len(_LOCK_MARK))
+        return pread_full(fd, _LOCK_MARK_AT, memoryview(mark)) == len(mark) and \
+            mark == _LOCK_MARK
+    finally:
+        close_file(fd)
+
+
+def _open_lock(path: str) -> int:
+    """Open the ``lock`` file, making it if missing. A new one appears whole, its page
+    written (so never a hole of the mapping, see ``files.allocate``) and marked: it is built
+    under a temp name and hard-linked in, so a process creating the store beside us never
+    sees an empty ``lock`` it would take for a user's file."""
+    while True:
+        try:
+            return open_in_store(path, os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        fd, tmp = tempfile.mkstemp(prefix=".probe-lock", dir=os.path.dirname(path))
+        try:
+            page = bytearray(max(mmap.PAGESIZE, 4096))
+            page[_LOCK_MARK_AT:_LOCK_MARK_AT + len(_LOCK_MARK)] = _LOCK_MARK
+            pwrite_full(fd, 0, [page], "cache-meta")
+            close_file(fd)
+            fd = -1
+            with suppress(FileExistsError):  # another process made it first: use theirs
+                os.link(tmp, path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(f"no space left on the device for {path}") from exc
+            raise
+        finally:
+            if fd >= 0:
+                close_file(fd)
+            os.unlink(tmp)
+
+
 class MetaPage:
     """The ``lock`` file: an ``flock`` target whose first page holds shared u64 words.
 
@@ -385,7 +483,7 @@ class MetaPage:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = open_in_store(path, os.O_RDWR | os.O_CREAT)
+        self.fd = _open_lock(path)
         try:
             if not stat.S_ISREG(os.fstat(self.fd).st_mode):
                 raise CorruptionError(f"{path} is not a regular file; remove it (run "
