@@ -56,7 +56,45 @@ def test_storage_check(trace: Path, tmp_path: Path) -> None:
     for c in check["classes"].values():
         assert c["margin"] > 0 and c["arithmetic"]
         assert c["keeps_up"] == (c["margin"] >= 1)
-    assert os.path.isfile(check["summary"])
+    assert check["summary"]["verdict"] == check["verdict"]
+    assert os.listdir(tmp_path / "nvme") == []  # the check's folder went with it
+
+
+def test_storage_check_leaves_the_files_in_storage_alone(trace: Path, tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 3): the check wrote DLIO's default layout
+    straight into --storage DIR: a user's DIR/data/train/img_00_of_32.npy and
+    DIR/output/summary.json were replaced (only a warning), and the generated files were
+    left there. It runs in a folder of its own, removed afterwards."""
+    nvme = tmp_path / "nvme"
+    (nvme / "data" / "train").mkdir(parents=True)
+    (nvme / "output").mkdir()
+    for i in range(40):
+        (nvme / "data" / "train" / f"img_{i:02d}_of_40.npy").write_text(f"mine {i}\n")
+    (nvme / "output" / "summary.json").write_text("my results\n")
+    (nvme / "checkpoints").mkdir()
+    (nvme / "checkpoints" / "notes.txt").write_text("mine too\n")
+    before = {p: p.read_bytes() for p in nvme.rglob("*") if p.is_file()}
+    run = run_lcache("advise", str(trace), "--json", "--storage", str(nvme), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "WARNING" not in run.stderr, run.stderr
+    check = json.loads(run.stdout)["check"]
+    assert set(check["classes"]) == {"data", "checkpoint"}
+    assert check["summary"]["data_folder"].startswith(str(nvme / "lcache-check-"))
+    after = {p: p.read_bytes() for p in nvme.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in nvme.iterdir()) == ["checkpoints", "data", "output"]
+
+
+def test_a_refused_check_leaves_no_folder(trace: Path, tmp_path: Path) -> None:
+    """The check's folder goes when the bench refuses the storage (other users can write
+    it) as when it runs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert_one_line_error(run_lcache("advise", str(trace), "--storage", str(shared),
+                                     cwd=tmp_path), "which other users can write",
+                          f"chmod go-w {shared}")
+    assert os.listdir(shared) == []
 
 
 @pytest.mark.parametrize("args, words", [

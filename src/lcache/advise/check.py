@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from lcache.bench import BenchOptions, parse_workload, run_workload
@@ -13,7 +15,7 @@ from lcache.errors import ConfigError
 
 def check_storage(storage: str) -> None:
     """Refuse a storage path that is not an existing directory, before anything runs: the
-    check makes data/, output/ and checkpoints/ in it, so a mistyped path was created
+    check makes its folder in it, so a mistyped path was created
     (``--storage /nonexistent`` made /nonexistent/data) and a file was taken silently.
 
     Raises:
@@ -27,8 +29,11 @@ def check_storage(storage: str) -> None:
 
 def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_stall: float,
               epochs: int = 1, show_progress: bool = True) -> dict[str, Any]:
-    """Run ``doc`` (the emitted workload) with its data, checkpoints and output under
-    ``storage``, for at most ``epochs`` epochs; the verdict per class.
+    """Run ``doc`` (the emitted workload) with its data, checkpoints and output in a new
+    folder ``storage/lcache-check-XXXXXXXX``, for at most ``epochs`` epochs; the verdict per
+    class. The folder is removed afterwards, whatever happened: nothing else in ``storage``
+    is touched (its ``data/train/img_*`` and ``output/summary.json``, DLIO's default layout,
+    were replaced by the check's and 32 generated files were left there).
 
     Raises:
         ConfigError: the storage directory cannot be used (not yours, cannot hold files).
@@ -37,11 +42,19 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
     if "train" in doc:
         doc["train"]["epochs"] = min(doc["train"]["epochs"], epochs)
     w = parse_workload(doc, "<lcache advise>")
-    opts = BenchOptions(data_dir=os.path.join(storage, "data"),
-                        output=os.path.join(storage, "output"),
-                        checkpoint_dir=os.path.join(storage, "checkpoints"), generate=True,
-                        show_progress=show_progress, progress_label="advise check: ")
-    summary = run_workload(w, opts)
+    try:
+        work = tempfile.mkdtemp(prefix="lcache-check-", dir=storage)
+    except OSError as exc:
+        raise ConfigError(f"storage {storage} cannot hold files ({exc.strerror}); give a "
+                          "directory on the storage to check") from None
+    try:
+        opts = BenchOptions(data_dir=os.path.join(work, "data"),
+                            output=os.path.join(work, "output"),
+                            checkpoint_dir=os.path.join(work, "checkpoints"), generate=True,
+                            show_progress=show_progress, progress_label="advise check: ")
+        summary = run_workload(w, opts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     m = summary["metric"]
     classes: dict[str, Any] = {}
     steps = fitted["steps"]
@@ -75,9 +88,9 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
                            f"{ck['interval_steps']} steps of {steps['step_s']:.4f} s may stall "
                            f"{max_stall:g} of the time: {window:.3f} s, so "
                            f"{need / 1e6:,.1f} MB/s needed")}
-    return {"storage": storage, "summary": os.path.join(summary["output_folder"],
-                                                        "summary.json"),
-            "verdict": summary["verdict"], "classes": classes}
+    # the bench's summary itself: the folder its summary.json was written in is gone
+    return {"storage": storage, "summary": summary, "verdict": summary["verdict"],
+            "classes": classes}
 
 
 def _margin(have: float, need: float) -> float:
