@@ -160,6 +160,34 @@ def test_an_output_that_is_the_input_or_not_a_regular_file_is_refused(
     assert fifo.is_fifo()
 
 
+def test_report_replaces_only_a_report_or_summary_it_wrote(tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 4): `lcache report TRACE` with no -o replaced a
+    ./report.html it did not write without a word, and `--json notes.txt` replaced any
+    file. Each may replace only the report (summary) lcache wrote there before."""
+    good = _good(tmp_path / "good.trace")
+    (tmp_path / "report.html").write_text("my precious notes\n")
+    assert_one_line_error(report(str(good), cwd=tmp_path), "cannot write the report "
+                          "report.html", "not a report lcache wrote", "give -o another path")
+    assert (tmp_path / "report.html").read_text() == "my precious notes\n"
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert_one_line_error(report(str(good), "-o", "r.html", "--json", "notes.txt",
+                                 cwd=tmp_path), "notes.txt", "not a summary lcache wrote",
+                          "give --json another path")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    assert not (tmp_path / "r.html").exists()
+    (tmp_path / "link.html").symlink_to(tmp_path / "report.html")
+    assert_one_line_error(report(str(good), "-o", "link.html", cwd=tmp_path),
+                          "link.html: it is a symbolic link")
+    assert (tmp_path / "link.html").is_symlink()
+
+    # what lcache wrote is replaced, as before (a second run writes the same names)
+    for _ in range(2):
+        run = report(str(good), "-o", "r.html", "--json", "r.json", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["total"]["ops"] == 5
+    assert "<title>lcache I/O report</title>" in (tmp_path / "r.html").read_text()
+
+
 def test_trace_and_advise_refuse_the_same_outputs(tmp_path: Path) -> None:
     good = _good(tmp_path / "good.trace")
     before = good.read_bytes()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
 
 from lcache.errors import ConfigError
+from lcache.io.files import close_file, open_regular
 from lcache.io.publish import special_kind
 
 
@@ -84,6 +86,38 @@ def check_outputs(outputs: Iterable[tuple[str, str | None, str, bool]],
                          "other; give each its own path")
                 raise ConfigError(f"{other_option} and {option} both {clash}")
         seen.append((option, path))
+
+
+def check_replaceable(option: str, path: str | None, what: str,
+                      ours: Callable[[bytes], bool]) -> None:
+    """Refuse to write the ``what`` at ``path`` when a file lcache did not write is there:
+    ``ours`` tells one it wrote from the file's first 4 KiB. Writing replaces the file, and
+    an output with a default (``report`` writes ./report.html unasked) replaced a user's
+    file of that name without a word. A symbolic link there is refused too (replacing it
+    removes the link, which lcache did not make)."""
+    if path is None or path == STDOUT:
+        return
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    advice = f"give {option} another path, or move the file"
+    if stat.S_ISLNK(mode):
+        raise ConfigError(f"cannot write the {what} {path}: it is a symbolic link, and "
+                          f"writing would replace it; {advice}")
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+        try:
+            head = os.pread(fd, 4096, 0)
+        finally:
+            close_file(fd)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {what} {path}: a file there cannot be read "
+                          f"({exc.strerror or exc}), so it may not be one lcache wrote, and "
+                          f"writing would replace it; {advice}") from None
+    if not ours(head):
+        raise ConfigError(f"cannot write the {what} {path}: the file there is not a {what} "
+                          f"lcache wrote, and writing would replace it; {advice}")
 
 
 def output_option(*decls: str, what: str, default: str | None = None,

@@ -16,7 +16,13 @@ from typing import Any
 
 import click
 
-from lcache.cli.checks import STDOUT, check_outputs, number_option, output_option
+from lcache.cli.checks import (
+    STDOUT,
+    check_outputs,
+    check_replaceable,
+    number_option,
+    output_option,
+)
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.trace.recorder import ENV, flush_interval
@@ -185,11 +191,21 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
     """Characterize the I/O in TRACES: an HTML report with plots, summary.json, a table.
 
     An output given as '-' is printed instead (only one, and then nothing else is)."""
-    from lcache.report import perfetto_text, print_summary, write_perfetto, write_report
+    from lcache.report import (
+        is_html_report,
+        is_json_summary,
+        perfetto_text,
+        print_summary,
+        write_perfetto,
+        write_report,
+    )
 
     check_outputs([("-o", html_path, "report", False), ("--json", json_path, "summary", True),
                    ("--perfetto", perfetto, "trace", True), ("--jsonl", jsonl, "trace", True)],
                   traces)
+    # only a report or summary lcache wrote is replaced (./report.html is written unasked)
+    check_replaceable("-o", html_path, "report", is_html_report)
+    check_replaceable("--json", json_path, "summary", is_json_summary)
     # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
     summary = write_report(list(traces), html_path,
                            None if json_path in (None, STDOUT) else json_path)

@@ -13,8 +13,8 @@ from lcache.report.stats import summarize_trace, traffic_sentence, unfinished_no
 
 PathLike = str | os.PathLike[str]
 
-__all__ = ["Trace", "load", "perfetto_text", "print_summary", "summarize", "write_perfetto",
-           "write_report"]
+__all__ = ["Trace", "is_html_report", "is_json_summary", "load", "perfetto_text",
+           "print_summary", "summarize", "write_perfetto", "write_report"]
 
 
 def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
@@ -29,6 +29,18 @@ def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
         lcache.trace.TraceFormatError: a file is missing, truncated or not a trace.
     """
     return summarize_trace(load(paths))
+
+
+def is_html_report(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts a page :func:`write_report` wrote:
+    what ``lcache report`` may replace."""
+    return head.startswith(b"<!DOCTYPE html>") and b"<title>lcache I/O report</title>" in head
+
+
+def is_json_summary(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts a summary :func:`write_report` wrote
+    (``json.dumps(summary, indent=2)``: its ``trace`` and that one's ``files`` come first)."""
+    return head.startswith(b'{\n  "trace": {\n    "files": [')
 
 
 def _atomic_write(path: str, text: str) -> None:
