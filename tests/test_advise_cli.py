@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 import lcache.trace
 from lcache.bench import load_workload
 from lcache.cli.main import cli
-from tests.conftest import assert_one_line_error, run_lcache
+from tests.conftest import assert_one_line_error, run_lcache, subprocess_env
 from tests.test_advise_traces import loop, record_trace
 
 
@@ -95,6 +96,37 @@ def test_a_refused_check_leaves_no_folder(trace: Path, tmp_path: Path) -> None:
                                      cwd=tmp_path), "which other users can write",
                           f"chmod go-w {shared}")
     assert os.listdir(shared) == []
+
+
+def test_the_printed_workload_is_the_yaml_whatever_the_terminal_width(
+        trace: Path, tmp_path: Path) -> None:
+    """The finding (attack helper 69, finding 6): the YAML advise prints was wrapped at 80
+    columns, so a long trace path in its '# ... from PATH' comment went on to an uncommented
+    line of its own, and the YAML copied from the terminal no longer loaded. Printed in a
+    pipe with COLUMNS=80, it is the emitted YAML, byte for byte, and the bench loads it."""
+    folder = tmp_path / ("a_rather_long_directory_name_for_the_trace_files" * 2)
+    folder.mkdir()
+    copy = folder / "trace-rank0.pfw"
+    copy.write_bytes(trace.read_bytes())
+    env = {**subprocess_env(), "COLUMNS": "80"}
+    env.pop("LCACHE_TRACE", None)
+
+    def advise(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "lcache", "advise", str(copy), *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    emitted = json.loads(advise("--json"))["workload"]["yaml"]
+    assert str(copy) in emitted.splitlines()[0]
+    printed = advise("-o", str(folder / "advice.html"))
+    lines = printed.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith("# DLIO"))
+    assert lines[-1] == f"advice page: {folder / 'advice.html'}\n"
+    assert "".join(lines[start:-1]) == emitted
+    (tmp_path / "pasted.yaml").write_text("".join(lines[start:-1]))
+    assert load_workload(str(tmp_path / "pasted.yaml")).batch_size == 4
 
 
 @pytest.mark.parametrize("args, words", [

@@ -128,11 +128,16 @@ def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None,
             console.print(f"[bold]check {name}[/]: "
                           f"{'keeps up' if c['keeps_up'] else 'does NOT keep up'} (margin "
                           f"{c['margin']:.2f}x): {c['arithmetic']}", highlight=False)
+    # What is copied from here (the YAML, the paths) is written as is: console.print wrapped
+    # it at the terminal's width (80 columns in a pipe), and a long path in the YAML's
+    # comment went on to a line of its own that is no YAML; ``out`` neither wraps nor crops
+    # nor reads markup or emoji codes.
     if emit_path == STDOUT:
         pass
     elif emit_path:
-        console.print(f"workload: {emit_path}", highlight=False)
+        console.out(f"workload: {emit_path}", highlight=False)
     else:
-        console.print(doc["workload"]["yaml"], highlight=False, markup=False)
+        yaml = doc["workload"]["yaml"]
+        console.out(yaml, highlight=False, end="" if yaml.endswith("\n") else "\n")
     if html_path:
-        console.print(f"advice page: {html_path}", highlight=False)
+        console.out(f"advice page: {html_path}", highlight=False)
