@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,7 +203,7 @@ def test_retention_skips_what_it_cannot_remove_with_a_warning(
     def broken(root: str, keep_last: int) -> list[str]:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(dirs, "apply_retention", broken)
+    monkeypatch.setattr(dirs, "retain", broken)
     with caplog.at_level(logging.WARNING, "lcache.checkpoint"):
         assert ck.save({"step": 4}, root / "step-4", keep_last=1) == str(root / "step-4")
     assert "retention after checkpoint " + str(root / "step-4") + " did not run" in caplog.text
@@ -241,14 +242,63 @@ def test_checkpoints_with_the_longest_names_are_removed(tmp_path: Path) -> None:
     assert os.listdir(root) == [names[2]]
 
 
-def test_the_sequence_number_stops_at_its_largest(tmp_path: Path) -> None:
-    """A manifest at the largest sequence number must not make the next save's unreadable."""
+
+def test_the_order_stops_at_its_largest(tmp_path: Path) -> None:
+    """A manifest at the largest order must not make the next save's unreadable."""
     from lcache.checkpoint import manifest
 
     ck.save({"step": 0}, tmp_path / "step-0")
     where = tmp_path / "step-0" / "manifest.json"
     body = manifest.parse_manifest(where.read_bytes(), str(where))
-    where.write_bytes(manifest.dump_manifest({**body, "sequence": manifest.MAX_SEQUENCE}))
+    where.write_bytes(manifest.dump_manifest({**body, "order": manifest.MAX_ORDER}))
     ck.save({"step": 1}, tmp_path / "step-1")
     assert ck.load(ck.latest(tmp_path)) == {"step": 1}
-    assert [c.sequence for c in ck.list_checkpoints(tmp_path)[0]] == [manifest.MAX_SEQUENCE] * 2
+    assert [c.order for c in ck.list_checkpoints(tmp_path)[0]] == [manifest.MAX_ORDER] * 2
+
+
+_SAVER = """
+import sys
+import numpy as np
+from lcache import checkpoint as ck
+root, tag = sys.argv[1], sys.argv[2]
+for i in range(40):
+    ck.save({"x": np.arange(4)}, f"{root}/{tag}-{i:02d}", direct=False)
+"""
+
+
+def test_two_processes_publishing_into_one_folder_take_places_in_turn(tmp_path: Path) -> None:
+    """Two processes saving into one folder took the same place (read before either
+    published), and the later one's keep_last removed what it had just published (attack
+    helper 72)."""
+    savers = [subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path), tag])
+              for tag in "ab"]
+    assert [p.wait(timeout=120) for p in savers] == [0, 0]
+    orders = [c.order for c in ck.list_checkpoints(tmp_path)[0]]
+    assert len(orders) == 80 and len(set(orders)) == 80
+
+    # a save publishes only while it holds the folder's publishing lock
+    with dirs.publishing(str(tmp_path)):
+        late = subprocess.Popen([sys.executable, "-c", _SAVER.replace("40", "1"),
+                                 str(tmp_path), "c"])
+        with pytest.raises(subprocess.TimeoutExpired):
+            late.wait(timeout=3)
+        assert not (tmp_path / "c-00").exists()
+    assert late.wait(timeout=60) == 0
+    assert ck.latest(tmp_path) == str(tmp_path / "c-00")
+
+
+def test_a_checkpoint_without_an_order_is_placed_by_its_time(tmp_path: Path) -> None:
+    """Checkpoints an older lcache wrote have no order: they sorted before every new one,
+    so the next keep_last removed the newest of them (attack helper 72)."""
+    from lcache.checkpoint import manifest
+
+    ck.save({"step": 1}, tmp_path / "step-1")
+    ck.save({"step": 2}, tmp_path / "step-2")
+    where = tmp_path / "step-2" / "manifest.json"
+    body = manifest.parse_manifest(where.read_bytes(), str(where))
+    del body["order"]  # as an older version wrote it
+    where.write_bytes(manifest.dump_manifest(body))
+    assert ck.latest(tmp_path) == str(tmp_path / "step-2")
+    ck.save({"step": 3}, tmp_path / "step-3", keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
+

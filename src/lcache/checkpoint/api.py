@@ -179,16 +179,17 @@ class CheckpointHandle:
     def _publish(self, shards: list[dict[str, Any]]) -> None:
         stage = dirs.staging_dir(self.root, self.name)
         keep = self._options.get("keep_last")
-        if keep is not None:  # a saver killed between publishing and its retention left one
-            # too many: prune before adding one, so at most keep_last + 1 ever exist (errors
-            # are logged by the retention after publishing; they never fail the save)
-            with contextlib.suppress(LCacheError, OSError):
-                dirs.apply_retention(self.root, keep)
-        body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
-                "sequence": dirs.next_sequence(self.root), "meta": self._meta,
-                "shards": shards}
-        self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
-                                 {s["file"] for s in shards})
+        with dirs.publishing(self.root):
+            if keep is not None:  # a saver killed between publishing and its retention left
+                # one too many: prune before adding one, so at most keep_last + 1 ever exist
+                # (errors are logged by the retention after publishing; they never fail it)
+                with contextlib.suppress(LCacheError, OSError):
+                    dirs.retain(self.root, keep)
+            body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
+                    "order": dirs.next_order(self.root), "meta": self._meta,
+                    "shards": shards}
+            self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
+                                     {s["file"] for s in shards})
         self._stage = None
         self.state = CkptState.PUBLISHED
 
@@ -233,7 +234,8 @@ class CheckpointHandle:
         keep = self._options.get("keep_last")
         if keep is not None:
             try:  # the checkpoint is published: what retention cannot do must not fail it
-                dirs.apply_retention(self.root, keep)
+                with dirs.publishing(self.root):
+                    dirs.retain(self.root, keep)
             except (LCacheError, OSError) as exc:
                 log.warning("retention after checkpoint %s did not run: %s", self.path, exc)
         url = self._options.get("upload_to")

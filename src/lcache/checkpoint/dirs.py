@@ -12,17 +12,19 @@ existence is the lock).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from lcache.checkpoint.format import MANIFEST
-from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_SEQUENCE, parse_manifest
+from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_ORDER, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
@@ -45,12 +47,12 @@ class CheckpointInfo:
     arrays: int
     data_bytes: int
     meta: dict[str, Any]
-    sequence: int = 0  # its place among the checkpoints of its directory (0: written before)
+    order: float = 0.0  # when it was published, never before one published earlier (below)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "created_unix": self.created_unix,
                 "world_size": self.world_size, "arrays": self.arrays,
-                "data_bytes": self.data_bytes, "meta": self.meta, "sequence": self.sequence}
+                "data_bytes": self.data_bytes, "meta": self.meta, "order": self.order}
 
 
 def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -234,7 +236,7 @@ def read_info(path: str) -> CheckpointInfo:
     return CheckpointInfo(
         os.path.basename(path), path, float(body["created_unix"]), body["world_size"],
         sum(len(s["arrays"]) for s in shards), sum(s["data_bytes"] for s in shards),
-        body.get("meta", {}), body.get("sequence", 0))
+        body.get("meta", {}), float(body.get("order", body["created_unix"])))
 
 
 def require_dir(root: str) -> None:
@@ -267,17 +269,33 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
             good.append(read_info(path))
         except (LCacheError, OSError):
             bad.append(name)
-    # By sequence first: ordered by the wall clock alone, a save after the clock was set back
-    # (or on a node whose clock is behind) sorted before its elders, and keep_last removed it
-    # as soon as it was published
-    good.sort(key=lambda c: (c.sequence, c.created_unix, c.name))
+    good.sort(key=lambda c: (c.order, c.name))
     return good, bad
 
 
-def next_sequence(root: str) -> int:
-    """The sequence number of a checkpoint published in ``root`` now: after every other's."""
+def next_order(root: str) -> float:
+    """The ``order`` of a checkpoint published in ``root`` now (under ``publishing``): the
+    time, but after every other's. By the wall clock alone, a save after the clock was set
+    back (or on a node whose clock is behind) sorted before its elders, and keep_last removed
+    it as soon as it was published. Checkpoints of versions without it are in by their time."""
     good, _ = list_checkpoints(root)
-    return min(1 + max((c.sequence for c in good), default=0), MAX_SEQUENCE)
+    newest = max((c.order for c in good), default=0.0)
+    return min(max(time.time(), newest + 0.001), MAX_ORDER)
+
+
+@contextlib.contextmanager
+def publishing(root: str) -> Iterator[None]:
+    """Held while a checkpoint is published in ``root`` and while retention runs there: two
+    processes saving into one directory took the same place (read before either published)
+    and the later one's retention removed it. A filesystem without ``flock`` on directories
+    goes without (as before)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        close_file(fd)
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
@@ -335,12 +353,23 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
         ConfigError: ``keep_last`` is not a whole number >= 1.
         CheckpointNotFoundError: ``root`` is not a directory.
     """
+    root = path_argument(root, "checkpoint directory")
+    require_dir(root)
+    with publishing(root):
+        return retain(root, keep_last)
+
+
+def retain(root: str, keep_last: int) -> list[str]:
+    """``apply_retention`` for a caller that holds ``publishing(root)`` (a second hold from
+    this process would wait for the first: flock locks are per open file)."""
     keep_last = whole_number(keep_last, "keep_last", 1)  # 0 would delete the newest
     good, _ = list_checkpoints(root)
     removed = []
     for info in good[:-keep_last]:
         try:
             remove_checkpoint(info.path)
+        except CheckpointNotFoundError:
+            continue  # removed meanwhile (by hand, or by a saver of an older version)
         except (LCacheError, OSError) as exc:
             log.warning("retention kept %s: it could not be removed (%s)", info.path, exc)
             continue

@@ -25,7 +25,7 @@ VERSION = 1
 # About 200 bytes an array (its table entry plus its place in the tree): room for some
 # 300,000 arrays, all ranks together; parsing that much takes about 0.5 GB for a moment.
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_SEQUENCE = (1 << 53) - 1  # a checkpoint's place in its directory: exact in any JSON reader
+MAX_ORDER = 1e11 - 1  # a checkpoint's place in its directory, in seconds like created_unix
 # document, body, shards, shard, tree root: 5 levels; then 2 per level of the state, and a
 # dict's int key object ({"int": k} in its key list) 2 more below its node.
 MAX_JSON_DEPTH = 5 + 2 * MAX_STATE_DEPTH + 2
@@ -145,9 +145,9 @@ def check_body(body: dict[str, Any], where: str) -> None:
     created = body.get("created_unix")
     if not (_is_int(created) or isinstance(created, float)) or not 0 <= created < 1e11:
         raise CorruptionError(f"{where}: invalid creation time {created!r:.40}")
-    sequence = body.get("sequence", 0)
-    if not (_is_int(sequence) and 0 <= sequence <= MAX_SEQUENCE):
-        raise CorruptionError(f"{where}: invalid sequence number {sequence!r:.40}")
+    order = body.get("order", 0)
+    if not (_is_int(order) or isinstance(order, float)) or not 0 <= order <= MAX_ORDER:
+        raise CorruptionError(f"{where}: invalid order {order!r:.40}")
     if not isinstance(body.get("meta", {}), dict):
         raise CorruptionError(f"{where}: meta is not a JSON object")
     ranks: set[int] = set()
