@@ -704,3 +704,59 @@ def test_threads_with_their_own_checkpointers_save_into_one_folder(tmp_path: Pat
 
     assert _save_from_threads(4, 60, save) == []
     assert len(ck.list_checkpoints(tmp_path)[0]) == 240
+
+
+def test_a_child_forked_while_a_thread_saves_can_save(tmp_path: Path) -> None:
+    """A child forked while another thread held a Checkpointer's turn waited for ever in
+    its first save (attack helper 72)."""
+    import multiprocessing
+    import threading
+
+    saver = ck.Checkpointer(direct=False)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with saver._turn:  # a save in another thread, between its wait and its start
+            held.set()
+            release.wait()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait()
+    child = multiprocessing.get_context("fork").Process(
+        target=saver.save, args=({"x": np.arange(3)}, tmp_path / "child"))
+    child.start()
+    child.join(timeout=60)
+    release.set()
+    thread.join()
+    assert child.exitcode == 0
+    assert ck.load(tmp_path / "child")["x"].tolist() == [0, 1, 2]
+    saver.close()
+
+
+def test_a_save_from_a_saves_own_thread_is_refused(tmp_path: Path) -> None:
+    """A logging handler that saved when a save failed waited for the save's own thread,
+    which the next save was joining: a deadlock (attack helper 72)."""
+    import logging
+
+    refused: list[BaseException] = []
+
+    class Emergency(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                ck.save({"emergency": 1}, tmp_path / "emergency")
+            except ConfigError as exc:
+                refused.append(exc)
+
+    handler = Emergency()
+    logging.getLogger("lcache.checkpoint").addHandler(handler)
+    try:
+        (tmp_path / "a-file").write_text("")  # no folder can be made in it: the upload fails
+        handle = ck.async_save({"w": 1}, tmp_path / "ckpts" / "step-1",
+                               upload_to=str(tmp_path / "a-file" / "up"))
+        ck.save({"w": 2}, tmp_path / "ckpts" / "step-2")  # joins step-1's thread
+    finally:
+        logging.getLogger("lcache.checkpoint").removeHandler(handler)
+    assert handle.exception() is not None
+    assert len(refused) == 1 and "own background thread" in str(refused[0])
+    assert not (tmp_path / "emergency").exists()

@@ -40,6 +40,11 @@ from lcache.io import aligned_buffer, close_file, open_file, pwrite_full, sync_f
 log = logging.getLogger("lcache.checkpoint")
 
 
+# Set in a save's background thread: a save from there (a handler of its failure's log
+# record) waited for its own thread.
+_persisting = threading.local()
+
+
 class CkptState(enum.Enum):
     """Where a checkpoint is in its life (transitions in the module docstring)."""
 
@@ -132,6 +137,7 @@ class CheckpointHandle:
     def _persist(self, snap: Snapshot | None) -> None:
         """Background thread: write this rank's shard (``snap`` None: this rank failed
         before, and still votes), publish, then retention and upload on rank 0."""
+        _persisting.active = True
         if snap is not None:
             try:
                 self._write(snap)
@@ -292,6 +298,7 @@ class Checkpointer:
         # threads saving through one checkpointer (the module's save() does) snapshotted into
         # the one host buffer while it was being written, and published each other's bytes.
         self._turn = threading.RLock()
+        self._pid = os.getpid()
 
     def async_save(self, state: Any, path: str | os.PathLike[str], *,
                    meta: dict[str, Any] | None = None, **overrides: Any) -> CheckpointHandle:
@@ -325,8 +332,19 @@ class Checkpointer:
         options = _checked({**self._defaults, **overrides})
         root, name = dirs.split_path(path)
         rank, world = rank_and_world()
-        with self._turn:
+        if getattr(_persisting, "active", False):
+            raise ConfigError("a checkpoint cannot be saved from a save's own background "
+                              "thread (a handler of its log record?): it would wait for "
+                              "itself; save from another thread")
+        with self._lock():
             return self._start(state, root, name, rank, world, options, meta, t0)
+
+    def _lock(self) -> threading.RLock:
+        """The turn lock, made anew in a forked child: another thread of the parent may
+        have held it at the fork, and the child's first save waited for ever."""
+        if self._pid != os.getpid():
+            self._turn, self._pending, self._pid = threading.RLock(), None, os.getpid()
+        return self._turn
 
     def _start(self, state: Any, root: str, name: str, rank: int, world: int,
                options: dict[str, Any], meta: dict[str, Any] | None, t0: float
@@ -367,14 +385,14 @@ class Checkpointer:
 
     def wait_pending(self) -> None:
         """Finish the previous save (its errors stay with its handle, and are logged)."""
-        with self._turn:
+        with self._lock():
             pending, self._pending = self._pending, None
             if pending is not None and pending._thread is not None:
                 pending._thread.join()
 
     def close(self) -> None:
         """Finish the pending save and free the host buffer."""
-        with self._turn:
+        with self._lock():
             self.wait_pending()
             self._buffer.release()
 
