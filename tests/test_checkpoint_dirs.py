@@ -302,3 +302,15 @@ def test_a_checkpoint_without_an_order_is_placed_by_its_time(tmp_path: Path) -> 
     ck.save({"step": 3}, tmp_path / "step-3", keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
 
+
+def test_a_file_named_like_a_staging_folder_is_left_alone(tmp_path: Path) -> None:
+    """A file or FIFO named .lcache-partial-* made every save fail with a raw
+    NotADirectoryError from the clean-up (attack helper 72)."""
+    (tmp_path / ".lcache-partial-old").write_text("mine")
+    os.mkfifo(tmp_path / ".lcache-partial-fifo")
+    assert ck.save({"step": 1}, tmp_path / "step-1") == str(tmp_path / "step-1")
+    assert (tmp_path / ".lcache-partial-old").read_text() == "mine"
+    (tmp_path / ".lcache-partial-step-2").write_text("in the way")
+    with pytest.raises(ConfigError, match="not a folder"):
+        ck.save({"step": 2}, tmp_path / "step-2")
+    assert (tmp_path / ".lcache-partial-step-2").read_text() == "in the way"

@@ -119,6 +119,9 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
         raise ConfigError(f"{final} exists and is neither a checkpoint nor empty: pick "
                           "another name or move it away")
     stage = staging_dir(root, name)
+    if os.path.islink(stage) or (os.path.lexists(stage) and not os.path.isdir(stage)):
+        raise ConfigError(f"{stage} is in the way of this save's staging folder and lcache did "
+                          "not make it (it is not a folder): move it away")
     busy = 0
     for _ in range(10):
         try:
@@ -165,8 +168,8 @@ def _take_if_unlocked(path: str) -> str | None:
     it went. The lock is held through the rename: checked, then let go before the removal, a
     save that took the directory in between lost it (a raw FileNotFoundError)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, or not a folder (a file, a FIFO, a link): not lcache's to remove
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
