@@ -114,16 +114,35 @@ def test_a_folder_with_a_store_json_lcache_did_not_write_is_left_alone(
     assert (folder / "lock").read_text() == "my lock notes\n"
 
 
-def test_store_demo_leaves_a_lock_it_did_not_write_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("log", [None, "build.log"])
+def test_store_demo_leaves_a_lock_it_did_not_write_alone(tmp_path: Path,
+                                                         log: str | None) -> None:
     """The finding (attack helper 69, finding 2): `lcache store-demo --dir DIR` zero-padded
-    a user's DIR/store/lock to 4096 bytes and used it ("p2" became "r2")."""
+    a user's DIR/store/lock to 4096 bytes and used it ("p2" became "r2"); and (attack helper
+    73, finding 1) still did when DIR/store/segments/ held a user's build.log."""
     (tmp_path / "store").mkdir(mode=0o700)
     (tmp_path / "store" / "lock").write_bytes(b"p2\n")
+    if log is not None:
+        (tmp_path / "store" / "segments").mkdir(mode=0o700)
+        (tmp_path / "store" / "segments" / log).write_text("x\n")
+    before = listing(tmp_path / "store")
     out = run("store-demo", "--dir", str(tmp_path), "--samples", "10")
     assert_one_line_error(out, f"{tmp_path / 'store' / 'lock'} is not the lock file of an "
                           "lcache store", "move it")
-    assert [p.name for p in (tmp_path / "store").iterdir()] == ["lock"]
+    assert listing(tmp_path / "store") == before
     assert (tmp_path / "store" / "lock").read_bytes() == b"p2\n"
+
+
+def test_stats_of_a_folder_with_a_log_is_no_store(tmp_path: Path) -> None:
+    """The finding (attack helper 73, finding 1): `lcache stats DIR` with a user's
+    DIR/segments/app.log and DIR/lock zero-padded the lock and said DIR holds segments."""
+    (tmp_path / "proj" / "segments").mkdir(mode=0o700, parents=True)
+    (tmp_path / "proj" / "segments" / "app.log").write_text("x\n")
+    (tmp_path / "proj" / "lock").write_bytes(b"p2\n")
+    before = listing(tmp_path / "proj")
+    out = run("stats", str(tmp_path / "proj"))
+    assert_one_line_error(out, f"no lcache store in {tmp_path / 'proj'}")
+    assert listing(tmp_path / "proj") == before
 
 
 def test_fsck_clean_then_damaged_then_repaired(tmp_path: Path) -> None:

@@ -192,6 +192,45 @@ def test_a_lock_lcache_did_not_write_is_left_alone(tmp_path: Path) -> None:
     assert listing(mine) == before
 
 
+@pytest.mark.parametrize(("name", "content"), [
+    ("build.log", b"x\n"), ("notes.sum", b"LCSM"), ("0000000001.log", b"x\n"),
+    ("0000000001.sum", b""), ("0000000001.log.tmp7", b"LCR1")])
+def test_files_named_like_segments_do_not_make_a_folder_a_store(
+        tmp_path: Path, name: str, content: bytes) -> None:
+    """The finding (attack helper 73, finding 1): any name ending in .log or .sum in
+    ``segments/`` made a folder a store, so its ``lock`` was never checked: with a user's
+    ``segments/build.log`` and ``lock`` ("p2"), Store.open padded the lock to a page ("r2")
+    and wrote a store beside the user's files. Only segments a store wrote (its names,
+    starting with a record's or a summary's magic) prove a folder a store."""
+    mine = tmp_path / "mine"
+    (mine / "segments").mkdir(mode=0o700, parents=True)
+    (mine / "segments" / name).write_bytes(content)
+    (mine / "lock").write_bytes(b"p2\n")
+    before = listing(mine)
+    with pytest.raises(ConfigError, match=f"{mine / 'lock'} is not the lock file of an lcache"):
+        Store.open(mine, capacity="8MiB", segment_size=SEG, max_writers=2)
+    for attempt in (lambda: Store.open(mine, create=False), lambda: fsck(mine),
+                    lambda: fsck(mine, repair=True)):
+        with pytest.raises((ConfigError, StoreNotFoundError)):
+            attempt()
+    assert listing(mine) == before and (mine / "lock").read_bytes() == b"p2\n"
+
+
+def test_segments_a_store_wrote_prove_it_a_store(tmp_path: Path) -> None:
+    """A store whose ``store.json`` is lost and whose ``lock`` is damaged is still repaired
+    from its segments (they start with a record's magic)."""
+    root = tmp_path / "s"
+    with Store.open(root, capacity="8MiB", segment_size=SEG, max_writers=2) as store:
+        store.put(1, b"one")
+    (root / "store.json").unlink()
+    (root / "lock").write_bytes(b"damaged")
+    with pytest.raises(CorruptionError, match=r"store\.json is missing"):
+        Store.open(root, create=False)
+    fsck(root, repair=True)
+    with Store.open(root, create=False) as store:
+        assert bytes(store.get(1) or b"") == b"one"
+
+
 def test_a_lock_lcache_made_is_its_own(tmp_path: Path) -> None:
     """A ``lock`` left by a store whose creation stopped before ``store.json``, or one made
     before locks were marked (in a store with its configuration), is the store's."""

@@ -133,10 +133,10 @@ def _config_without_segments(root: str) -> str | None:
         # its advice to run fsck --repair is this very command: cut, however it is put
         damage = re.split(r";? \(?run `lcache fsck", str(exc))[0]
     try:
-        names = os.listdir(segments_dir(root))
+        logs, sums = list_segments(root)
     except OSError:
-        names = []
-    if any(name.endswith((".log", ".sum")) for name in names):
+        logs, sums = [], set()
+    if logs or sums:  # a name no store gives (a user's build.log) is no segment
         return None
     return damage
 

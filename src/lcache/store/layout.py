@@ -42,7 +42,7 @@ from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
 from lcache.store.hashindex import initial_slots, table_bytes
 from lcache.store.index import INDEX_HEADER
-from lcache.store.segment import segment_file
+from lcache.store.segment import holds_written_segment, list_segments, segment_file
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -212,19 +212,21 @@ def foreign_entries(path: str) -> list[str]:
     return found
 
 
-def _holds_segments(path: str) -> bool:
-    segments = os.path.join(path, "segments")
+def _names_segments(path: str) -> bool:
+    """Whether ``segments/`` holds a file under a name a store gives its segments (what its
+    content is, ``holds_written_segment`` tells)."""
     try:
-        return os.path.isdir(segments) and any(
-            name.endswith((".log", ".sum")) for name in os.listdir(segments))
+        logs, sums = list_segments(path)
     except OSError:
         return False
+    return bool(logs or sums)
 
 
 def has_store(path: str) -> bool:
-    """Whether ``path`` holds a store: its ``store.json``, or segments (a store whose
-    configuration was lost, for ``fsck --repair``). Creates nothing."""
-    return os.path.lexists(os.path.join(path, CONFIG_NAME)) or _holds_segments(path)
+    """Whether ``path`` looks like a store: its ``store.json``, or files named as segments
+    (a store whose configuration was lost, for ``fsck --repair``). Creates nothing; what is
+    there is then checked to be lcache's (``_refuse_foreign``)."""
+    return os.path.lexists(os.path.join(path, CONFIG_NAME)) or _names_segments(path)
 
 
 def _refuse_foreign(path: str) -> None:
@@ -232,25 +234,27 @@ def _refuse_foreign(path: str) -> None:
     in it is created or changed: a folder named as a store may hold a user's files under
     those names (a ``lock`` was zero-padded to a page, and ``stats`` made ``segments/``).
 
-    A directory with segments is a store whatever else is lost (``fsck --repair`` rebuilds
-    the rest from them); one with a valid configuration too. Otherwise nothing there is a
-    store's yet, and an existing ``lock`` must be one lcache made (``lock_is_ours``).
+    A directory with a valid configuration is a store; one with segments a store wrote
+    (``holds_written_segment``: their content, not only their names) too, whatever else is
+    lost (``fsck --repair`` rebuilds the rest from them). Otherwise nothing there is proven
+    a store's, and an existing ``lock`` must be one lcache made (``lock_is_ours``).
 
     Raises:
         CorruptionError: ``store.json`` is not lcache's configuration and there are no
-            segments (no advice to run ``fsck --repair``: it has nothing to rebuild from).
+            segments a store wrote (no advice to run ``fsck --repair``: it has nothing to
+            rebuild from).
         ConfigError: a ``lock`` lcache did not write.
     """
-    if _holds_segments(path):
-        return
     try:
         config = load_config(path, repair_advice=False)
     except CorruptionError as exc:
+        if holds_written_segment(path):
+            return
         raise CorruptionError(
             f"{exc}, and {path} holds no segments: it is not an lcache store (or one with "
             "nothing to rebuild a configuration from), and nothing was changed; choose "
             "another directory, or restore store.json") from exc
-    if config is not None:
+    if config is not None or holds_written_segment(path):
         return
     lock = os.path.join(path, "lock")
     if os.path.lexists(lock) and not lock_is_ours(lock):

@@ -92,6 +92,43 @@ def segment_file(name: str) -> tuple[int, str, bool] | None:
     return int(m.group(1)), m.group(2), m.group(3) is not None
 
 
+# The first bytes of a log (its first record's) and of a summary.
+_FILE_MAGIC = {"log": struct.pack("<I", record.MAGIC), "sum": _SUM_MAGIC}
+
+
+def holds_written_segment(root: str) -> bool:
+    """Whether ``segments/`` holds a segment a store wrote: a regular file under a name
+    ``segment_file`` takes (not a temp) that starts with a record's magic (a log) or a
+    summary's. This, not a name, proves a folder whose configuration is lost a store: a
+    user's ``build.log`` there, or a ``0000000001.log`` of other bytes, proves nothing.
+    A ``segments`` that is a symbolic link proves nothing either (it is never followed)."""
+    folder = segments_dir(root)
+    try:
+        if os.path.islink(folder):
+            return False
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    for name in sorted(names):
+        found = segment_file(name)
+        if found is None or found[2]:
+            continue
+        try:
+            fd = open_in_store(os.path.join(folder, name), os.O_RDONLY)
+        except (OSError, CorruptionError):
+            continue
+        head = bytearray(4)
+        try:
+            if pread_full(fd, 0, memoryview(head)) == len(head) and \
+                    head == _FILE_MAGIC[found[1]]:
+                return True
+        except OSError:
+            pass
+        finally:
+            close_file(fd)
+    return False
+
+
 def list_segments(root: str) -> tuple[list[int], set[int]]:
     """(ids of every ``.log`` sorted, ids that have a ``.sum``). Names a store does not
     write (``segment_file``) are passed over."""
