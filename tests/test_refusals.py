@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -245,6 +246,40 @@ def test_a_lock_lcache_made_is_its_own(tmp_path: Path) -> None:
     (old / "lock").write_bytes(bytes(4096))  # no mark, as locks were made before
     with Store.open(old, create=False) as store:
         assert bytes(store.get(1) or b"") == b"one"
+
+
+@pytest.mark.parametrize("lock", [b"", bytes(mmap.PAGESIZE),
+                                  (7).to_bytes(8, "little") * (MetaPage.WORDS_END // 8) +
+                                  bytes(mmap.PAGESIZE - MetaPage.WORDS_END)])
+def test_a_creation_an_older_lcache_left_can_be_finished(tmp_path: Path, lock: bytes) -> None:
+    """The finding (attack helper 72, finding 7): an older lcache made ``segments/`` and then
+    ``lock`` (empty, then one page without the mark, its shared words in use) before
+    ``store.json``; killed between, it left a folder Store.open refused ("not the lock file
+    of an lcache store ... move it"), though that lock was lcache's own."""
+    root = tmp_path / "killed"
+    (root / "segments").mkdir(mode=0o700, parents=True)
+    (root / "lock").write_bytes(lock)
+    with Store.open(root, capacity="8MiB", segment_size=SEG, max_writers=2) as store:
+        store.put(1, b"one")
+    with Store.open(root, create=False) as store:
+        assert bytes(store.get(1) or b"") == b"one"
+
+
+@pytest.mark.parametrize("at", [MetaPage.WORDS_END, 100, mmap.PAGESIZE - 1])
+def test_a_page_with_bytes_past_the_shared_words_is_not_a_lock(tmp_path: Path,
+                                                              at: int) -> None:
+    """A page-sized file with anything past the shared words (or a page and a byte) is not
+    a lock lcache made: it is left alone."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    page = bytearray(mmap.PAGESIZE)
+    page[at] = 1
+    for content in (bytes(page), bytes(mmap.PAGESIZE + 1)):
+        (mine / "lock").write_bytes(content)
+        before = listing(mine)
+        with pytest.raises(ConfigError, match="is not the lock file of an lcache store"):
+            Store.open(mine, capacity="8MiB", segment_size=SEG, max_writers=2)
+        assert listing(mine) == before and (mine / "lock").read_bytes() == content
 
 
 def test_processes_creating_one_store_at_once_all_open_it(tmp_path: Path) -> None:

@@ -425,16 +425,28 @@ _LOCK_MARK_AT = 4096 - len(_LOCK_MARK)
 
 
 def lock_is_ours(path: str) -> bool:
-    """Whether ``path`` is a regular file with the mark of a lock page lcache made (locks of
-    stores made before the mark have none: they are known by the store around them)."""
+    """Whether ``path`` is a regular file lcache made as a store's lock: one with the mark;
+    or, as lcache made them before the mark, an empty one (a creation killed right after
+    making it, or, before locks were synced, its page lost to a power cut) or one page with
+    nothing past the shared words (``MetaPage``). Locks of stores made before the mark are
+    also known by the store around them."""
     try:
         fd = open_in_store(path, os.O_RDONLY)
     except (OSError, CorruptionError):
         return False
     try:
+        size = os.fstat(fd).st_size
         mark = bytearray(len(_LOCK_MARK))
-        return pread_full(fd, _LOCK_MARK_AT, memoryview(mark)) == len(mark) and \
-            mark == _LOCK_MARK
+        if size == 0 or (pread_full(fd, _LOCK_MARK_AT, memoryview(mark)) == len(mark) and
+                         mark == _LOCK_MARK):
+            return True
+        if size != mmap.PAGESIZE:
+            return False
+        page = bytearray(size)
+        return pread_full(fd, 0, memoryview(page)) == size and \
+            not any(page[MetaPage.WORDS_END:])
+    except OSError:
+        return False
     finally:
         close_file(fd)
 
@@ -484,6 +496,9 @@ class MetaPage:
     _WORD = struct.Struct("<Q")
     _WORDS = {"next_segment": 0, "gc_generation": 1} | \
         {s: 2 + i for i, s in enumerate(STEMS)} | {"holder": 2 + len(STEMS)}
+    #: Where the shared words end: the rest of the page is zeros (and the mark, see
+    #: ``lock_is_ours``).
+    WORDS_END = 8 * len(_WORDS)
 
     def __init__(self, path: str) -> None:
         self.path = path
