@@ -36,7 +36,7 @@ from lcache.errors import (
     StoreNotFoundError,
     StorePermissionError,
 )
-from lcache.io import close_file, pread_full, pwrite_full, read_and_close
+from lcache.io import close_file, pread_full, pwrite_full, read_and_close, sync_fd
 from lcache.io.dirs import check_private_dir, private_dir
 from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
@@ -466,6 +466,9 @@ def _open_lock(path: str) -> int:
             page = bytearray(max(mmap.PAGESIZE, 4096))
             page[_LOCK_MARK_AT:_LOCK_MARK_AT + len(_LOCK_MARK)] = _LOCK_MARK
             pwrite_full(fd, 0, [page], "cache-meta")
+            # its page is on disk before its name: after a power cut, never an empty lock (or
+            # one without the mark) where a store was made. Once per store, so always.
+            sync_fd(fd, io_class="cache-meta")
             close_file(fd)
             fd = -1
             with suppress(FileExistsError):  # another process made it first: use theirs
