@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from lcache import (
     StorePermissionError,
 )
 from lcache.store import Store, fsck, parse_size
-from lcache.store.layout import MetaPage
+from lcache.store.layout import MetaPage, prepare_dir
 
 from .conftest import KIB, SEG, run_as_nobody, subprocess_env
 
@@ -295,6 +296,35 @@ def test_processes_creating_one_store_at_once_all_open_it(tmp_path: Path) -> Non
         _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".probe")) == []
+
+
+def _prepare_in_step(barrier: Any, roots: list[str]) -> None:
+    try:
+        for root in roots:
+            barrier.wait(timeout=60)
+            prepare_dir(root, create=True)
+    except BaseException:
+        barrier.abort()  # the others stop at once, not at the timeout
+        raise
+
+
+def test_processes_preparing_one_new_store_at_once_all_succeed(tmp_path: Path) -> None:
+    """The finding (attack helper 72, finding 6): prepare_dir checked that ``segments`` was
+    missing and then made it, so of processes creating one store at once one occasionally
+    failed with a raw FileExistsError. Here they meet at a barrier before each of many new
+    stores, so they collide there often."""
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(8)
+    roots = [str(tmp_path / f"s{i}") for i in range(100)]
+    children = [context.Process(target=_prepare_in_step, args=(barrier, roots))
+                for _ in range(8)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=120)
+    assert [child.exitcode for child in children] == [0] * 8
+    for root in roots:
+        assert sorted(os.listdir(root)) == ["segments"]
 
 
 def test_corrupt_config_file(open_store: Any, store_dir: Path) -> None:

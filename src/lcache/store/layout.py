@@ -290,12 +290,14 @@ def prepare_dir(path: str, create: bool) -> None:
             "fix its permissions or choose another directory"
         ) from exc
     segments = os.path.join(path, "segments")
+    # made if missing, then checked whoever made it: a check for it first, then mkdir, was
+    # a race that another process creating the store lost with a bare FileExistsError
+    with suppress(FileExistsError):
+        os.mkdir(segments, 0o700)
     if os.path.islink(segments):  # even one of ours: nothing inside a store is followed
         raise StorePermissionError(
             f"the segment directory {segments} is a symbolic link, and a store never follows "
             "one; remove the link (its target is not touched)")
-    if not os.path.lexists(segments):
-        os.mkdir(segments, 0o700)
     check_private_dir(segments, "segment directory")
 
 
