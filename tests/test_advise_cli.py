@@ -47,6 +47,35 @@ def test_json_emit_and_page(trace: Path, tmp_path: Path) -> None:
     assert "http://" not in page.replace("http://www.w3.org", "")
 
 
+def test_emit_and_page_replace_only_what_advise_wrote(trace: Path, tmp_path: Path) -> None:
+    """The finding (attack helper 73, finding 2): `lcache advise TRACE --emit my.yaml -o
+    mine.html` replaced the user's files. Each replaces only a file of its own kind that
+    lcache wrote (an advice page, not the report's page), refused before the trace is read."""
+    (tmp_path / "my.yaml").write_text("user: yaml\n")
+    (tmp_path / "mine.html").write_text("<!DOCTYPE html><html>mine</html>\n")
+    assert_one_line_error(run_lcache("advise", str(trace), "--emit", "my.yaml", cwd=tmp_path),
+                          "cannot write the workload file my.yaml",
+                          "not a workload file lcache wrote", "give --emit another path")
+    assert_one_line_error(run_lcache("advise", str(trace), "-o", "mine.html", cwd=tmp_path),
+                          "cannot write the advice page mine.html",
+                          "not an advice page lcache wrote", "give -o another path")
+    assert (tmp_path / "my.yaml").read_text() == "user: yaml\n"
+    assert (tmp_path / "mine.html").read_text() == "<!DOCTYPE html><html>mine</html>\n"
+    run = run_lcache("report", str(trace), "-o", "report.html", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert_one_line_error(run_lcache("advise", str(trace), "-o", "report.html", "--emit",
+                                     "w.yaml", cwd=tmp_path), "not an advice page lcache wrote")
+    assert not (tmp_path / "w.yaml").exists()  # refused before anything is written
+    for _ in range(2):  # what advise wrote is replaced
+        run = run_lcache("advise", str(trace), "--emit", "w.yaml", "-o", "advice.html",
+                         cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    assert load_workload(str(tmp_path / "w.yaml")).batch_size == 4
+    # and the report does not replace an advice page
+    assert_one_line_error(run_lcache("report", str(trace), "-o", "advice.html", cwd=tmp_path),
+                          "not a report lcache wrote")
+
+
 def test_storage_check(trace: Path, tmp_path: Path) -> None:
     (tmp_path / "nvme").mkdir()
     run = run_lcache("advise", str(trace), "--json", "--storage", str(tmp_path / "nvme"),

@@ -188,6 +188,42 @@ def test_report_replaces_only_a_report_or_summary_it_wrote(tmp_path: Path) -> No
     assert "<title>lcache I/O report</title>" in (tmp_path / "r.html").read_text()
 
 
+def test_perfetto_and_jsonl_replace_only_what_report_wrote(tmp_path: Path) -> None:
+    """The finding (attack helper 73, finding 2): only -o and --json were checked, and
+    `--perfetto notes.txt` or `--jsonl notes2.txt` replaced the user's file. Each output
+    now replaces only a file of its own kind that lcache wrote, and nothing is written when
+    one is refused."""
+    good = _good(tmp_path / "good.trace")
+    for option, what in (("--perfetto", "Perfetto file"), ("--jsonl", "JSON lines file")):
+        (tmp_path / "notes.txt").write_text("my notes\n")
+        assert_one_line_error(report(str(good), "-o", "r.html", option, "notes.txt",
+                                     cwd=tmp_path), "cannot write the " + what + " notes.txt",
+                              f"not a {what} lcache wrote", f"give {option} another path")
+        assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+        assert not (tmp_path / "r.html").exists()
+    # another kind lcache wrote is not replaced either: a JSON lines file is no Perfetto file
+    run = report(str(good), "-o", "r.html", "--jsonl", "lines.jsonl", "--perfetto", "p.json",
+                 cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "lines.jsonl").read_bytes()
+    assert_one_line_error(report(str(good), "-o", "r.html", "--perfetto", "lines.jsonl",
+                                 cwd=tmp_path), "not a Perfetto file lcache wrote")
+    assert_one_line_error(report(str(good), "-o", "r.html", "--jsonl", "p.json",
+                                 cwd=tmp_path), "not a JSON lines file lcache wrote")
+    assert (tmp_path / "lines.jsonl").read_bytes() == lines
+    # what lcache wrote is replaced, and stays what its readers take
+    run = report(str(good), "-o", "r.html", "--jsonl", "lines.jsonl", "--perfetto", "p.json",
+                 cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    events = json.loads((tmp_path / "p.json").read_text())  # one JSON array
+    assert sum(e["ph"] == "X" for e in events) == 5
+    assert summarize(tmp_path / "lines.jsonl")["total"]["ops"] == 5
+    assert summarize(tmp_path / "p.json")["total"]["ops"] == 5
+    # printed, the outputs carry the same first line
+    run = report(str(good), "--perfetto", "-", cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout == (tmp_path / "p.json").read_text()
+
+
 def test_trace_and_advise_refuse_the_same_outputs(tmp_path: Path) -> None:
     good = _good(tmp_path / "good.trace")
     before = good.read_bytes()

@@ -113,9 +113,19 @@ def _checkpoint(fitted: dict[str, Any], training: bool, notes: list[str]) -> dic
     return out
 
 
+#: the YAML's first line starts so (a comment; a loader skips it)
+YAML_HEAD = "# DLIO workload fitted by `lcache advise`"
+
+
+def is_workload_yaml(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts a workload :func:`to_yaml` wrote: what
+    ``lcache advise --emit`` may replace."""
+    return head.startswith(f"{YAML_HEAD} from ".encode())
+
+
 def to_yaml(doc: dict[str, Any], notes: list[str], source: str) -> str:
     """The workload as a DLIO YAML file, its notes as comments."""
-    head = [f"# DLIO workload fitted by `lcache advise` from {source}",
+    head = [f"{YAML_HEAD} from {source}",
             "# run: lcache bench run THIS.yaml --data-dir DIR (or DLIO: workload=THIS)"]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(doc, sort_keys=False)

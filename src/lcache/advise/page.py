@@ -13,6 +13,15 @@ from lcache.report.plots import all_plots
 from lcache.report.stats import summarize_trace
 
 _ANCHOR = "<h2>Per class</h2>"
+#: the page's title, which tells it from the report's page (``lcache report -o``): each
+#: command replaces only a page of its own
+TITLE = "lcache advice"
+
+
+def is_advice_page(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts a page :func:`render_page` wrote: what
+    ``lcache advise -o`` may replace."""
+    return head.startswith(b"<!DOCTYPE html>") and f"<title>{TITLE}</title>".encode() in head
 
 
 def _advice_rows(items: list[dict[str, Any]]) -> list[list[str]]:
@@ -72,7 +81,7 @@ def _scale_view(scale: dict[str, Any]) -> dict[str, Any]:
 def render_page(trace: Trace, doc: dict[str, Any]) -> str:
     """The report's page for ``trace`` with the Advice section first."""
     summary = summarize_trace(trace)
-    page = render(summary, all_plots(trace, summary))
+    page = render(summary, all_plots(trace, summary), title=TITLE)
     at = page.find(_ANCHOR)
     if at < 0:  # the report's layout changed: the advice still goes before its body
         at = page.find("<h1>")

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from lcache.cli.checks import STDOUT, check_outputs, number, output_option
+from lcache.cli.checks import STDOUT, check_outputs, check_replaceable, number, output_option
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
 
@@ -74,6 +74,8 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
     checkpoint interval and optimizer offload, with the arithmetic behind each figure.
     """
     from lcache.advise import Targets, advise
+    from lcache.advise.emit import is_workload_yaml
+    from lcache.advise.page import is_advice_page
     from lcache.io import atomic_write
 
     if not traces:
@@ -89,6 +91,9 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
     check_outputs([("--json", STDOUT if as_json else None, "advice", True),
                    ("--emit", emit_path, "workload", True), ("-o", html_path, "page", False)],
                   traces)
+    # each replaces only a file of its kind lcache wrote, never a user's file of that name
+    check_replaceable([("--emit", emit_path, "workload file", is_workload_yaml),
+                       ("-o", html_path, "advice page", is_advice_page)])
     doc = advise(list(traces), t, scale_gpus=gpus, model=model,
                  gpus_per_node=number(gpus_per_node, "--gpus-per-node", int, 1, 1024),
                  traced_gpus=None if traced_gpus is None else number(

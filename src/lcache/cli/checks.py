@@ -88,36 +88,39 @@ def check_outputs(outputs: Iterable[tuple[str, str | None, str, bool]],
         seen.append((option, path))
 
 
-def check_replaceable(option: str, path: str | None, what: str,
-                      ours: Callable[[bytes], bool]) -> None:
-    """Refuse to write the ``what`` at ``path`` when a file lcache did not write is there:
-    ``ours`` tells one it wrote from the file's first 4 KiB. Writing replaces the file, and
-    an output with a default (``report`` writes ./report.html unasked) replaced a user's
-    file of that name without a word. A symbolic link there is refused too (replacing it
-    removes the link, which lcache did not make)."""
-    if path is None or path == STDOUT:
-        return
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    advice = f"give {option} another path, or move the file"
-    if stat.S_ISLNK(mode):
-        raise ConfigError(f"cannot write the {what} {path}: it is a symbolic link, and "
-                          f"writing would replace it; {advice}")
-    try:
-        fd = open_regular(path, os.O_RDONLY)
+def check_replaceable(outputs: Iterable[tuple[str, str | None, str, Callable[[bytes], bool]]]
+                      ) -> None:
+    """Refuse to write an output where a file lcache did not write is: ``outputs`` holds
+    ``(option, path or None, what, ours)``, and ``ours`` tells a ``what`` lcache wrote from
+    the file's first 4 KiB. Writing replaces the file, and an output with a default
+    (``report`` writes ./report.html unasked) or a mistyped name replaced a user's file
+    without a word. A symbolic link there is refused too (replacing it removes the link,
+    which lcache did not make). Call it with every output, before any long work."""
+    for option, path, what, ours in outputs:
+        if path is None or path == STDOUT:
+            continue
         try:
-            head = os.pread(fd, 4096, 0)
-        finally:
-            close_file(fd)
-    except OSError as exc:
-        raise ConfigError(f"cannot write the {what} {path}: a file there cannot be read "
-                          f"({exc.strerror or exc}), so it may not be one lcache wrote, and "
-                          f"writing would replace it; {advice}") from None
-    if not ours(head):
-        raise ConfigError(f"cannot write the {what} {path}: the file there is not a {what} "
-                          f"lcache wrote, and writing would replace it; {advice}")
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        advice = f"give {option} another path, or move the file"
+        if stat.S_ISLNK(mode):
+            raise ConfigError(f"cannot write the {what} {path}: it is a symbolic link, and "
+                              f"writing would replace it; {advice}")
+        try:
+            fd = open_regular(path, os.O_RDONLY)
+            try:
+                head = os.pread(fd, 4096, 0)
+            finally:
+                close_file(fd)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the {what} {path}: a file there cannot be read "
+                              f"({exc.strerror or exc}), so it may not be one lcache wrote, "
+                              f"and writing would replace it; {advice}") from None
+        if not ours(head):
+            a = "an" if what[0] in "aeiou" else "a"
+            raise ConfigError(f"cannot write the {what} {path}: the file there is not {a} "
+                              f"{what} lcache wrote, and writing would replace it; {advice}")
 
 
 def output_option(*decls: str, what: str, default: str | None = None,

@@ -193,7 +193,10 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
     An output given as '-' is printed instead (only one, and then nothing else is)."""
     from lcache.report import (
         is_html_report,
+        is_json_lines,
         is_json_summary,
+        is_perfetto,
+        json_lines_text,
         perfetto_text,
         print_summary,
         write_perfetto,
@@ -203,9 +206,11 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
     check_outputs([("-o", html_path, "report", False), ("--json", json_path, "summary", True),
                    ("--perfetto", perfetto, "trace", True), ("--jsonl", jsonl, "trace", True)],
                   traces)
-    # only a report or summary lcache wrote is replaced (./report.html is written unasked)
-    check_replaceable("-o", html_path, "report", is_html_report)
-    check_replaceable("--json", json_path, "summary", is_json_summary)
+    # each replaces only a file of its kind lcache wrote (./report.html is written unasked)
+    check_replaceable([("-o", html_path, "report", is_html_report),
+                       ("--json", json_path, "summary", is_json_summary),
+                       ("--perfetto", perfetto, "Perfetto file", is_perfetto),
+                       ("--jsonl", jsonl, "JSON lines file", is_json_lines)])
     # A bad trace raises TraceFormatError, which the CLI prints as one line (exit status 2).
     summary = write_report(list(traces), html_path,
                            None if json_path in (None, STDOUT) else json_path)
@@ -216,9 +221,8 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
         write_perfetto(list(traces), perfetto)
     if jsonl:
         from lcache.io.publish import atomic_write
-        from lcache.report.load import json_lines
 
-        text = "".join(line for t in traces for line in json_lines(t))
+        text = json_lines_text(list(traces))
         if jsonl == STDOUT:
             printed = text
         else:

@@ -13,8 +13,9 @@ from lcache.report.stats import summarize_trace, traffic_sentence, unfinished_no
 
 PathLike = str | os.PathLike[str]
 
-__all__ = ["Trace", "is_html_report", "is_json_summary", "load", "perfetto_text",
-           "print_summary", "summarize", "write_perfetto", "write_report"]
+__all__ = ["Trace", "is_html_report", "is_json_lines", "is_json_summary", "is_perfetto",
+           "json_lines_text", "load", "perfetto_text", "print_summary", "summarize",
+           "write_perfetto", "write_report"]
 
 
 def summarize(paths: PathLike | Sequence[PathLike]) -> dict[str, Any]:
@@ -43,6 +44,30 @@ def is_json_summary(head: bytes) -> bool:
     return head.startswith(b'{\n  "trace": {\n    "files": [')
 
 
+def _mark(kind: str) -> str:
+    # A metadata event of a name no reader acts on (lcache's loader counts it as ignored;
+    # Perfetto and chrome://tracing act on the metadata names they know), first in the file:
+    # it tells a later run that lcache wrote the file and may replace it. Nothing else there
+    # is lcache's at a fixed place: the events are the traces', whatever those start with.
+    return ('{"name":"lcache_export","ph":"M","pid":0,"tid":0,"args":{"written_by":'
+            f'"lcache report {kind}"}}}}')
+
+
+_PERFETTO_MARK = _mark("--perfetto")
+_JSONL_MARK = _mark("--jsonl")
+
+
+def is_perfetto(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts an array :func:`write_perfetto` wrote."""
+    return head.startswith(f"[\n{_PERFETTO_MARK}".encode())
+
+
+def is_json_lines(head: bytes) -> bool:
+    """Whether ``head`` (a file's first 4 KiB) starts the JSON lines :func:`json_lines_text`
+    wrote (``lcache report --jsonl``)."""
+    return head.startswith(f"{_JSONL_MARK}\n".encode())
+
+
 def _atomic_write(path: str, text: str) -> None:
     # 0o644: a report is made to be shared and opened by a browser
     atomic_write(path, text.encode(), mode=0o644)
@@ -67,12 +92,13 @@ def write_report(paths: PathLike | Sequence[PathLike], html_path: PathLike,
 
 
 def perfetto_text(paths: PathLike | Sequence[PathLike]) -> str:
-    """All events of the traces as one JSON array (what Perfetto and chrome://tracing open)."""
+    """All events of the traces as one JSON array (what Perfetto and chrome://tracing open),
+    after a metadata event that says lcache wrote it (:func:`is_perfetto`)."""
     from lcache.report.load import _lines
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    lines = []
+    lines = [_PERFETTO_MARK]
     for p in paths:
         for _, line in _lines(os.fspath(p)):
             text = line.strip().rstrip(",")
@@ -84,6 +110,17 @@ def perfetto_text(paths: PathLike | Sequence[PathLike]) -> str:
 def write_perfetto(paths: PathLike | Sequence[PathLike], out: PathLike) -> None:
     """Write :func:`perfetto_text` of the traces to ``out``."""
     _atomic_write(os.fspath(out), perfetto_text(paths))
+
+
+def json_lines_text(paths: PathLike | Sequence[PathLike]) -> str:
+    """All events of the traces as Chrome trace events, one JSON object per line (the
+    recorder's binary blocks decoded), after a metadata line that says lcache wrote them
+    (:func:`is_json_lines`)."""
+    from lcache.report.load import json_lines
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    return _JSONL_MARK + "\n" + "".join(line for p in paths for line in json_lines(os.fspath(p)))
 
 
 def print_summary(summary: dict[str, Any]) -> None:

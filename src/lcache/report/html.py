@@ -69,13 +69,13 @@ def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render(summary: dict[str, Any], plots: list[Plot]) -> str:
+def render(summary: dict[str, Any], plots: list[Plot], title: str = "lcache I/O report") -> str:
     t = summary["trace"]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         f"img-src data:; style-src 'unsafe-inline'; script-src 'sha256-{_SCRIPT_HASH}'\">",
-        "<title>lcache I/O report</title>", f"<style>{_CSS}</style></head><body>",
+        f"<title>{escape(title)}</title>", f"<style>{_CSS}</style></head><body>",
         "<h1>lcache I/O characterization</h1>",
         f'<p class="small">Trace: {", ".join(escape(p) for p in t["files"])} &middot; '
         f'{t["io_events"]:,} I/O events, {t["processes"]} processes, '
