@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,39 @@ def test_storage_check_leaves_the_files_in_storage_alone(trace: Path, tmp_path: 
     after = {p: p.read_bytes() for p in nvme.rglob("*") if p.is_file()}
     assert after == before
     assert sorted(p.name for p in nvme.iterdir()) == ["checkpoints", "data", "output"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_check_killed_by_sigterm_or_sighup_leaves_no_folder(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """The finding (attack helper 73, finding 4): SIGTERM (`timeout`, a batch scheduler)
+    during `lcache advise TRACE --storage DIR` left DIR/lcache-check-XXXX (100 MiB) behind:
+    the check's `finally` never ran. The folder goes, then the process dies of the signal
+    as before."""
+    big = tmp_path / "big.trace"  # a check of several seconds: killed while it runs
+    record_trace(big, loop(600, 4, period_ms=10, read_ms=1, samples=400, ckpt_every=100,
+                           ckpt_bytes=8 << 20, ckpt_ms=40), True)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    (nvme / "user.txt").write_text("keep\n")
+    proc = subprocess.Popen([sys.executable, "-m", "lcache", "advise", str(big), "--json",
+                             "--storage", str(nvme)], cwd=tmp_path, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(nvme.glob("lcache-check-*/data")):  # the check is writing its data
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the check's folder never appeared"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -sig, (proc.returncode, err)  # a shell says 128 + sig
+    assert sorted(p.name for p in nvme.iterdir()) == ["user.txt"], err
+    assert (nvme / "user.txt").read_text() == "keep\n"
 
 
 def test_a_refused_check_leaves_no_folder(trace: Path, tmp_path: Path) -> None:
