@@ -704,6 +704,41 @@ def test_lcache_trace_makes_no_folder_and_every_refusal_is_status_2(tmp_path: Pa
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "elsewhere.trace").exists()
 
 
+def test_a_trace_path_ending_in_a_slash_is_refused_and_nothing_made(tmp_path: Path) -> None:
+    """The finding (attack helper 73, finding 6): `lcache trace -o tdir/ -- true` exited 0
+    and wrote a FILE tdir (os.path.abspath drops the slash), and LCACHE_TRACE=newdir/ did the
+    same. A name ending in '/' names a directory: refused in one line, nothing made."""
+    for name in ("tdir/", "tdir/.", "sub/tdir/"):
+        run = subprocess.run([sys.executable, "-m", "lcache", "trace", "-o", name, "--",
+                              "true"], cwd=tmp_path, env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, (name, run.stderr)
+        assert f"{name}: it ends in '/', '.' or '..', so it names a directory" in run.stderr
+        assert "Traceback" not in run.stderr
+        assert os.listdir(tmp_path) == [], name
+    with pytest.raises(lcache.ConfigError, match="newdir/ names a directory"):
+        lcache.trace.enable(str(tmp_path / "newdir") + "/")
+    assert not lcache.trace.enabled()
+    env = dict(subprocess_env(), LCACHE_TRACE="newdir/")
+    lib = subprocess.run([sys.executable, "-c", "import lcache; print('went on')"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert (lib.returncode, lib.stdout) == (0, "went on\n"), lib.stderr
+    assert lib.stderr.count("\n") == 1 and "newdir/ names a directory" in lib.stderr
+    cli = subprocess.run([sys.executable, "-m", "lcache", "model", "bert-large", "--json"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+    # report and advise outputs too, before any is written (--json j/ came after r.html)
+    trace = tmp_path.parent / f"{tmp_path.name}.trace"
+    lcache.trace.enable(str(trace))
+    lcache.trace.record("read", "/x", 0, 10, "data-source", lcache.trace.now_ns(), 5, 10)
+    lcache.trace.disable()
+    run = subprocess.run([sys.executable, "-m", "lcache", "report", str(trace), "-o", "r.html",
+                          "--json", "j/"], cwd=tmp_path, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "summary j/: it ends in '/'" in run.stderr, run.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_trace_is_appended_to_in_its_own_format(tmp_path: Path) -> None:
     """Attack helper 60: the format came from the suffix alone, so a gzip trace renamed
     without .gz got plain lines appended (or the reverse), and no line of it could be read."""

@@ -13,7 +13,7 @@ import click
 
 from lcache.errors import ConfigError
 from lcache.io.files import close_file, open_regular
-from lcache.io.publish import special_kind
+from lcache.io.publish import names_directory, special_kind
 
 
 class Folder(click.Path):
@@ -34,7 +34,11 @@ def check_output(path: str, what: str, inputs: Iterable[str] = ()) -> None:
     """Refuse to write the ``what`` (trace, report...) at ``path`` when its directory is
     missing, when it is a device, FIFO, socket or directory (writing replaces the file: as
     root, ``-o /dev/null`` would replace the system's), or when it is one of ``inputs``
-    (the command would destroy what it reads)."""
+    (the command would destroy what it reads), or when its name ends in ``/`` (it names a
+    directory)."""
+    if names_directory(path):
+        raise ConfigError(f"cannot write the {what} {path}: it ends in '/', '.' or '..', so it "
+                          "names a directory; give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write the {what} {path}: the directory {folder} does not "

@@ -58,6 +58,13 @@ def special_kind(path: str) -> str | None:
         return None  # absent (or unreadable: the write says why)
 
 
+def names_directory(path: str) -> bool:
+    """Whether ``path`` names a directory by its spelling, whatever is there: it ends in
+    ``/``, ``.`` or ``..`` as a last part. ``os.path.abspath`` drops a trailing slash, and
+    ``lcache trace -o tdir/`` wrote a file ``tdir``."""
+    return os.path.basename(path) in ("", ".", "..")
+
+
 def _refuse_special(path: str) -> None:
     kind = special_kind(path)
     if kind is not None:

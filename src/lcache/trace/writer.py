@@ -22,6 +22,7 @@ from typing import Any
 from lcache.errors import ConfigError
 from lcache.io import close_file
 from lcache.io.engine import IOV_MAX
+from lcache.io.publish import names_directory
 
 _WALL_MINUS_MONO_US: float | None = None
 
@@ -95,6 +96,9 @@ class TraceWriter:
                 directory is missing (none is made).
             OSError: it cannot be opened (a symbolic link is never followed).
         """
+        if names_directory(path):
+            raise ConfigError(f"{path} names a directory (it ends in '/', '.' or '..'), and "
+                              "tracing only writes a trace file; give a file path")
         self.path = os.path.abspath(path)
         self.compress = is_compressed_path(path) if compress is None else compress
         directory = os.path.dirname(self.path)
