@@ -203,6 +203,12 @@ def test_the_printed_workload_is_the_yaml_whatever_the_terminal_width(
     # 0.001..1, and a 400-digit --ssds was an OverflowError traceback
     (("T", "--hit-ratio", "1.0000001"), ["--hit-ratio 1.0000001 is out of range"]),
     (("T", "--ssds", "9" * 400), ["--ssds 999999999999... (400 digits) is out of range"]),
+    # attack helper 73, finding 8: past Python's 4,300-digit limit it read "is not a whole
+    # number written with digits only", and a minus sign was counted as a digit
+    (("T", "--ssds", "9" * 5000),
+     ["--ssds 999999999999... (5,000 digits) is out of range; give one in 1..1,024"]),
+    (("T", "--ssds", "-" + "9" * 400), ["--ssds -999999999999... (400 digits) is out of"]),
+    (("T", "--ssds", "-" + "9" * 5000), ["--ssds -999999999999... (5,000 digits) is out"]),
     (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
     (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
     (("T", "--scale-gpus", "1e9"), ["--scale-gpus", "digits only"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -163,16 +164,27 @@ def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
     except ValueError:
         what = "a number"
         if kind is int:
+            typed = value.strip() if isinstance(value, str) else ""
+            sign = typed[:1] if typed[:1] in ("+", "-") else ""
+            digits = typed[len(sign):]
+            if digits.isdecimal() and len(digits) > sys.get_int_max_str_digits() > 0:
+                # digits only, more than Python converts (4,300 by default): out of range,
+                # not "not digits only" (lo and hi are far smaller)
+                raise ConfigError(f"{option} {sign}{digits[:12]}... ({len(digits):,} digits) "
+                                  f"is out of range; give one in {span}") from None
             with contextlib.suppress(ValueError):
                 float(value)
                 what = "a whole number written with digits only (1000000, not 1e6)"
         raise ConfigError(f"{option} {value!r:.40} is not {what}; give one in {span}") from None
     if not lo <= n <= hi:
         # as typed, never rounded (1.0000001 printed with :g read "1", inside 0.001..1); a
-        # long one cut: a float's repr is exact, a whole number's digits are counted
+        # long one cut: a float's repr is exact, a whole number's digits are counted (its
+        # sign is no digit)
         typed = value.strip() if isinstance(value, str) else repr(n)
         if len(typed) > 40:
-            typed = repr(n) if kind is not int else f"{str(n)[:12]}... ({len(str(n))} digits)"
+            digits = str(abs(n)) if kind is int else ""
+            typed = repr(n) if kind is not int else (
+                f"{'-' if n < 0 else ''}{digits[:12]}... ({len(digits):,} digits)")
         raise ConfigError(f"{option} {typed} is out of range; give one in {span}")
     return n
 
