@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import lcache.trace
 from lcache.bench import load_workload
 from lcache.cli.main import cli
-from tests.conftest import assert_one_line_error, run_lcache, subprocess_env
+from tests.conftest import assert_one_line_error, mounted_tmpfs, run_lcache, subprocess_env
 from tests.test_advise_traces import loop, record_trace
 
 
@@ -111,7 +111,10 @@ def test_storage_check_leaves_the_files_in_storage_alone(trace: Path, tmp_path: 
     assert "WARNING" not in run.stderr, run.stderr
     check = json.loads(run.stdout)["check"]
     assert set(check["classes"]) == {"data", "checkpoint"}
-    assert check["summary"]["data_folder"].startswith(str(nvme / "lcache-check-"))
+    # named in the check's folder, which is gone (attack helper 73, finding 9)
+    assert check["summary"]["data_folder"] == "data"
+    assert check["ran_in"].startswith("lcache-check-") and str(nvme) in check["ran_in"]
+    assert "lcache-check-" not in json.dumps(check["summary"])
     after = {p: p.read_bytes() for p in nvme.rglob("*") if p.is_file()}
     assert after == before
     assert sorted(p.name for p in nvme.iterdir()) == ["checkpoints", "data", "output"]
@@ -148,6 +151,20 @@ def test_a_check_killed_by_sigterm_or_sighup_leaves_no_folder(
     assert proc.returncode == -sig, (proc.returncode, err)  # a shell says 128 + sig
     assert sorted(p.name for p in nvme.iterdir()) == ["user.txt"], err
     assert (nvme / "user.txt").read_text() == "keep\n"
+
+
+def test_a_full_storage_is_refused_naming_the_folder_given(trace: Path, tmp_path: Path) -> None:
+    """The finding (attack helper 73, finding 9): on a small file system the refusal named
+    DIR/lcache-check-XXXX/data, which was gone when the user read it. It names DIR, and the
+    check's temporary folder in it as removed."""
+    with mounted_tmpfs(tmp_path / "small", "256k") as small:
+        err = assert_one_line_error(run_lcache("advise", str(trace), "--storage", "small",
+                                               cwd=tmp_path),
+                                    "generating the dataset needs about",
+                                    "in the check's temporary folder in small (removed when "
+                                    "the check ended), which has")
+        assert "lcache-check-" not in err
+        assert os.listdir(small) == []
 
 
 def test_a_refused_check_leaves_no_folder(trace: Path, tmp_path: Path) -> None:

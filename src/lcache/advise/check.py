@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lcache.bench import BenchOptions, parse_workload, run_workload
-from lcache.errors import ConfigError
+from lcache.errors import ConfigError, LCacheError
 
 
 def check_storage(storage: str) -> None:
@@ -112,7 +113,13 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
                             output=os.path.join(work, "output"),
                             checkpoint_dir=os.path.join(work, "checkpoints"), generate=True,
                             show_progress=show_progress, progress_label="advise check: ")
-        summary = run_workload(w, opts)
+        try:
+            summary = run_workload(w, opts)
+        except (LCacheError, OSError) as exc:
+            _name_outside_error(exc, work, storage)
+            raise
+        # the bench's summary names folders in the check's folder, gone when it is read
+        summary = _name_outside(summary, work, storage)
     m = summary["metric"]
     classes: dict[str, Any] = {}
     steps = fitted["steps"]
@@ -147,8 +154,58 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
                            f"{max_stall:g} of the time: {window:.3f} s, so "
                            f"{need / 1e6:,.1f} MB/s needed")}
     # the bench's summary itself: the folder its summary.json was written in is gone
-    return {"storage": storage, "summary": summary, "verdict": summary["verdict"],
-            "classes": classes}
+    return {"storage": storage,
+            "ran_in": f"{os.path.basename(work)}, a folder the check made in {storage} and "
+                      "removed when it ended; the summary's folders are relative to it",
+            "summary": summary, "verdict": summary["verdict"], "classes": classes}
+
+
+def _forms(work: str) -> list[str]:
+    """The names ``work`` goes by (as made, absolute, links resolved: the bench makes its
+    folders absolute), longest first, so that one is not matched inside another."""
+    return sorted({work, os.path.abspath(work), os.path.realpath(work)}, key=len, reverse=True)
+
+
+def _gone(work: str) -> re.Pattern[str]:
+    # ``work`` or a path under it, up to a space or punctuation that ends a path in a sentence
+    return re.compile("(?:" + "|".join(map(re.escape, _forms(work)))
+                      + r")(?:/[^\s,;:'\"]*[^\s,;:'\".])?")
+
+
+def _said_outside(text: str, work: str, storage: str) -> str:
+    """``text`` with each path in ``work`` (the check's folder, removed when it is read)
+    said as the folder the user gave."""
+    return _gone(work).sub(
+        f"the check's temporary folder in {storage} (removed when the check ended)", text)
+
+
+def _name_outside(value: Any, work: str, storage: str) -> Any:
+    """``value`` (the bench's summary) with each path in ``work`` made relative to it
+    ("data", "output"...), and each sentence naming one said by :func:`_said_outside`."""
+    if isinstance(value, dict):
+        return {k: _name_outside(v, work, storage) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_name_outside(v, work, storage) for v in value]
+    if isinstance(value, str) and _gone(work).search(value):
+        if _gone(work).fullmatch(value):
+            for form in _forms(work):
+                if value == form or value.startswith(form + os.sep):
+                    return os.path.relpath(value, form)
+        return _said_outside(value, work, storage)
+    return value
+
+
+def _name_outside_error(exc: BaseException, work: str, storage: str) -> None:
+    """Say the paths in ``exc`` (raised by the check, and read after its folder is gone) by
+    :func:`_said_outside`, in place: the error keeps its class. ("generating the dataset
+    needs about 101.5 MiB in DIR/lcache-check-levjefcr/data" named a folder that was gone.)"""
+    exc.args = tuple(_said_outside(a, work, storage) if isinstance(a, str) else a
+                     for a in exc.args)
+    if isinstance(exc, OSError):
+        for attr in ("filename", "filename2"):
+            name = getattr(exc, attr)
+            if isinstance(name, str) and _gone(work).search(name):
+                setattr(exc, attr, _said_outside(name, work, storage))
 
 
 def _margin(have: float, need: float) -> float:
