@@ -226,6 +226,9 @@ def test_the_printed_workload_is_the_yaml_whatever_the_terminal_width(
      ["--ssds 999999999999... (5,000 digits) is out of range; give one in 1..1,024"]),
     (("T", "--ssds", "-" + "9" * 400), ["--ssds -999999999999... (400 digits) is out of"]),
     (("T", "--ssds", "-" + "9" * 5000), ["--ssds -999999999999... (5,000 digits) is out"]),
+    # leading zeros are no digits (5,001 digits read "000000000000...", a value of 2,000)
+    (("T", "--ssds", "0" * 5000 + "2000"), ["--ssds 2000 is out of range; give one in 1..1,024"]),
+    (("T", "--ssds", "-" + "0" * 50 + "1"), ["--ssds -1 is out of range"]),
     (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
     (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
     (("T", "--scale-gpus", "1e9"), ["--scale-gpus", "digits only"]),

@@ -159,6 +159,11 @@ def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
     """``value`` (as typed) as ``kind`` in [lo, hi], or a ConfigError naming ``option``
     (NaN and infinities are never in range)."""
     span = f"{lo:,}..{hi:,}" if kind is int else f"{lo:g}..{hi:g}"
+    if kind is int and isinstance(value, str):  # leading zeros are no digits: 000...08 is 8
+        sign = value.strip()[:1] if value.strip()[:1] in ("+", "-") else ""
+        digits = value.strip()[len(sign):]
+        if digits.isdecimal():
+            value = sign + (digits.lstrip("0") or "0")
     try:
         n = kind(value)
     except ValueError:
