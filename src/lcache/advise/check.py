@@ -82,15 +82,27 @@ def _check_folder(storage: str) -> Iterator[str]:
         pass  # acted on below, once the folder is gone
     finally:
         removing = True
-        if work:
-            shutil.rmtree(work, ignore_errors=True)
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
+        # a second Ctrl-C cut the removal short and left the folder (and the handlers):
+        # while it runs, Ctrl-C is only noted, and raised once it is done
+        interrupted: list[int] = []
+        main = threading.current_thread() is threading.main_thread()
+        previous_int = signal.signal(signal.SIGINT, lambda s, f: interrupted.append(s)) \
+            if main else None
+        try:
+            if work:
+                shutil.rmtree(work, ignore_errors=True)
+            for sig, previous in old.items():
+                signal.signal(sig, previous)
+        finally:
+            if previous_int is not None:
+                signal.signal(signal.SIGINT, previous_int)
         # also when the exception was swallowed on its way (raised in a finaliser) or
         # replaced by another: the process goes as the signal said
         if taken:
             os.kill(os.getpid(), taken[0])
             raise SystemExit(128 + taken[0])  # not reached: the default action kills
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_stall: float,
