@@ -112,9 +112,16 @@ def test_atomic_write_never_follows_a_symlink_at_its_temp_name(tmp_path: Path) -
     target = tmp_path / "precious"
     target.write_bytes(b"keep")
     (tmp_path / f"out.json.tmp{os.getpid()}").symlink_to(target)
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match="is in the way of writing"):
         atomic_write(str(tmp_path / "out.json"), b"{}")
     assert target.read_bytes() == b"keep"
+    # neither is the link removed, nor a file at that name truncated (attack helper 78)
+    assert (tmp_path / f"out.json.tmp{os.getpid()}").is_symlink()
+    (tmp_path / f"notes.txt.tmp{os.getpid()}").write_bytes(b"mine")
+    with pytest.raises(ConfigError, match="move it away"):
+        atomic_write(str(tmp_path / "notes.txt"), b"{}")
+    assert (tmp_path / f"notes.txt.tmp{os.getpid()}").read_bytes() == b"mine"
+    assert not (tmp_path / "notes.txt").exists()
 
 
 def test_a_directory_that_cannot_be_written_is_a_permission_error(tmp_path: Path) -> None:

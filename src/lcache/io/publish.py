@@ -24,9 +24,16 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
     """
     _refuse_special(path)
     tmp = f"{path}.tmp{os.getpid()}"
+    made = False
     try:
-        # open_file: O_NOFOLLOW, and a file id the trace names this write by
-        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=mode)
+        # open_file: O_NOFOLLOW, and a file id the trace names this write by. O_EXCL: a file
+        # (or link) already there under that name is not ours to truncate or remove
+        try:
+            fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode=mode)
+        except FileExistsError:
+            raise ConfigError(f"{tmp} is in the way of writing {path} (the name lcache "
+                              "writes it under first); move it away") from None
+        made = True
         try:
             os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
             pwrite_full(fd, 0, [data], io_class)
@@ -38,7 +45,7 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
         if durable:
             fsync_dir(os.path.dirname(path) or ".")
     except BaseException as exc:
-        if os.path.exists(tmp):
+        if made and os.path.lexists(tmp):
             os.unlink(tmp)
         # Why: a full disk must surface as DiskFullError wherever it happens (sealing a
         # segment, writing stats.json, a manifest), not as a bare OSError.
