@@ -200,7 +200,7 @@ def test_retention_skips_what_it_cannot_remove_with_a_warning(
     finally:
         subprocess.run(["chattr", "-i", str(root / "step-0")], check=True)
 
-    def broken(root: str, keep_last: int) -> list[str]:
+    def broken(root: str, keep_last: int, spare: str | None = None) -> list[str]:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(dirs, "retain", broken)
@@ -314,3 +314,26 @@ def test_a_file_named_like_a_staging_folder_is_left_alone(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="not a folder"):
         ck.save({"step": 2}, tmp_path / "step-2")
     assert (tmp_path / ".lcache-partial-step-2").read_text() == "in the way"
+
+
+def test_the_publishing_lock_is_shared_by_a_processs_threads_and_not_by_its_children(
+        tmp_path: Path) -> None:
+    """A save waited for ever for the folder's lock that its own process held (a SIGTERM
+    handler's save while the main thread ran retention), or that a child forked meanwhile
+    kept (a DataLoader worker): the lock was let go only by closing it (attack helper 77)."""
+    import multiprocessing
+    import time
+
+    with dirs.publishing(str(tmp_path)):  # as a retention the handler interrupted
+        ck.async_save({"x": 1}, tmp_path / "inside").wait(timeout=30)
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()  # forked while the lock is held: it shares the open directory
+    try:
+        ck.async_save({"x": 2}, tmp_path / "after").wait(timeout=30)
+        probe = subprocess.run([sys.executable, "-c", _SAVER.replace("40", "1"),
+                                str(tmp_path), "other"], timeout=60)
+        assert probe.returncode == 0  # another process is not kept out either
+    finally:
+        child.kill()
+        child.join()
+    assert ck.latest(tmp_path) == str(tmp_path / "other-00")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import logging
 import os
 import shutil
@@ -126,6 +127,9 @@ class CheckpointHandle:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
+            # unlocked, not only closed: a child forked during the save shares the open file
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             close_file(self._lock_fd)
             self._lock_fd = None
 
@@ -241,7 +245,7 @@ class CheckpointHandle:
         if keep is not None:
             try:  # the checkpoint is published: what retention cannot do must not fail it
                 with dirs.publishing(self.root):
-                    dirs.retain(self.root, keep)
+                    dirs.retain(self.root, keep, spare=self.path)
             except (LCacheError, OSError) as exc:
                 log.warning("retention after checkpoint %s did not run: %s", self.path, exc)
         url = self._options.get("upload_to")

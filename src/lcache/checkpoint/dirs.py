@@ -28,6 +28,7 @@ from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_ORDER, parse_mani
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
+from lcache.forksafe import fork_safe_lock
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
 log = logging.getLogger("lcache.checkpoint")
@@ -120,8 +121,9 @@ def open_staging(root: str, name: str, alone: bool = False) -> tuple[str, int]:
                           "another name or move it away")
     stage = staging_dir(root, name)
     if os.path.islink(stage) or (os.path.lexists(stage) and not os.path.isdir(stage)):
+        what = "a link" if os.path.islink(stage) else "not a folder"
         raise ConfigError(f"{stage} is in the way of this save's staging folder and lcache did "
-                          "not make it (it is not a folder): move it away")
+                          f"not make it (it is {what}): move it away")
     busy = 0
     for _ in range(10):
         try:
@@ -283,22 +285,60 @@ def next_order(root: str) -> float:
     it as soon as it was published. Checkpoints of versions without it are in by their time."""
     good, _ = list_checkpoints(root)
     newest = max((c.order for c in good), default=0.0)
-    return min(max(time.time(), newest + 0.001), MAX_ORDER)
+    key = os.path.realpath(root)
+    with _HOLDS_LOCK:  # threads of a process share the lock: their orders still differ
+        order = max(time.time(), newest + 0.001, _LAST_ORDER.get(key, 0.0) + 0.001)
+        _LAST_ORDER[key] = min(order, MAX_ORDER)
+        return _LAST_ORDER[key]
+
+
+# This process's holds of ``publishing``, by directory: [depth, fd]. The ``flock`` keeps
+# other processes out; the threads of this one share it and never wait for each other: a
+# signal handler's save while the main thread ran retention waited for that very thread
+# (flock locks belong to open files, and another open of the directory is another one).
+# Their orders stay distinct (``next_order``), and a save's retention spares its own.
+_HOLDS: dict[str, list[int]] = {}
+_HOLDS_LOCK = fork_safe_lock()
+_LAST_ORDER: dict[str, float] = {}  # the last order this process gave, by directory
+os.register_at_fork(after_in_child=_HOLDS.clear)  # the parent's holds are not the child's
 
 
 @contextlib.contextmanager
 def publishing(root: str) -> Iterator[None]:
     """Held while a checkpoint is published in ``root`` and while retention runs there: two
     processes saving into one directory took the same place (read before either published)
-    and the later one's retention removed it. A filesystem without ``flock`` on directories
-    goes without (as before)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    and the later one's retention removed it. Shared by the threads of a process. A
+    filesystem without ``flock`` on directories goes without (as before)."""
+    key = os.path.realpath(root)
+    with _HOLDS_LOCK:
+        hold = _HOLDS.get(key)
+        if hold is not None:
+            hold[0] += 1
+    if hold is None:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # outside _HOLDS_LOCK: it may wait long
+        with _HOLDS_LOCK:
+            hold = _HOLDS.get(key)
+            if hold is None:
+                hold = _HOLDS[key] = [1, fd]
+            else:  # another thread of ours took it meanwhile: share theirs
+                hold[0] += 1
+                close_file(fd)  # never locked: theirs is, and ours waited behind it
+    try:
         yield
     finally:
-        close_file(fd)
+        with _HOLDS_LOCK:
+            hold[0] -= 1
+            last = hold[0] == 0 and _HOLDS.get(key) is hold
+            if last:
+                del _HOLDS[key]
+        if last:
+            # unlocked, not only closed: a child forked meanwhile (a DataLoader worker)
+            # shares the open file, and held the lock until it exited
+            with contextlib.suppress(OSError):
+                fcntl.flock(hold[1], fcntl.LOCK_UN)
+            close_file(hold[1])
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
@@ -362,13 +402,16 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
         return retain(root, keep_last)
 
 
-def retain(root: str, keep_last: int) -> list[str]:
-    """``apply_retention`` for a caller that holds ``publishing(root)`` (a second hold from
-    this process would wait for the first: flock locks are per open file)."""
+def retain(root: str, keep_last: int, spare: str | None = None) -> list[str]:
+    """``apply_retention`` under ``publishing(root)``, which the caller holds; ``spare``
+    (the checkpoint a save just published) is kept whatever its place: threads of one process
+    publish side by side, and one's retention removed the other's."""
     keep_last = whole_number(keep_last, "keep_last", 1)  # 0 would delete the newest
     good, _ = list_checkpoints(root)
     removed = []
     for info in good[:-keep_last]:
+        if info.path == spare:
+            continue
         try:
             remove_checkpoint(info.path)
         except CheckpointNotFoundError:
