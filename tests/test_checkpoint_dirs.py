@@ -337,3 +337,42 @@ def test_the_publishing_lock_is_shared_by_a_processs_threads_and_not_by_its_chil
         child.kill()
         child.join()
     assert ck.latest(tmp_path) == str(tmp_path / "other-00")
+
+
+@pytest.mark.parametrize("mode", ["save", "raise"])
+def test_a_signal_taken_while_waiting_for_the_lock_leaves_no_hold_behind(
+        tmp_path: Path, mode: str) -> None:
+    """A handler that ran right after the folder's flock was taken, before the hold was
+    registered, left the lock held: a handler that saved waited for itself, and after one
+    that raised every later save waited for ever (attack helper 79)."""
+    import contextlib
+    import signal
+    import threading
+
+    def handler(signum: int, frame: object) -> None:
+        if mode == "raise":
+            raise KeyboardInterrupt
+        ck.save({"x": 1}, tmp_path / "from-handler")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)\n"),
+        str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        # another thread takes the signal: the main thread's flock is not interrupted,
+        # and the handler runs right after it returns
+        timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.get_ident(),
+                                                                 signal.SIGUSR1))
+        timer.start()
+        with contextlib.suppress(KeyboardInterrupt):
+            ck.apply_retention(tmp_path, 10)  # waits behind the other process
+        timer.join()
+        ck.async_save({"x": 2}, tmp_path / "after").wait(timeout=30)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        holder.wait(timeout=30)
+    assert ck.latest(tmp_path) == str(tmp_path / "after")
+    assert dirs._HOLDS == {}

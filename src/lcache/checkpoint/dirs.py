@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_ORDER, parse_mani
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
 from lcache.checks import path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
-from lcache.forksafe import fork_safe_lock
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
 log = logging.getLogger("lcache.checkpoint")
@@ -298,47 +298,57 @@ def next_order(root: str) -> float:
 # (flock locks belong to open files, and another open of the directory is another one).
 # Their orders stay distinct (``next_order``), and a save's retention spares its own.
 _HOLDS: dict[str, list[int]] = {}
-_HOLDS_LOCK = fork_safe_lock()
+_HOLDS_LOCK = threading.RLock()  # re-entrant: a signal handler may publish in the holder
 _LAST_ORDER: dict[str, float] = {}  # the last order this process gave, by directory
-os.register_at_fork(after_in_child=_HOLDS.clear)  # the parent's holds are not the child's
+
+
+def _forget_holds() -> None:
+    """In a forked child: the parent's holds are not its, nor is the lock another thread of
+    the parent may have held."""
+    _HOLDS.clear()
+    _HOLDS_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_forget_holds)
 
 
 @contextlib.contextmanager
 def publishing(root: str) -> Iterator[None]:
     """Held while a checkpoint is published in ``root`` and while retention runs there: two
     processes saving into one directory took the same place (read before either published)
-    and the later one's retention removed it. Shared by the threads of a process. A
-    filesystem without ``flock`` on directories goes without (as before)."""
+    and the later one's retention removed it. Shared by the threads of a process: each takes
+    the ``flock`` on the one open directory they share (taken once, it is theirs). A
+    filesystem without ``flock`` on directories goes without (as before).
+
+    Why so: a signal handler runs between any two calls, and one that raised or saved while
+    the main thread held the lock left it held (later saves waited for ever). Registered
+    before it is taken, released before it is forgotten, a hold never outlives its block."""
     key = os.path.realpath(root)
-    with _HOLDS_LOCK:
-        hold = _HOLDS.get(key)
-        if hold is not None:
-            hold[0] += 1
-    if hold is None:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)  # outside _HOLDS_LOCK: it may wait long
-        with _HOLDS_LOCK:
-            hold = _HOLDS.get(key)
-            if hold is None:
-                hold = _HOLDS[key] = [1, fd]
-            else:  # another thread of ours took it meanwhile: share theirs
-                hold[0] += 1
-                close_file(fd)  # never locked: theirs is, and ours waited behind it
+    hold: list[int] | None = None
     try:
+        with _HOLDS_LOCK:
+            held = _HOLDS.get(key)
+            if held is None:
+                held = _HOLDS[key] = [0, os.open(root, os.O_RDONLY | os.O_DIRECTORY |
+                                                 os.O_CLOEXEC)]
+            held[0] += 1
+            hold = held  # no call in between: no signal handler runs between the two
+        with contextlib.suppress(OSError):
+            fcntl.flock(hold[1], fcntl.LOCK_EX)
         yield
     finally:
-        with _HOLDS_LOCK:
-            hold[0] -= 1
-            last = hold[0] == 0 and _HOLDS.get(key) is hold
-            if last:
-                del _HOLDS[key]
-        if last:
-            # unlocked, not only closed: a child forked meanwhile (a DataLoader worker)
-            # shares the open file, and held the lock until it exited
-            with contextlib.suppress(OSError):
-                fcntl.flock(hold[1], fcntl.LOCK_UN)
-            close_file(hold[1])
+        if hold is not None:
+            with _HOLDS_LOCK:
+                hold[0] -= 1
+                if hold[0] == 0:  # an entry left at 0 (interrupted here) is taken again
+                    try:
+                        # unlocked, not only closed: a child forked meanwhile (a DataLoader
+                        # worker) shares the open file, and held the lock until it exited
+                        with contextlib.suppress(OSError):
+                            fcntl.flock(hold[1], fcntl.LOCK_UN)
+                        close_file(hold[1])
+                    finally:
+                        _HOLDS.pop(key, None)
 
 
 def latest(root: str | os.PathLike[str]) -> str | None:
