@@ -117,11 +117,16 @@ def test_atomic_write_never_follows_a_symlink_at_its_temp_name(tmp_path: Path) -
     assert target.read_bytes() == b"keep"
     # neither is the link removed, nor a file at that name truncated (attack helper 78)
     assert (tmp_path / f"out.json.tmp{os.getpid()}").is_symlink()
-    (tmp_path / f"notes.txt.tmp{os.getpid()}").write_bytes(b"mine")
+    os.mkfifo(tmp_path / f"notes.txt.tmp{os.getpid()}")
     with pytest.raises(ConfigError, match="move it away"):
         atomic_write(str(tmp_path / "notes.txt"), b"{}")
-    assert (tmp_path / f"notes.txt.tmp{os.getpid()}").read_bytes() == b"mine"
     assert not (tmp_path / "notes.txt").exists()
+    # a regular file there is the leftover of a killed process that had this pid (a
+    # restarted container's pids repeat): it no longer blocks the write (attack helper 79)
+    (tmp_path / f"cache.json.tmp{os.getpid()}").write_bytes(b"{half")
+    atomic_write(str(tmp_path / "cache.json"), b"{}")
+    assert (tmp_path / "cache.json").read_bytes() == b"{}"
+    assert not (tmp_path / f"cache.json.tmp{os.getpid()}").exists()
 
 
 def test_a_directory_that_cannot_be_written_is_a_permission_error(tmp_path: Path) -> None:

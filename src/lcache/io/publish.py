@@ -26,13 +26,19 @@ def atomic_write(path: str, data: bytes, *, io_class: str = "other", durable: bo
     tmp = f"{path}.tmp{os.getpid()}"
     made = False
     try:
-        # open_file: O_NOFOLLOW, and a file id the trace names this write by. O_EXCL: a file
-        # (or link) already there under that name is not ours to truncate or remove
-        try:
-            fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode=mode)
-        except FileExistsError:
-            raise ConfigError(f"{tmp} is in the way of writing {path} (the name lcache "
-                              "writes it under first); move it away") from None
+        # open_file: O_NOFOLLOW, and a file id the trace names this write by. O_EXCL: a link,
+        # FIFO or folder under that name is not ours (a link was removed on the error); a
+        # regular file is taken for the leftover of a killed lcache process that had our pid
+        # (a restarted container's pids repeat), removed, and made again
+        for attempt in range(2):
+            try:
+                fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode=mode)
+                break
+            except FileExistsError:
+                if attempt or special_kind(tmp) is not None or os.path.islink(tmp):
+                    raise ConfigError(f"{tmp} is in the way of writing {path} (the name "
+                                      "lcache writes it under first); move it away") from None
+                os.unlink(tmp)
         made = True
         try:
             os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
