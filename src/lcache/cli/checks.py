@@ -159,24 +159,24 @@ def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
     """``value`` (as typed) as ``kind`` in [lo, hi], or a ConfigError naming ``option``
     (NaN and infinities are never in range)."""
     span = f"{lo:,}..{hi:,}" if kind is int else f"{lo:g}..{hi:g}"
-    if kind is int and isinstance(value, str):  # leading zeros are no digits: 000...08 is 8
-        sign = value.strip()[:1] if value.strip()[:1] in ("+", "-") else ""
-        digits = value.strip()[len(sign):]
-        if digits.isdecimal():
-            value = sign + (digits.lstrip("0") or "0")
+    sign = digits = ""
+    if kind is int and isinstance(value, str):
+        typed = value.strip()
+        sign = typed[:1] if typed[:1] in ("+", "-") else ""
+        digits = typed[len(sign):]
+        if digits.isdecimal():  # leading zeros are no digits: 000...08 is 8
+            digits = digits.lstrip("0") or "0"
+            value = sign + digits
     try:
         n = kind(value)
     except ValueError:
         what = "a number"
+        if digits.isdecimal() and len(digits) > sys.get_int_max_str_digits() > 0:
+            # digits only, more than Python converts (4,300 by default): out of range,
+            # not "not digits only" (lo and hi are far smaller)
+            raise ConfigError(f"{option} {sign}{digits[:12]}... ({len(digits):,} digits) "
+                              f"is out of range; give one in {span}") from None
         if kind is int:
-            typed = value.strip() if isinstance(value, str) else ""
-            sign = typed[:1] if typed[:1] in ("+", "-") else ""
-            digits = typed[len(sign):]
-            if digits.isdecimal() and len(digits) > sys.get_int_max_str_digits() > 0:
-                # digits only, more than Python converts (4,300 by default): out of range,
-                # not "not digits only" (lo and hi are far smaller)
-                raise ConfigError(f"{option} {sign}{digits[:12]}... ({len(digits):,} digits) "
-                                  f"is out of range; give one in {span}") from None
             with contextlib.suppress(ValueError):
                 float(value)
                 what = "a whole number written with digits only (1000000, not 1e6)"
@@ -187,9 +187,9 @@ def number(value: Any, option: str, kind: type, lo: float, hi: float) -> Any:
         # sign is no digit)
         typed = value.strip() if isinstance(value, str) else repr(n)
         if len(typed) > 40:
-            digits = str(abs(n)) if kind is int else ""
+            whole = str(abs(n))
             typed = repr(n) if kind is not int else (
-                f"{'-' if n < 0 else ''}{digits[:12]}... ({len(digits):,} digits)")
+                f"{'-' if n < 0 else ''}{whole[:12]}... ({len(whole):,} digits)")
         raise ConfigError(f"{option} {typed} is out of range; give one in {span}")
     return n
 
