@@ -200,7 +200,7 @@ def test_retention_skips_what_it_cannot_remove_with_a_warning(
     finally:
         subprocess.run(["chattr", "-i", str(root / "step-0")], check=True)
 
-    def broken(root: str, keep_last: int, spare: str | None = None) -> list[str]:
+    def broken(root: str, keep_last: int, **_: object) -> list[str]:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(dirs, "retain", broken)

@@ -190,13 +190,14 @@ class CheckpointHandle:
         stage = dirs.staging_dir(self.root, self.name)
         keep = self._options.get("keep_last")
         with dirs.publishing(self.root):
+            good, _ = dirs.list_checkpoints(self.root)  # read once for both below
             if keep is not None:  # a saver killed between publishing and its retention left
                 # one too many: prune before adding one, so at most keep_last + 1 ever exist
                 # (errors are logged by the retention after publishing; they never fail it)
                 with contextlib.suppress(LCacheError, OSError):
-                    dirs.retain(self.root, keep)
+                    dirs.retain(self.root, keep, good=good)
             body = {"name": self.name, "created_unix": time.time(), "world_size": self.world,
-                    "order": dirs.next_order(self.root), "meta": self._meta,
+                    "order": dirs.next_order(self.root, good), "meta": self._meta,
                     "shards": shards}
             self.path = dirs.publish(stage, self.root, self.name, dump_manifest(body),
                                      {s["file"] for s in shards})

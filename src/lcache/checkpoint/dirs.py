@@ -278,12 +278,14 @@ def list_checkpoints(root: str | os.PathLike[str]) -> tuple[list[CheckpointInfo]
     return good, bad
 
 
-def next_order(root: str) -> float:
+def next_order(root: str, good: list[CheckpointInfo] | None = None) -> float:
     """The ``order`` of a checkpoint published in ``root`` now (under ``publishing``): the
     time, but after every other's. By the wall clock alone, a save after the clock was set
     back (or on a node whose clock is behind) sorted before its elders, and keep_last removed
-    it as soon as it was published. Checkpoints of versions without it are in by their time."""
-    good, _ = list_checkpoints(root)
+    it as soon as it was published. Checkpoints of versions without it are in by their time.
+    ``good``: the listing the caller made under the same hold (retention keeps the newest)."""
+    if good is None:
+        good, _ = list_checkpoints(root)
     newest = max((c.order for c in good), default=0.0)
     key = os.path.realpath(root)
     with _HOLDS_LOCK:  # threads of a process share the lock: their orders still differ
@@ -412,12 +414,15 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int) -> list[str]:
         return retain(root, keep_last)
 
 
-def retain(root: str, keep_last: int, spare: str | None = None) -> list[str]:
+def retain(root: str, keep_last: int, spare: str | None = None,
+           good: list[CheckpointInfo] | None = None) -> list[str]:
     """``apply_retention`` under ``publishing(root)``, which the caller holds; ``spare``
     (the checkpoint a save just published) is kept whatever its place: threads of one process
-    publish side by side, and one's retention removed the other's."""
+    publish side by side, and one's retention removed the other's. ``good``: the listing the
+    caller made under the same hold (each manifest read once per save)."""
     keep_last = whole_number(keep_last, "keep_last", 1)  # 0 would delete the newest
-    good, _ = list_checkpoints(root)
+    if good is None:
+        good, _ = list_checkpoints(root)
     removed = []
     for info in good[:-keep_last]:
         if info.path == spare:
