@@ -160,6 +160,26 @@ def test_object_rewritten_after_listing_is_refused_not_cached(tmp_path: Path) ->
             assert ds[i] == files[i]
 
 
+@pytest.mark.parametrize("over_http", [False, True])
+def test_an_empty_object_rewritten_after_listing_is_refused_not_cached(
+        tmp_path: Path, over_http: bool) -> None:
+    # 0 bytes is a size: it once stood for "not known", and the new bytes were served.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.bin").write_bytes(b"")
+    (tmp_path / "data" / "b.bin").write_bytes(b"b" * 10)
+    with contextlib.ExitStack() as stack:
+        url = str(tmp_path / "data") if not over_http else \
+            stack.enter_context(ThrottledServer(str(tmp_path), etags=True)).url + "/data/"
+        ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
+        (tmp_path / "data" / "a.bin").write_bytes(b"new" * 1000)
+        with pytest.raises(SourceError, match=r"a\.bin is now more than 0 bytes, 0 when it "
+                                              r"was listed"):
+            ds[0]
+        assert 0 not in ds.cache.store() and ds[1] == b"b" * 10
+        (tmp_path / "data" / "a.bin").write_bytes(b"")
+        assert ds[0] == b""
+
+
 def test_local_object_swapped_for_an_endless_file_is_not_read_without_end(
         tmp_path: Path) -> None:
     # A child with 4 GiB of memory at most: code that reads the whole "object" runs out.

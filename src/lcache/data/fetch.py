@@ -97,10 +97,11 @@ def _split(remote: Remote, wants: Sequence[Want], req: Request, data: bytes,
     """Cut ``data`` (the response to ``req``) into its wants, after checking its length."""
     if req.start is None:
         if req.size is not None and len(data) != req.size:
-            more = "more than " if len(data) > req.size else ""
+            # asked for one byte more than listed: that many back says "larger", no more
+            now = f"more than {req.size}" if len(data) > req.size else str(len(data))
             raise SourceError(
-                f"{_samples(wants, req)}: {remote.full_url(req.path)} is now {more}"
-                f"{len(data)} bytes, {req.size} when it was listed: it changed since the "
+                f"{_samples(wants, req)}: {remote.full_url(req.path)} is now {now} "
+                f"bytes, {req.size} when it was listed: it changed since the "
                 f"source was opened (open it again), or files= gave a wrong size")
         for pos in req.wants:
             out[pos] = data

@@ -51,11 +51,24 @@ KEPT_LISTINGS = 16  # listings kept per directory (train, val, ...), the newest
 PROGRESS_AFTER_S = 1.0
 
 
+#: A listing's size of an object the remote would not size (an HTTP HEAD without a length).
+#: Not 0: an empty object is one, and one later rewritten with bytes was fetched whole and
+#: cached, with no check of its size.
+UNKNOWN_SIZE = -1
+LISTING_FORMAT = 2  # of a kept listing
+
+
 @dataclass
 class Listing:
     paths: list[str]  # filesystem paths, in sample order
-    sizes: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]  # UNKNOWN_SIZE where the remote gave none
     versions: list[str]  # object_version of each ("" where unknown)
+
+
+def listed_size(info: dict[str, Any]) -> int:
+    """The size in an fsspec info dict, or ``UNKNOWN_SIZE``."""
+    size = info.get("size")
+    return UNKNOWN_SIZE if size is None else int(size)
 
 
 def suffix_filter(suffixes: Sequence[str] | None) -> Callable[[str], bool]:
@@ -319,7 +332,7 @@ def given_files(remote: Remote, files: Sequence[str] | Mapping[str, int] |
                 if info.get("type") != "file":  # info follows links: a regular file is "file"
                     raise SourceError(f"files=: {p} is not a regular file (a directory, a "
                                       "FIFO, a socket or a device), so it is not a sample")
-        return Listing(paths, np.array([int(i.get("size") or 0) for i in infos], np.int64),
+        return Listing(paths, np.array([listed_size(i) for i in infos], np.int64),
                        [object_version(i) for i in infos])
     pairs = []
     for item in items:
@@ -384,7 +397,8 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
     path = os.path.join(cache_dir, LISTING_FILE)
     # Not sort_keys: it sorts the mappings inside too, and files={"b": 1, "a": 1} was given
     # the listing of {"a": 1, "b": 1}: sample 0 served a's bytes for b
-    digest = xxhash.xxh3_128_hexdigest(json.dumps(key, default=str).encode())
+    # The format in the digest: a listing kept before UNKNOWN_SIZE had 0 for "not known".
+    digest = xxhash.xxh3_128_hexdigest(json.dumps([LISTING_FORMAT, key], default=str).encode())
     launch = launch_id()
     fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
     try:
@@ -430,7 +444,7 @@ def _listing(entry: dict[str, Any]) -> Listing | None:
             and isinstance(entry.get("launch"), (str, type(None)))):
         return None
     if not all(isinstance(x, str) for x in (*paths, *versions)) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+            isinstance(n, int) and not isinstance(n, bool) and n >= UNKNOWN_SIZE for n in sizes):
         return None
     return Listing(paths, np.array(sizes, np.int64), versions)
 

@@ -24,10 +24,12 @@ from lcache.data import codec
 from lcache.data.fetch import Want, fetch
 from lcache.data.identity import probe_contents
 from lcache.data.listing import (
+    UNKNOWN_SIZE,
     Listing,
     given_files,
     kept_listing,
     list_objects,
+    listed_size,
     suffix_filter,
 )
 from lcache.data.remote import (
@@ -127,8 +129,8 @@ class FileSource:
                 listing = self._list(files, suffixes, progress, cache_dir)
                 keep(listing)
         self.paths = listing.paths
-        self._sizes = listing.sizes
-        self._object_sizes = listing.sizes  # as listed (0: not known)
+        self._sizes = np.maximum(listing.sizes, 0)  # what the plan counts
+        self._object_sizes = listing.sizes  # as listed (UNKNOWN_SIZE: not known)
         self._versions = listing.versions
 
     def _list(self, files: Sequence[Any] | Mapping[str, int] | None,
@@ -145,7 +147,7 @@ class FileSource:
         paths = self._order(list(infos))
         if not paths:
             raise SourceError(self._nothing_found(suffixes, others))
-        return Listing(paths, np.array([int(infos[p].get("size") or 0) for p in paths],
+        return Listing(paths, np.array([listed_size(infos[p]) for p in paths],
                                        np.int64), [object_version(infos[p]) for p in paths])
 
     def _accepts(self, path: str) -> bool:
@@ -197,7 +199,8 @@ class FileSource:
         the listed one is an error (it changed since the listing)."""
         sizes = self._object_sizes
         return fetch(self._remote, [Want(int(i), self.paths[int(i)],
-                                         size=int(sizes[int(i)]) or None) for i in indices])
+                                         size=None if sizes[int(i)] == UNKNOWN_SIZE
+                                         else int(sizes[int(i)])) for i in indices])
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
