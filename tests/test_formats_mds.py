@@ -134,6 +134,19 @@ def test_truncated_or_damaged_shard_is_named(shards: Path) -> None:
         src.fetch(6)
 
 
+def test_an_empty_sample_in_a_shard_header_is_named(shards: Path) -> None:
+    """Regression: two equal offsets in a shard's header (a 0-byte sample, which MDSWriter
+    never writes) were a ConfigError naming neither the shard nor the sample."""
+    shard = shards / "shard.00001.mds"
+    raw = bytearray(shard.read_bytes())
+    raw[12:16] = raw[8:12]  # offsets 1 and 2 equal: its sample 1 is empty
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(SourceError, match=r"shard.00001.mds: sample 1 of the shard is empty "
+                                          r"\(bytes (\d+)-\1\): a corrupt shard") as info:
+        MDSSource(str(shards))
+    assert isinstance(info.value, CorruptionError)
+
+
 def test_unreachable_shard_is_named(shards: Path) -> None:
     with ThrottledServer(str(shards.parent)) as server:
         src = MDSSource(server.url + "/mds", retries=0)

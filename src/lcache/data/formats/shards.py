@@ -161,6 +161,12 @@ def read_offsets(remote: Remote, names: Sequence[str], counts: Sequence[int],
             raise SourceCorruptionError(
                 f"{url}: sample {i} of the {what} lies at bytes {offsets[i]}-{offsets[i + 1]}"
                 f", before its start or beyond its {size} bytes: a corrupt or truncated {what}")
+        # Neither format writes an empty sample (each has a column or a size in it).
+        empty = np.flatnonzero(np.diff(offsets) == 0)
+        if len(empty):
+            i = int(empty[0])
+            raise SourceCorruptionError(f"{url}: sample {i} of the {what} is empty (bytes "
+                                        f"{offsets[i]}-{offsets[i]}): a corrupt {what}")
         tables.append(offsets)
     return tables
 
