@@ -685,6 +685,22 @@ def test_s3_fetch_many_with_sizes_given(s3_endpoint: str, s3_objects: dict[str, 
     assert src.fetch_many(order) == [s3_objects[keys[i]] for i in order]
 
 
+def test_s3_empty_object_is_served_and_its_growth_refused(s3_endpoint: str) -> None:
+    """An empty object is a sample of 0 bytes (asked whole: a range of it is 416), and one
+    rewritten with bytes after the listing is refused, not served."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("empties")
+    fs.pipe_file("empties/a.bin", b"")
+    fs.pipe_file("empties/b.bin", b"b" * 10)
+    src = FileSource("s3://empties/", retries=1, storage_options=_s3_options(s3_endpoint))
+    assert src.sizes().tolist() == [0, 10] and src.fetch_many([0, 1]) == [b"", b"b" * 10]
+    fs.pipe_file("empties/a.bin", b"grown")
+    with pytest.raises(SourceError, match=r"a\.bin is now 5 bytes, 0 when it was listed"):
+        src.fetch(0)
+
+
 @pytest.fixture(scope="module")
 def s3_shards(s3_endpoint: str) -> str:
     """The WebDataset and MDS fixtures (tests/data) in bucket ``shards``."""

@@ -45,8 +45,10 @@ class Request:
     size: int | None = None  # a whole object's listed size
 
     def asked(self) -> tuple[int | None, int | None]:
-        """The range to ask for: a whole object of a known size up to one byte past it."""
-        if self.start is None and self.size is not None:
+        """The range to ask for: a whole object of a known size up to one byte past it. An
+        empty one is asked whole (its length still checked): a range of an empty object is
+        416 to S3 and nginx."""
+        if self.start is None and self.size:
             return 0, self.size + 1
         return self.start, self.end
 
@@ -97,8 +99,10 @@ def _split(remote: Remote, wants: Sequence[Want], req: Request, data: bytes,
     """Cut ``data`` (the response to ``req``) into its wants, after checking its length."""
     if req.start is None:
         if req.size is not None and len(data) != req.size:
-            # asked for one byte more than listed: that many back says "larger", no more
-            now = f"more than {req.size}" if len(data) > req.size else str(len(data))
+            # asked for one byte more than listed (see asked()): that says "larger", no more
+            bounded = req.asked()[1] is not None
+            now = f"more than {req.size}" if bounded and len(data) > req.size else \
+                str(len(data))
             raise SourceError(
                 f"{_samples(wants, req)}: {remote.full_url(req.path)} is now {now} "
                 f"bytes, {req.size} when it was listed: it changed since the "
