@@ -88,6 +88,16 @@ def test_a_parameter_cut_across_sub_groups_keeps_fused_adamws_bits(tmp_path: Pat
     assert same(ref_model, offloaded)
 
 
+def test_its_repr_gives_the_sub_groups_it_made(tmp_path: Path) -> None:
+    """Regression: a parameter is cut at multiples of 64 elements, so sub_group_size=100 made
+    sub-groups of 64, which the repr gave as "16 sub-groups of 100 elements"."""
+    param = torch.nn.Parameter(torch.zeros(1000))
+    with OffloadedOptimizer([param], lr=1e-2, dir=tmp_path, sub_group_size=100,
+                            direct=False) as opt:
+        assert {sg.numel for sg in opt.sub_groups} == {64, 40}
+        assert "16 sub-groups of up to 64 elements" in repr(opt), repr(opt)
+
+
 def test_adam_with_amsgrad_keeps_its_third_state(tmp_path: Path) -> None:
     ref_model, model = make_model(), make_model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2, amsgrad=True, fused=True)

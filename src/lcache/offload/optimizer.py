@@ -735,8 +735,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({self.optimizer_class.__name__}, {len(self._params)} "
-                f"params, {len(self.sub_groups)} sub-groups of {self.sub_group_size:,} "
-                f"elements, swap {self._swap.path})")
+                f"params, {len(self.sub_groups)} sub-groups of up to "
+                f"{max(sg.numel for sg in self.sub_groups):,} elements, swap {self._swap.path})")
 
 
 def _drain(pending: list[Pending]) -> None:
