@@ -47,6 +47,18 @@ def test_stats_table(tmp_path: Path) -> None:
     assert "live_keys" in out.stdout and "101" in out.stdout
 
 
+@pytest.mark.parametrize("name", ["no[bold]such", "no[/]such", "a[red]b[/red]"])
+def test_a_path_that_looks_like_markup_is_printed_as_given(tmp_path: Path, name: str) -> None:
+    """Regression: rich read error lines and table titles as markup: "no[bold]such" was
+    printed as "nosuch", and "no[/]such" was a MarkupError traceback."""
+    missing = str(tmp_path / name)
+    assert_one_line_error(run("report", missing), f"{missing}: no such trace file")
+    make_store(tmp_path / name)
+    out = subprocess.run([*LCACHE, "stats", str(tmp_path / name)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 0 and f"lcache store {tmp_path / name}" in out.stdout, out
+
+
 def test_stats_of_a_warmed_cache_counts_demand_misses_and_says_no_reads_yet(
         tmp_path: Path) -> None:
     """The finding (newcomer helper 55): lcache stats lacked demand_misses, which ds.stats()

@@ -93,6 +93,14 @@ def shown(text: str) -> str:
                    else ascii(ch)[1:-1] for ch in text)
 
 
+def printable(text: object) -> str:
+    """``text`` for rich's console: ``shown``, with rich's markup escaped (a path such as
+    ``data[1]`` was printed as ``data``, and ``x[/]y`` raised a MarkupError)."""
+    from rich.markup import escape
+
+    return escape(shown(str(text)))
+
+
 def env_number(name: str, default: int, low: int, high: int | None = None) -> int:
     """Environment variable ``name`` as a whole number in [low, high], ``default`` when it
     is unset or empty, or a ConfigError naming it (not a bare ValueError from ``int()``)."""

@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from lcache.checks import printable
 from lcache.cli.checks import STDOUT, check_outputs, check_replaceable, number, output_option
 from lcache.errors import ConfigError
 from lcache.store.layout import parse_size
@@ -118,21 +119,23 @@ def _print(doc: dict[str, Any], emit_path: str | None, html_path: str | None,
     # Lines, not a table: the arithmetic is a sentence that a narrow column would shred.
     for a in doc["advice"]:
         if "missing" in a:
-            console.print(f"[bold]{a['topic']}[/]: [yellow]not fitted[/]: {a['missing']}",
+            console.print(f"[bold]{a['topic']}[/]: [yellow]not fitted[/]: "
+                          f"{printable(a['missing'])}",
                           highlight=False)
         else:
             console.print(f"[bold]{a['topic']}[/]: {a['figure']} = {a['value']}\n  "
-                          f"{a['arithmetic']}", highlight=False)
+                          f"{printable(a['arithmetic'])}", highlight=False)
     for u in doc["unfitted"]:
         if u["what"] == "check":  # --storage was given, and nothing runs: not a fit
-            console.print(f"[yellow]no check:[/] {u['why']}", highlight=False)
+            console.print(f"[yellow]no check:[/] {printable(u['why'])}", highlight=False)
         else:
-            console.print(f"[yellow]not fitted:[/] {u['what']}: {u['why']}", highlight=False)
+            console.print(f"[yellow]not fitted:[/] {printable(u['what'])}: "
+                          f"{printable(u['why'])}", highlight=False)
     if doc["check"]:
         for name, c in doc["check"]["classes"].items():
             console.print(f"[bold]check {name}[/]: "
                           f"{'keeps up' if c['keeps_up'] else 'does NOT keep up'} (margin "
-                          f"{c['margin']:.2f}x): {c['arithmetic']}", highlight=False)
+                          f"{c['margin']:.2f}x): {printable(c['arithmetic'])}", highlight=False)
     # What is copied from here (the YAML, the paths) is written as is: console.print wrapped
     # it at the terminal's width (80 columns in a pipe), and a long path in the YAML's
     # comment went on to a line of its own that is no YAML; ``out`` neither wraps nor crops

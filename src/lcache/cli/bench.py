@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from lcache.checks import launch_rank_world
+from lcache.checks import launch_rank_world, printable
 from lcache.cli.checks import Folder
 from lcache.errors import ConfigError
 
@@ -22,7 +22,7 @@ def _emit_json(doc: Any) -> None:
 
 
 def _figures_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"lcache bench: {summary.get('workload', '')} on "
+    table = Table(title=f"lcache bench: {printable(summary.get('workload', ''))} on "
                   f"{summary.get('num_accelerators', 1)} rank(s)")
     table.add_column("metric (DLIO key)")
     table.add_column("value", justify="right")
@@ -33,7 +33,7 @@ def _figures_table(summary: dict[str, Any]) -> Table:
             shown = f"{value:,.3f}"
         else:
             shown = str(value)
-        table.add_row(key, shown)
+        table.add_row(printable(key), printable(shown))
     return table
 
 
@@ -68,11 +68,12 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
         console.print(_epoch_table(summary))
         console.print(_RATES, highlight=False)
     for note in summary.get("notes", []):
-        console.print(f"[dim]note: {note}[/]", highlight=False)
+        console.print(f"[dim]note: {printable(note)}[/]", highlight=False)
     console.print(f"summary: {os.path.join(summary['output_folder'], 'summary.json')}",
                   highlight=False)
     met = "NOT MET" not in summary["verdict"]
-    console.print(f"[bold {'green' if met else 'red'}]verdict:[/] {summary['verdict']}",
+    console.print(f"[bold {'green' if met else 'red'}]verdict:[/] "
+                  f"{printable(summary['verdict'])}",
                   highlight=False)
 
 
@@ -255,6 +256,6 @@ def configs_cmd(as_json: bool) -> None:
     for col in ("name", "model", "format", "train", "ckpt", "compute s", "batch", "AU"):
         table.add_column(col, no_wrap=col == "name")
     for r in rows:
-        table.add_row(*(str(r[c]) for c in ("name", "model", "format", "train", "checkpoint",
+        table.add_row(*(printable(r[c]) for c in ("name", "model", "format", "train", "checkpoint",
                                              "computation_time", "batch_size", "au")))
     console.print(table)

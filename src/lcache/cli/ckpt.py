@@ -10,11 +10,10 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
-from lcache.checks import shown
+from lcache.checks import printable, shown
 from lcache.cli.checks import Folder
 
 console = Console()
@@ -25,12 +24,6 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
-
-
-def _name(text: str) -> str:
-    """A name or path read from disk, printable as it is: control characters escaped (a
-    checkpoint saved before they were refused), rich's markup too."""
-    return escape(shown(text))
 
 
 @click.group("ckpt")
@@ -59,17 +52,17 @@ def ls_cmd(directory: str, as_json: bool) -> None:
         click.echo(json.dumps({"checkpoints": [c.to_dict() for c in good], "damaged": bad,
                                "leftovers": left}, indent=2, sort_keys=True))
         return
-    table = Table(title=f"checkpoints in {_name(directory)}")
+    table = Table(title=f"checkpoints in {printable(directory)}")
     for col in ("name", "created (UTC)", "ranks", "arrays", "data", "meta"):
         table.add_column(col, justify="left" if col in ("name", "meta") else "right")
     for c in good:
         created = datetime.datetime.fromtimestamp(c.created_unix, datetime.timezone.utc)
-        table.add_row(_name(c.name), created.strftime("%Y-%m-%d %H:%M:%S"), str(c.world_size),
+        table.add_row(printable(c.name), created.strftime("%Y-%m-%d %H:%M:%S"), str(c.world_size),
                       str(c.arrays), _size(c.data_bytes),
-                      _name(json.dumps(c.meta, sort_keys=True)) if c.meta else "")
+                      printable(json.dumps(c.meta, sort_keys=True)) if c.meta else "")
     console.print(table)
     if bad:
-        console.print(f"[red]damaged manifests (not listed):[/] {', '.join(map(_name, bad))}",
+        console.print(f"[red]damaged manifests (not listed):[/] {', '.join(map(printable, bad))}",
                       highlight=False)
     if left:
         console.print(f"[dim]{len(left)} unfinished save(s) or deletion(s), removed by the "
@@ -112,10 +105,10 @@ def verify_cmd(directory: str, as_json: bool) -> None:
     else:
         for r in reports:
             mark = "[green]ok[/]" if r["ok"] else "[bold red]DAMAGED[/]"
-            console.print(f"{mark} {_name(r['path'])}: {r['arrays']} arrays, "
+            console.print(f"{mark} {printable(r['path'])}: {r['arrays']} arrays, "
                           f"{_size(r['data_bytes'])}", highlight=False)
             for problem in r["problems"]:
-                console.print(f"  [red]problem:[/] {_name(problem)}", highlight=False)
+                console.print(f"  [red]problem:[/] {printable(problem)}", highlight=False)
     sys.exit(0 if ok else 2)
 
 

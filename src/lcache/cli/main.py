@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lcache import __version__, jsondoc
+from lcache.checks import printable
 from lcache.cli.advise import advise_cmd
 from lcache.cli.bench import bench
 from lcache.cli.checks import Folder, number_option
@@ -38,12 +39,12 @@ def _emit_json(doc: Any) -> None:
 
 
 def _table(title: str, rows: dict[str, Any]) -> Table:
-    table = Table(title=title, show_header=False)
+    table = Table(title=printable(title), show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in rows.items():
         shown = format_size(value) if key in _SIZE_KEYS and isinstance(value, int) else value
-        table.add_row(key, str(shown))
+        table.add_row(printable(key), printable(str(shown)))
     return table
 
 
@@ -82,7 +83,8 @@ class _Failed(click.ClickException):
 
 def _error(line: str, code: int = 2) -> NoReturn:
     # soft_wrap: one line however long the paths in it (rich wraps at 80 columns)
-    err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+    # escaped: a path such as "data[1]" or "x[/]y" is text, not markup
+    err_console.print(f"[bold red]error:[/] {printable(line)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -257,7 +259,8 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
     if read_cache_json(directory) is not None:  # a sample cache, as `lcache stats` reads it
         directory = os.path.join(directory, "store")
         if not as_json:
-            console.print(f"sample cache: checking its store {directory}", highlight=False)
+            console.print(f"sample cache: checking its store {printable(directory)}",
+                          highlight=False)
     report = fsck(directory, repair=repair)
     if as_json:
         _emit_json(report.to_dict())
@@ -268,9 +271,9 @@ def fsck_cmd(directory: str, repair: bool, as_json: bool) -> None:
             highlight=False,
         )
         for text in report.repaired:
-            console.print(f"[green]repaired:[/] {text}", highlight=False)
+            console.print(f"[green]repaired:[/] {printable(text)}", highlight=False)
         for text in report.problems:
-            console.print(f"[red]problem:[/] {text}", highlight=False)
+            console.print(f"[red]problem:[/] {printable(text)}", highlight=False)
         console.print("[bold green]clean[/]" if report.clean else "[bold red]NOT clean[/]")
     sys.exit(0 if report.clean else 2)
 
@@ -300,7 +303,8 @@ def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: 
     from lcache.demo import run_training_demo
 
     progress = (lambda s: None) if as_json else \
-        (lambda s: err_console.print(f"[dim]{s}[/]", highlight=False, soft_wrap=True))
+        (lambda s: err_console.print(f"[dim]{printable(s)}[/]", highlight=False,
+                                     soft_wrap=True))
     figures = run_training_demo(
         directory, samples=samples, sample_bytes=parse_size(sample_size),
         cache_fraction=cache_fraction, epochs=epochs, latency=latency,

@@ -9,10 +9,9 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from lcache.checks import shown
+from lcache.checks import printable
 from lcache.errors import ConfigError
 from lcache.model import PRESETS, config_from_preset, get_preset, load_model_file, predict
 from lcache.store.layout import parse_size
@@ -89,9 +88,7 @@ def _finite(doc: Any) -> Any:
 def _print_tables(doc: dict[str, Any]) -> None:
     cfg = doc["config"]
     mem = doc["memory"]
-    # the name comes from a model file: control characters escaped (``\x1b`` would act on
-    # the terminal), rich's markup too
-    name = escape(shown(str(doc["model"])))
+    name = printable(doc["model"])  # from a model file
     head = Table(title=f"lcache model {name}: {doc['gpus']} x {cfg['gpu']} "
                        f"({doc['nodes']} nodes), TP{cfg['tp']} PP{cfg['pp']} DP{doc['dp']} "
                        f"ZeRO-{cfg['zero_stage']}, MFU {cfg['mfu']:.0%}", show_header=False)

@@ -173,7 +173,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             Console().print(f"device {dev}: read {d['read_bytes'] / 2**20:,.1f} MiB, "
                             f"wrote {d['write_bytes'] / 2**20:,.1f} MiB, peak "
                             f"{rate(d['MBps_peak'], 1)} MB/s, {rate(d['IOPS_peak'])} IOPS "
-                            "while the trace ran")
+                            "while the trace ran", markup=False, highlight=False)
     sentence = traffic_sentence(summary["traced_vs_devices"]) if summary["devices"] else None
     if sentence is not None:
         Console().print(sentence, markup=False, highlight=False, soft_wrap=True)
