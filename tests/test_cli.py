@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,27 @@ def test_a_path_that_looks_like_markup_is_printed_as_given(tmp_path: Path, name:
     out = subprocess.run([*LCACHE, "stats", str(tmp_path / name)], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "COLUMNS": "1000"})
     assert out.returncode == 0 and f"lcache store {tmp_path / name}" in out.stdout, out
+
+
+def test_ctrl_c_ends_a_command_with_130(tmp_path: Path) -> None:
+    """Regression: Ctrl-C ended with status 1, which a script reads as a failure; a shell
+    reports 128 + SIGINT."""
+    proc = subprocess.Popen([*LCACHE, "store-demo", "--samples", "5000000", "--dir",
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "store").exists():  # writing samples
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().endswith("Aborted!"), (proc.returncode, err)
 
 
 def test_stats_of_a_warmed_cache_counts_demand_misses_and_says_no_reads_yet(

@@ -61,9 +61,10 @@ class _Group(click.Group):
             _error(f"{' '.join(exc.format_message().split())} (see `{where} --help`)")
         except click.ClickException as exc:
             _error(" ".join(exc.format_message().split()), exc.exit_code)
-        except click.Abort:
+        except click.Abort as exc:
             err_console.print("Aborted!", highlight=False)
-            sys.exit(1)
+            # Ctrl-C: 128 + SIGINT, as shells report it (scripts tell it from a failure)
+            sys.exit(130 if isinstance(exc.__context__, KeyboardInterrupt) else 1)
         if isinstance(code, int) and code:  # ctx.exit(code)
             sys.exit(code)
         return code
