@@ -31,11 +31,12 @@ def data(tmp_path: Path) -> Path:
     return root
 
 
-def build(data: Path, cache: Path) -> tuple[CachedDataset, SeedAwareSampler, Any]:
+def build(data: Path, cache: Path, workers: int = 2
+          ) -> tuple[CachedDataset, SeedAwareSampler, Any]:
     ds = CachedDataset(str(data), cache, 2 * MIB + N * SIZE // 2)
     sampler = SeedAwareSampler(ds, seed=5)
-    loader = stateful.StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2,
-                                         collate_fn=list)
+    loader = stateful.StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler,
+                                         num_workers=workers, collate_fn=list)
     return ds, sampler, loader
 
 
@@ -72,3 +73,37 @@ def test_resume_from_the_loader_state_alone(data: Path, tmp_path: Path,
         assert ds.stats(since=mark)["fetches"] <= planned + N // 100  # the cache survived
     finally:
         ds.cache.close()
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_from_a_state_taken_after_an_epoch_ran_out(data: Path, tmp_path: Path,
+                                                          workers: int) -> None:
+    """Regression (attack helper 82): a state taken once the loop had run through epoch 1
+    (the loader marks it finished) is applied at iter(), after the loop's set_epoch(2). It
+    replayed epoch 1 in place of epoch 2 with workers, and gave nothing with none."""
+    ds, sampler, loader = build(data, tmp_path / "cache", workers)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        assert len([x for b in loader for x in b]) == N
+    state = json.loads(json.dumps(loader.state_dict()))
+    ds.cache.close()
+    del ds, sampler, loader
+    gc.collect()
+
+    for resumed in (1, 2):  # epoch 1 again: nothing left of it; then epoch 2, whole
+        ds, sampler, loader = build(data, tmp_path / "cache", workers)
+        loader.load_state_dict(state)
+        try:
+            sampler.set_epoch(resumed)
+            got = [sample_index(x, SIZE) for b in loader for x in b]
+            assert got == ([] if resumed == 1 else sampler.order(2).tolist())
+            assert [sample_index(x, SIZE) for b in loader for x in b] == got  # asked again
+            sampler.set_epoch(resumed + 1)
+            got = [sample_index(x, SIZE) for b in loader for x in b]
+            assert got == sampler.order(resumed + 1).tolist()
+        finally:
+            ds.cache.close()
+            del ds, sampler, loader
+            gc.collect()

@@ -129,6 +129,7 @@ class SeedAwareSampler:
         self.epoch = 0
         self._start = 0
         self._yielded = 0
+        self._asked: int | None = None  # the last set_epoch's, until a state is loaded
         self._plans: dict[int, PlanResult] = {}
         self._plan_lock = threading.Lock()
         self._ahead: threading.Thread | None = None
@@ -154,6 +155,7 @@ class SeedAwareSampler:
         if epoch != self.epoch:  # a state_dict taken now is at the new epoch's start
             self._start = self._yielded = 0
         self.epoch = epoch
+        self._asked = epoch
 
     def node_sequence(self, epoch: int) -> npt.NDArray[np.int64]:
         """The node's accesses of ``epoch`` in order (every local rank's, interleaved)."""
@@ -213,7 +215,9 @@ class SeedAwareSampler:
         plan = self.plan(self.epoch)
         self._plan_ahead(self.epoch + 1)
         keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
-        start, self._start = self._start, 0
+        start = self._start
+        if start < len(order):  # a finished epoch stays finished until set_epoch moves on
+            self._start = 0
         self._yielded = start
         prefetcher = Prefetcher(self.cache, order, start, hits=hits,
                                 threads=self.prefetch_threads, window=self.prefetch_window,
@@ -273,6 +277,15 @@ class SeedAwareSampler:
         if not 0 <= consumed <= self.num_samples:
             raise ConfigError(f"sampler state consumed={consumed} is outside this epoch "
                               f"(0..{self.num_samples})")
-        self.epoch = whole_number(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
+        epoch = whole_number(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
+        asked, self._asked = self._asked, None
+        if consumed == self.num_samples and asked is not None and asked > epoch:
+            # The state of a finished epoch, loaded after set_epoch moved past it, as
+            # StatefulDataLoader loads it (at iter()): the epoch asked for, from its start.
+            # Taken as the state says, it replayed the finished epoch (or, with no workers,
+            # gave nothing) in place of the next.
+            self.epoch, self._start, self._yielded = asked, 0, 0
+            return
+        self.epoch = epoch
         self._start = consumed
         self._yielded = consumed
