@@ -536,6 +536,30 @@ def test_load_into_arrays_strided_over_themselves_writes_nothing(tmp_path: Path)
     assert out["t"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
+def test_load_into_two_arrays_sharing_memory_writes_nothing(tmp_path: Path) -> None:
+    """Regression (attack helper 82): like={"a": t, "b": t[:3]} took b's saved values over
+    a's first three, reported as a success. One tensor under two keys (tied weights, saved
+    twice with the same bytes) still loads."""
+    ck.save({"a": torch.arange(12.0), "b": torch.full((3,), -1.0)}, tmp_path / "c" / "s")
+    t = torch.zeros(12)
+    cols = torch.zeros(12, 2)
+    ck.save({"a": np.arange(12.0), "b": np.full(3, -1.0)}, tmp_path / "c" / "n")
+    n = np.zeros(12)
+    for name, like in (("s", {"a": t, "b": t[:3]}), ("s", {"a": t, "b": t[9:]}),
+                       ("s", {"a": cols[:, 0], "b": cols[:3, 1]}),  # interleaved: refused
+                       ("n", {"a": n, "b": n[::-1][2:5]})):
+        with pytest.raises(ck.StateMismatchError, match="a and b: like= holds arrays that "
+                                                        "share memory"):
+            ck.load(tmp_path / "c" / name, like=like, into=True)
+    assert not t.any() and not cols.any() and not n.any()
+    tied = torch.nn.Linear(4, 4)
+    ck.save({"emb": tied.weight, "head": tied.weight}, tmp_path / "c" / "tied")
+    fresh = torch.nn.Linear(4, 4)
+    out = ck.load(tmp_path / "c" / "tied", like={"emb": fresh.weight.data,
+                                                 "head": fresh.weight.data}, into=True)
+    assert torch.equal(fresh.weight, tied.weight) and torch.equal(out["head"], tied.weight)
+
+
 def test_load_into_a_read_only_array_returns_a_new_one(tmp_path: Path) -> None:
     ck.save({"n": np.arange(3.0)}, tmp_path / "c" / "s")
     frozen = np.zeros(3)

@@ -86,6 +86,52 @@ def _may_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return False
 
 
+def _span(dest: Any) -> tuple[str, int, int] | None:
+    """(device, first byte, byte past the last) of the memory ``dest``'s elements lie in, or
+    None for no memory to write (an empty array, a numpy scalar)."""
+    if isinstance(dest, np.ndarray):
+        if dest.size == 0:
+            return None
+        start = int(dest.ctypes.data)
+        steps = [(n - 1) * st for n, st in zip(dest.shape, dest.strides, strict=True)]
+        return ("cpu", start + sum(min(0, x) for x in steps),
+                start + sum(max(0, x) for x in steps) + dest.itemsize)
+    if not hasattr(dest, "data_ptr") or dest.numel() == 0:
+        return None
+    extent = sum((n - 1) * st for n, st in zip(dest.shape, dest.stride(), strict=True))
+    start = int(dest.data_ptr())
+    return str(dest.device), start, start + (extent + 1) * dest.element_size()
+
+
+def _same_place(a: Any, b: Any) -> bool:
+    """Whether two destinations are one array (tied weights: one tensor under two keys)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and
+                a.__array_interface__ == b.__array_interface__)
+    return bool(a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
+
+
+def _sharing(refs: list[ArrayRef], dests: list[Any]) -> list[str]:
+    """Why pairs of destinations cannot both be loaded: they share memory (found from their
+    extents: arrays that interleave without colliding are refused too), unless they are
+    one array and the checkpoint holds the same bytes for both (tied weights, saved twice).
+    Loaded anyway, the last array written won where they overlap: another key's values."""
+    spans = sorted(((span, j) for j, d in enumerate(dests) if (span := _span(d)) is not None),
+                   key=lambda item: item[0])
+    why: list[str] = []
+    for i, ((device, _, end), j) in enumerate(spans):
+        for (device2, start2, _), k in spans[i + 1:]:
+            if device2 != device or start2 >= end:
+                break
+            if not (_same_place(dests[j], dests[k]) and refs[j].xxh3 == refs[k].xxh3):
+                one, other = sorted((j, k))
+                why.append(f"{refs[one].key} and {refs[other].key}: like= holds arrays that "
+                           "share memory, and the checkpoint holds other values for them; "
+                           "give arrays of their own")
+    return why
+
+
 class _Target:
     """Where one array's bytes go: straight into the destination's memory when it is one
     contiguous, writable host block; otherwise into a staging array copied over at the end."""
@@ -175,7 +221,7 @@ def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like:
                                  f"key(s):\n  {shown}")
     dests: list[Any] = [None] * len(refs)
     _pair(skeleton, like, dests)
-    unfit = [why for why in map(_unfit, refs, dests) if why]
+    unfit = [why for why in map(_unfit, refs, dests) if why] or _sharing(refs, dests)
     if unfit:  # before any byte of like= is written
         shown = "\n  ".join(unfit[:20])
         raise StateMismatchError(f"like= cannot take the checkpoint's arrays at {len(unfit)} "
