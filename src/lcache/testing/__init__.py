@@ -5,6 +5,8 @@
 * :mod:`lcache.testing.faults`: bit flips, truncation, disk usage and record locations.
 * :mod:`lcache.testing.crashwriter`: a writer program to ``kill -9``, and the parent-side model
   (``CrashModel``) that says what must and what may be in the store after the kill.
+* :mod:`lcache.testing.remote`: ``ThrottledServer``, a loopback HTTP server with a latency per
+  request and a bandwidth cap (the slow remote of tests, the demo and the benchmarks).
 * :mod:`lcache.testing.strategies` and :mod:`lcache.testing.stateful` (need ``hypothesis``):
   key/value strategies and ``StoreMachine``, a state machine that checks a store against a dict
   through put/get/delete/gc/flush/reopen/crash.
@@ -21,10 +23,12 @@ from lcache.testing.faults import (
     truncate,
     unsealed_segments,
 )
+from lcache.testing.remote import ThrottledServer
 from lcache.testing.values import key_repr, make_value, parse_version, pattern_bytes, value_size
 
 __all__ = [
     "RecordLocation",
+    "ThrottledServer",
     "disk_usage",
     "flip_bit",
     "key_repr",

@@ -74,9 +74,11 @@ class _Close(Exception):
 
 
 class ThrottledServer:
-    """``ThrottledServer(root, latency=0.005, bandwidth=100e6)``; ``.url`` is its base URL.
-    Use as a context manager (serves from a background thread). ``fault(path, nth)`` is
-    asked before each GET (the nth of that URL path, from 1) and may name one of ``FAULTS``.
+    """``ThrottledServer(root, latency=0.005, bandwidth=100e6)``: 5 ms per request and
+    100 MB/s for all connections together (the defaults, 0 and 0, throttle nothing);
+    ``.url`` is its base URL. Use as a context manager (serves from a background thread).
+    ``fault(path, nth)`` is asked before each GET (the nth of that URL path, from 1) and may
+    name one of ``FAULTS``.
     ``etags=True`` adds an ETag (size and modification time) to files, as object stores
     send; ``stats_path`` answers the counters as JSON there, uncounted and unthrottled."""
 
