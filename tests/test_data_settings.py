@@ -358,8 +358,12 @@ def test_a_new_capacity_keeps_the_cache_and_a_new_segment_size_is_a_config_error
     first.cache.close()
     bigger = CachedDataset(str(src), tmp_path / "c", "256MiB")
     assert bigger[3] == data and bigger.stats()["fetches"] == 1
+    staging = bigger.cache.staging_dir
     bigger.cache.close()
+    assert not os.path.exists(staging)
     with pytest.raises(ConfigError, match="segment_size is fixed"):
         CachedDataset(str(src), tmp_path / "c", "256MiB", segment_size="1MiB")
+    # the refused open leaves no staging area behind (one in /dev/shm held its memory)
+    assert not os.path.exists(staging), os.listdir(staging)
     again = CachedDataset(str(src), tmp_path / "c", "64MiB")  # the lock was let go
     assert again[3] == data

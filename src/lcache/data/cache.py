@@ -420,19 +420,32 @@ class SampleCache:
                          f"{self.cache_dir}\n{self.cache_id}".encode(), io_class="cache-meta",
                          durable=False)
             _OPEN_CACHES.add(self)
-            staging = Store.open(self.staging_dir, capacity=self.staging_bytes,
-                                 segment_size=self.staging_segment_size, policy="fifo",
-                                 max_writers=STAGING_WRITERS, sync="never",
-                                 direct_writes=False)
-            self._staging = staging
-            self._store = Store.open(
-                os.path.join(self.cache_dir, "store"), capacity=self.main_capacity,
-                segment_size=self.segment_size, policy="planned",
-                # two segments short of what the capacity holds beside the indexes' room (a
-                # count from the whole capacity left an 8 KiB-segment store under its minimum)
-                max_writers=min(MAX_WRITERS, (self.main_capacity - index_floor(
-                    self.main_capacity)) // self.segment_size - 2),
-                sync="never", direct_writes=False)
+            try:
+                staging = Store.open(self.staging_dir, capacity=self.staging_bytes,
+                                     segment_size=self.staging_segment_size, policy="fifo",
+                                     max_writers=STAGING_WRITERS, sync="never",
+                                     direct_writes=False)
+                try:
+                    store = Store.open(
+                        os.path.join(self.cache_dir, "store"), capacity=self.main_capacity,
+                        segment_size=self.segment_size, policy="planned",
+                        # two segments short of what the capacity holds beside the indexes'
+                        # room (a count from the whole capacity left an 8 KiB-segment store
+                        # under its minimum)
+                        max_writers=min(MAX_WRITERS, (self.main_capacity - index_floor(
+                            self.main_capacity)) // self.segment_size - 2),
+                        sync="never", direct_writes=False)
+                except BaseException:
+                    staging.close()
+                    raise
+            except BaseException:
+                # a store that refuses to open (another segment size): the staging area goes,
+                # as close() would remove it (one in /dev/shm was left holding memory)
+                _OPEN_CACHES.discard(self)
+                close_file(self._users)
+                _remove_if_unused(self.staging_dir)
+                raise
+            self._staging, self._store = staging, store
 
     def _hold_staging(self) -> int:
         """Make the staging dir if need be and hold its users lock shared: each process using
