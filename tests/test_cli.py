@@ -361,15 +361,30 @@ def test_warm_warnings_name_lcache_once(tmp_path: Path) -> None:
     assert "is damaged" in out.stderr and "lcache: lcache:" not in out.stderr, out.stderr
 
 
-def test_warm_below_the_minimum_capacity_names_no_option_it_lacks(tmp_path: Path) -> None:
-    """The finding (attack helper 47): warm was told to "lower segment_size", which it
-    cannot set; the advice names the library's argument and says warm has none."""
+def test_warm_of_a_small_cache_takes_a_segment_size(tmp_path: Path) -> None:
+    """The findings: warm was told to "lower segment_size", which it could not set (attack
+    helper 47); a small dataset at 40% could then be warmed by no route, and a cache warmed
+    with the default size refused training's smaller one (newcomer helper 84)."""
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
-    out = run_lcache("warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"),
-                     "--capacity", "1KB", cwd=tmp_path)
+    for i in range(200):
+        (tmp_path / "src" / f"{i:03d}.bin").write_bytes(bytes([i]) * 10_000)
+    args = ["warm", str(tmp_path / "src"), "--cache", str(tmp_path / "c"), "--capacity", "40%"]
+    out = run_lcache(*args, cwd=tmp_path)
     assert_one_line_error(out, "is below the minimum", "CachedDataset(segment_size=...)",
-                          "`lcache warm` has no such option")
+                          "`lcache warm --segment-size`")
+    assert_one_line_error(run_lcache(*args, "--segment-size", "16 parsecs", cwd=tmp_path),
+                          "--segment-size")
+    out = run_lcache(*args, "--segment-size", "16KiB", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cached_samples"] > 0
+    from lcache.data import CachedDataset
+
+    ds = CachedDataset(str(tmp_path / "src"), tmp_path / "c", "40%", segment_size="16KiB")
+    try:
+        mark = ds.stats()
+        assert ds[0] == b"\0" * 10_000 and ds.stats(since=mark)["fetches"] == 0  # warmed
+    finally:
+        ds.cache.close()
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])

@@ -212,11 +212,14 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
               help="Bound on the cache's bytes on disk.")
 @click.option("--threads", default=16, show_default=True, type=click.IntRange(1, 1024),
               help="Fetches in flight.")
+@click.option("--segment-size", default=None,
+              help="A new cache's segment size, as CachedDataset(segment_size=) takes it "
+                   "(default: sized from the capacity; a small cache may need a smaller one).")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tuple[str, ...],
-         as_json: bool) -> None:
+def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size: str | None,
+         options: tuple[str, ...], as_json: bool) -> None:
     """Fetch SOURCE's files (in path order) into the cache until it is full: a cache of
     plain files, as CachedDataset(SOURCE, ...) opens it (docs/cache.md)."""
     from lcache.data.sizing import cache_capacity
@@ -226,6 +229,11 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
         cache_capacity(capacity, 1)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--capacity") from None
+    if segment_size is not None:
+        try:
+            parse_size(segment_size, "segment_size")
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--segment-size") from None
     storage_options = {}
     for item in options:
         key, sep, value = item.partition("=")
@@ -236,7 +244,8 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, options: tupl
         storage_options[key] = value
     try:
         figures = warm_cache(source, cache_dir, capacity, threads=threads,
-                             storage_options=storage_options, show_progress=not as_json)
+                             storage_options=storage_options, show_progress=not as_json,
+                             segment_size=segment_size)
     except OSError as exc:
         if isinstance(exc, LCacheError) or exc.filename is not None:
             raise

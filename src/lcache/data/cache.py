@@ -320,8 +320,8 @@ class SampleCache:
                 f"{format_size(self.segment_size)}"
                 + (" and the prefetch staging area" if on_ssd else "") + "); raise the "
                 f"capacity, or lower the segment size with CachedDataset(segment_size=...) "
-                f"(down to {smallest}, 4 of the largest sample; `lcache warm` has no such "
-                "option)")
+                f"or `lcache warm --segment-size` (down to {smallest}, 4 of the largest "
+                "sample)")
         identity = identify(self.source, name, fingerprint)
         self.cache_dir = private_dir(self.cache_dir, "cache directory")
         store_dir = os.path.join(self.cache_dir, "store")

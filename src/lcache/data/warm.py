@@ -20,14 +20,16 @@ GROUP = 8  # samples per fetch_many (consecutive paths: a source may coalesce th
 def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
                threads: int = 16, storage_options: dict[str, Any] | None = None,
                show_progress: bool = True, name: str | None = None,
-               fingerprint: str | None = None) -> dict[str, Any]:
+               fingerprint: str | None = None,
+               segment_size: int | str | None = None) -> dict[str, Any]:
     """Fetch samples in order until the cache's plannable capacity is used.
 
     ``source`` is a URL or directory (its files are the samples: a ``FileSource``, which is
     what ``lcache warm`` makes) or a source object such as ``ImageFolderSource(url)``: the
     cache is the one ``CachedDataset`` opens for that source with the same ``name`` and
-    ``fingerprint``. Samples already cached are skipped. The sampler's plan decides later
-    which of them stay; warming only spares the first epoch those fetches.
+    ``fingerprint`` (and ``segment_size``, which a new cache is made with, as
+    ``CachedDataset`` takes it). Samples already cached are skipped. The sampler's plan
+    decides later which of them stay; warming only spares the first epoch those fetches.
     """
     check_locations(source, cache_dir)  # before listing the source
     if isinstance(source, str):
@@ -35,7 +37,8 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
     elif storage_options:
         raise ConfigError("storage_options is for a source given as a URL; pass the options "
                           "to the source object")
-    cache = SampleCache(source, cache_dir, capacity, name=name, fingerprint=fingerprint)
+    cache = SampleCache(source, cache_dir, capacity, name=name, fingerprint=fingerprint,
+                        segment_size=segment_size)
     sizes = cache.record_sizes()
     fits = int(np.searchsorted(np.cumsum(sizes), cache.plan_capacity(writers=1), "right"))
     todo = [i for i in range(fits) if i not in cache.store()]
