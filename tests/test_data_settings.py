@@ -159,7 +159,8 @@ def test_capacity_below_the_minimum(tmp_path: Path) -> None:
     # the finding: segments hold 4 of the largest sample, and only a segment_size given
     # already was said to matter
     with pytest.raises(ConfigError, match=r"20.0 MiB \(40 segments of 512.0 KiB\); raise the "
-                       r"capacity, or .*segment_size=...\) \(down to 390.8 KiB, 4 of the largest"):
+                       r"capacity, or .*segment_size=...\) or `lcache warm --segment-size` "
+                       r"\(down to 390.8 KiB, 4 of the largest"):
         CachedDataset([b"x" * 100_000] * 30, cache, "2MiB")
     # the finding: a server without Content-Length lists 0 bytes; half of it was "1 B"
     (tmp_path / "empty").mkdir()
@@ -367,3 +368,29 @@ def test_a_new_capacity_keeps_the_cache_and_a_new_segment_size_is_a_config_error
     assert not os.path.exists(staging), os.listdir(staging)
     again = CachedDataset(str(src), tmp_path / "c", "64MiB")  # the lock was let go
     assert again[3] == data
+
+
+def test_a_plan_that_holds_much_less_than_the_capacity_is_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (newcomer helper 84): a 40% cache of a small dataset planned 30% of it and
+    hit 0.29, with no sign of why; the store's own room is now named when it takes a fifth
+    of what the capacity would hold."""
+    (tmp_path / "src").mkdir()
+    for i in range(400):
+        (tmp_path / "src" / f"{i:03d}.bin").write_bytes(bytes([i % 256]) * 10_000)
+    for capacity, workers, said in (("40%", 8, True), ("100%", 2, False)):
+        caplog.clear()
+        ds = CachedDataset(str(tmp_path / "src"), tmp_path / capacity[:-1], capacity,
+                           segment_size="32KiB")
+        try:
+            with caplog.at_level("WARNING", logger="lcache"):
+                sampler = SeedAwareSampler(ds, loader_workers=workers)
+            planned = sampler.plan_capacity / int(ds.cache.record_sizes().sum())
+            warned = [r.getMessage() for r in caplog.records if "the plan can keep" in
+                      r.getMessage()]
+            assert bool(warned) == said, (capacity, planned, warned)
+            if said:
+                assert f"({100 * planned:.0f}% of the dataset, where the capacity is 40%)" in \
+                    warned[0] and "a segment of 32.0 KiB for each of 9 writers" in warned[0]
+        finally:
+            ds.cache.close()

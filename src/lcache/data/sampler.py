@@ -9,6 +9,7 @@ iterates, a prefetcher in this process fetches the rank's upcoming misses.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,9 @@ from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_r
 from lcache.data.plan import PlanResult, belady
 from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
+from lcache.store import format_size
+
+log = logging.getLogger("lcache")
 
 #: The largest epoch: a larger one is a step number given as the epoch.
 MAX_EPOCH = 100_000
@@ -126,6 +130,8 @@ class SeedAwareSampler:
         self.prefetch_bytes = prefetch_bytes
         writers = len(self.node_ranks) * (1 + max(0, loader_workers))
         self.plan_capacity = self.cache.plan_capacity(writers=writers)
+        if self.rank == self.node_ranks.start:
+            self._say_what_the_plan_holds(writers)
         self.epoch = 0
         self._start = 0
         self._yielded = 0
@@ -133,6 +139,25 @@ class SeedAwareSampler:
         self._plans: dict[int, PlanResult] = {}
         self._plan_lock = threading.Lock()
         self._ahead: threading.Thread | None = None
+
+    def _say_what_the_plan_holds(self, writers: int) -> None:
+        """Warn when the plan can keep a fifth or more less of the dataset than the capacity
+        would hold: the store's own room (an active segment per writer, a spare one, the
+        index and any staging on the SSD) weighs on a small cache, and its hit ratio falls
+        below the capacity's share of the dataset with no other sign."""
+        cache = self.cache
+        data = int(cache.record_sizes().sum())
+        asked, planned = min(cache.capacity, data), min(self.plan_capacity, data)
+        if data and planned < 0.8 * asked:
+            log.warning(
+                "lcache: the plan can keep %s of the cache's %s (%.0f%% of the dataset, where "
+                "the capacity is %.0f%%): the rest is the store's own room (a segment of %s "
+                "for each of %d writers, the node's ranks x (1 + loader_workers), one spare, the "
+                "index%s). A larger capacity, a smaller segment_size or fewer "
+                "loader_workers leave the plan more", format_size(planned),
+                format_size(cache.capacity), 100 * planned / data, 100 * asked / data,
+                format_size(cache.segment_size), writers,
+                ", staging" if cache.main_capacity < cache.capacity else "")
 
     def _shard_window(self, window: int) -> ShardWindow:
         shards = getattr(self.cache.source, "shards", None)
