@@ -44,6 +44,8 @@ COPIES = """\
 7 1700000000.000300 sendfile(4</d/out>, 3</d/in>, NULL, 100) = 100 <0.000020>
 7 1700000000.000400 copy_file_range(3</d/in>, [4096] => [4196], 5</d/c>, NULL, 100, 0) = 100 \
 <0.000030>
+7 1700000000.000450 copy_file_range(3</d/in>, NULL, 5</d/c>, NULL, 9223372035781033984, 0) = 3 \
+<0.000030>
 7 1700000000.000500 splice(3</d/in>, [8], 6<pipe:[99]>, NULL, 16, 0) = 16 <0.000001>
 7 1700000000.000600 mmap(NULL, 8192, PROT_READ, MAP_SHARED, 3</d/in>, 0x1000) = 0x7f00 <0.000001>
 7 1700000000.000700 mmap(NULL, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0) \
@@ -62,6 +64,9 @@ def test_copies_between_fds_and_file_mappings() -> None:
         ("write", "/d/out", 65536, 100, 100, "sendfile"),
         ("read", "/d/in", 4096, 100, 100, "copy_file_range"),
         ("write", "/d/c", -1, 100, 100, "copy_file_range"),
+        # GNU cp 9 asks for SSIZE_MAX - 1 GiB ("all of it"): the size is what moved
+        ("read", "/d/in", -1, 3, 3, "copy_file_range"),
+        ("write", "/d/c", -1, 3, 3, "copy_file_range"),
         ("read", "/d/in", 8, 16, 16, "splice"),  # the pipe side is not storage
         ("mmap", "/d/in", 4096, 8192, 0, "mmap"),  # mapped; the faults' bytes unseen
     ]

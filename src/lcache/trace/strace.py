@@ -211,8 +211,10 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
             i_in, i_off_in, i_out, i_off_out = _COPIES[name]
             i_count = 3 if name.startswith("sendfile") else 4
             count_m = _INT.match(parts[i_count]) if i_count < len(parts) else None
-            count = int(count_m[0]) if count_m else max(ret, 0)
             moved = max(ret, 0)
+            count = int(count_m[0]) if count_m else moved
+            if not 0 <= count < 1 << 62:  # cp asks copy_file_range for "all" (SSIZE_MAX)
+                count = moved
             for op, i, i_off in (("read", i_in, i_off_in), ("write", i_out, i_off_out)):
                 fd_arg = _fd_arg(parts[i]) if i < len(parts) else None
                 if fd_arg is None:
