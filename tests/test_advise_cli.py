@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 import lcache.trace
@@ -47,6 +48,22 @@ def test_json_emit_and_page(trace: Path, tmp_path: Path) -> None:
     assert page.index("<h2>Advice</h2>") < page.index("<h2>Per class</h2>")
     assert "run&lt;b&gt;&amp;.trace" in page and "run<b>" not in page
     assert "http://" not in page.replace("http://www.w3.org", "")
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r", "\u2028", "\x85"])
+def test_a_trace_name_cannot_write_keys_into_the_workload(trace: Path, tmp_path: Path,
+                                                          newline: str) -> None:
+    """The finding (attack helper 83): the trace's name went into the YAML's first comment
+    as it was, and a line break in it made the rest a key: the bench then wrote its output
+    where the name said."""
+    named = tmp_path / f"inj{newline}output: {{folder: INJECTED}}{newline}#.trace"
+    named.write_bytes(trace.read_bytes())
+    run = run_lcache("advise", str(named), "--emit", "w.yaml", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    text = (tmp_path / "w.yaml").read_text()
+    assert "INJECTED" in text.splitlines()[0]  # named, escaped, in the comment
+    assert "output" not in yaml.safe_load(text)
+    load_workload(str(tmp_path / "w.yaml"))
 
 
 def test_emit_and_page_replace_only_what_advise_wrote(trace: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from lcache.bench import parse_workload
+from lcache.checks import shown
 
 
 def workload(fitted: dict[str, Any], name: str = "advised") -> tuple[dict[str, Any], list[str]]:
@@ -124,9 +125,10 @@ def is_workload_yaml(head: bytes) -> bool:
 
 
 def to_yaml(doc: dict[str, Any], notes: list[str], source: str) -> str:
-    """The workload as a DLIO YAML file, its notes as comments."""
-    head = [f"{YAML_HEAD} from {source}",
+    """The workload as a DLIO YAML file, its notes as comments (line breaks in them
+    escaped: a trace named "x\noutput: {folder: y}" made that a key of the workload)."""
+    head = [f"{YAML_HEAD} from {shown(source)}",
             "# run: lcache bench run THIS.yaml --data-dir DIR (or DLIO: workload=THIS)"]
-    head += [f"# note: {n}" for n in notes]
+    head += [f"# note: {shown(n)}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(doc, sort_keys=False)
 
