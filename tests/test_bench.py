@@ -511,6 +511,13 @@ def test_cli_run_json_and_errors(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "unet3d_h100" in {r["name"] for r in json.loads(res.output)}
     res = CliRunner().invoke(cli, ["bench", "run", str(path)])
     assert res.exit_code == 0 and "verdict:" in res.output
+    # Regression (attack helper 83): the summary's path was read as markup ("o[/]x" was a
+    # MarkupError traceback after the run, "b[bold]x" printed as "bx")
+    for name in ("o[/]x", "b[bold]x"):
+        res = CliRunner().invoke(cli, ["bench", "run", str(path), "--output",
+                                       str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        assert f"summary: {tmp_path / name / 'summary.json'}" in res.output
 
 
 def test_trace_records_the_runs_io(tmp_path: Path) -> None:

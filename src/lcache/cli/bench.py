@@ -69,8 +69,9 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
         console.print(_RATES, highlight=False)
     for note in summary.get("notes", []):
         console.print(f"[dim]note: {printable(note)}[/]", highlight=False)
-    console.print(f"summary: {os.path.join(summary['output_folder'], 'summary.json')}",
-                  highlight=False)
+    summary_path = os.path.join(summary["output_folder"], "summary.json")
+    console.print(f"summary: {printable(summary_path)}", highlight=False,
+                  soft_wrap=True)  # one line to copy, however long the path
     met = "NOT MET" not in summary["verdict"]
     console.print(f"[bold {'green' if met else 'red'}]verdict:[/] "
                   f"{printable(summary['verdict'])}",

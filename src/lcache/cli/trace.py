@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -169,7 +170,8 @@ def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool,
     else:
         click.echo(f"lcache trace: {result['trace']} ({result['seconds']:.1f} s, "
                    f"{result['samples']} samples, {result['syscall_events']} syscall events); "
-                   f"view it with: lcache report {output} -o report.html", err=True)
+                   f"view it with: lcache report {shlex.quote(output)} -o report.html",
+                   err=True)
     sys.exit(result["exit_code"])
 
 
