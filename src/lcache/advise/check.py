@@ -16,6 +16,7 @@ from typing import Any
 
 from lcache.bench import BenchOptions, parse_workload, run_workload
 from lcache.errors import ConfigError, LCacheError
+from lcache.terminate import UnwindOnTerminate
 
 
 def check_storage(storage: str) -> None:
@@ -32,77 +33,40 @@ def check_storage(storage: str) -> None:
                           "storage to check (it is never created)")
 
 
-class _Terminated(BaseException):
-    """A SIGTERM or SIGHUP taken while the check ran (a BaseException, as KeyboardInterrupt
-    is: nothing on the way out takes it for an error to handle)."""
-
-
 @contextlib.contextmanager
 def _check_folder(storage: str) -> Iterator[str]:
     """A new folder ``storage/lcache-check-XXXXXXXX``, removed when the block ends, however it
-    ends. SIGTERM (`timeout`, a batch scheduler) and SIGHUP killed the process without
-    running any ``finally``, and the folder (100 MiB of generated data) was left in storage:
-    while the block runs, such a signal that would kill the process (its handler is the
-    default) raises instead; once the folder is removed, the handlers are restored and the
-    process is killed by that signal, as it would have been (exit status 143 for SIGTERM).
-    Handlers the program set are left alone, and so is a check outside the main thread
-    (where Python runs no handler).
+    ends: SIGTERM and SIGHUP unwind the block first (``UnwindOnTerminate``; they left 100 MiB
+    of generated data in storage), and a signal or a Ctrl-C during the removal waits for it.
 
     Raises:
         ConfigError: the folder cannot be made in ``storage``.
     """
-    owner = os.getpid()
-    taken: list[int] = []
-    removing = False
-
-    def handler(signum: int, _frame: Any) -> None:
-        if os.getpid() != owner:  # a child forked inside: it dies as it would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if not taken:
-            taken.append(signum)
-            if not removing:  # the removal itself is never cut short
-                raise _Terminated(signum)
-
-    old = {}
     work = ""
-    try:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                if signal.getsignal(sig) is signal.SIG_DFL:
-                    old[sig] = signal.signal(sig, handler)
+    with UnwindOnTerminate() as term:
         try:
-            work = tempfile.mkdtemp(prefix="lcache-check-", dir=storage)
-        except OSError as exc:
-            raise ConfigError(f"storage {storage} cannot hold files ({exc.strerror}); give a "
-                              "directory on the storage to check") from None
-        yield work
-    except _Terminated:
-        pass  # acted on below, once the folder is gone
-    finally:
-        removing = True
-        # a second Ctrl-C cut the removal short and left the folder (and the handlers):
-        # while it runs, Ctrl-C is only noted, and raised once it is done
-        interrupted: list[int] = []
-        main = threading.current_thread() is threading.main_thread()
-        previous_int = signal.signal(signal.SIGINT, lambda s, f: interrupted.append(s)) \
-            if main else None
-        try:
-            if work:
-                shutil.rmtree(work, ignore_errors=True)
-            for sig, previous in old.items():
-                signal.signal(sig, previous)
+            try:
+                work = tempfile.mkdtemp(prefix="lcache-check-", dir=storage)
+            except OSError as exc:
+                raise ConfigError(f"storage {storage} cannot hold files ({exc.strerror}); "
+                                  "give a directory on the storage to check") from None
+            yield work
         finally:
-            if previous_int is not None:
-                signal.signal(signal.SIGINT, previous_int)
-        # also when the exception was swallowed on its way (raised in a finaliser) or
-        # replaced by another: the process goes as the signal said
-        if taken:
-            os.kill(os.getpid(), taken[0])
-            raise SystemExit(128 + taken[0])  # not reached: the default action kills
-        if interrupted:
-            raise KeyboardInterrupt
+            term.hold()  # the removal itself is never cut short
+            # a second Ctrl-C cut the removal short and left the folder (and the handlers):
+            # while it runs, Ctrl-C is only noted, and raised once it is done
+            interrupted: list[int] = []
+            main = threading.current_thread() is threading.main_thread()
+            previous_int = signal.signal(signal.SIGINT, lambda s, f: interrupted.append(s)) \
+                if main else None
+            try:
+                if work:
+                    shutil.rmtree(work, ignore_errors=True)
+            finally:
+                if previous_int is not None:
+                    signal.signal(signal.SIGINT, previous_int)
+            if interrupted and not term.taken:
+                raise KeyboardInterrupt
 
 
 def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_stall: float,

@@ -25,6 +25,7 @@ from lcache.cli.trace import report_cmd, trace_cmd
 from lcache.errors import ConfigError, CorruptionError, LCacheError
 from lcache.store import Store, format_size, fsck, parse_size
 from lcache.store.counters import read_totals
+from lcache.terminate import UnwindOnTerminate
 
 console = Console()
 err_console = Console(stderr=True)
@@ -315,10 +316,11 @@ def demo(directory: str | None, samples: int, sample_size: str, cache_fraction: 
     progress = (lambda s: None) if as_json else \
         (lambda s: err_console.print(f"[dim]{printable(s)}[/]", highlight=False,
                                      soft_wrap=True))
-    figures = run_training_demo(
-        directory, samples=samples, sample_bytes=parse_size(sample_size),
-        cache_fraction=cache_fraction, epochs=epochs, latency=latency,
-        bandwidth=parse_size(bandwidth), workers=workers, progress=progress)
+    with UnwindOnTerminate():  # `timeout` left its folders and DataLoader workers behind
+        figures = run_training_demo(
+            directory, samples=samples, sample_bytes=parse_size(sample_size),
+            cache_fraction=cache_fraction, epochs=epochs, latency=latency,
+            bandwidth=parse_size(bandwidth), workers=workers, progress=progress)
     if as_json:
         _emit_json(figures)
         return
@@ -348,7 +350,8 @@ def store_demo(directory: str | None, samples: int, sample_size: str, as_json: b
     """Write, read, crash a writer with kill -9 and recover, printing figures."""
     from lcache.store_demo import run_store_demo
 
-    figures = run_store_demo(directory, samples, sample_size, show_progress=not as_json)
+    with UnwindOnTerminate():  # its temporary folder goes too
+        figures = run_store_demo(directory, samples, sample_size, show_progress=not as_json)
     if as_json:
         _emit_json(figures)
     else:
