@@ -254,6 +254,10 @@ def test_the_printed_workload_is_the_yaml_whatever_the_terminal_width(
     (("T", "--max-stall", "abc"), ["--max-stall", "not a number"]),
     (("T", "--scale-gpus", "0"), ["--scale-gpus"]),
     (("T", "--scale-gpus", "1e9"), ["--scale-gpus", "digits only"]),
+    # the model's own bound, said of the option (past it the model said "gpus ... give 1
+    # to 1,000,000", naming no option; attack helper 83)
+    (("T", "--scale-gpus", "2000000"), ["--scale-gpus 2000000 is out of range; give one in "
+                                        "1..1,000,000"]),
     (("T", "--ssd-capacity", "lots"), ["lots", "size"]),
     (("T", "--model", "llama9"), ["llama9"]),
     (("T", "--bogus"), ["--bogus"]),

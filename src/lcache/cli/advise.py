@@ -11,6 +11,7 @@ from rich.console import Console
 from lcache.checks import printable
 from lcache.cli.checks import STDOUT, check_outputs, check_replaceable, number, output_option
 from lcache.errors import ConfigError
+from lcache.model.config import MAX_COUNT
 from lcache.store.layout import parse_size
 
 console = Console()
@@ -44,7 +45,8 @@ class _OneLineErrors(click.Command):
               help="Run the emitted workload in DIR (an existing directory) and say per "
                    "class whether it keeps up.")
 @click.option("--check-epochs", default="1", show_default=True,
-              help="Epochs of the emitted workload that --storage runs.")
+              help="Epochs of the emitted workload that --storage runs (at most the "
+                   "traced run's).")
 @click.option("--hit-ratio", default="0.9", show_default=True,
               help="Target hit ratio of the sample cache.")
 @click.option("--max-stall", default="0.05", show_default=True,
@@ -88,7 +90,8 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
                 ssd_capacity_bytes=parse_size(ssd_capacity),
                 ssds=number(ssds, "--ssds", int, 1, 1024),
                 rated_dwpd=number(rated_dwpd, "--rated-dwpd", float, 0.001, 1000.0))
-    gpus = None if scale_gpus is None else number(scale_gpus, "--scale-gpus", int, 1, 1 << 24)
+    gpus = None if scale_gpus is None else \
+        number(scale_gpus, "--scale-gpus", int, 1, MAX_COUNT["gpus"])  # as lcache model
     check_outputs([("--json", STDOUT if as_json else None, "advice", True),
                    ("--emit", emit_path, "workload", True), ("-o", html_path, "page", False)],
                   traces)

@@ -26,7 +26,7 @@ DAY_S = 86_400.0
 
 # Fields that take a size: YAML and overrides may write "3.84TB" or "7GB" for them.
 #: the most each count may be (past these the figures mean nothing, and huge values overflow)
-_MAX_COUNT = {"gpus": 1_000_000, "global_batch": 1 << 30, "micro_batch": 1 << 20,
+MAX_COUNT = {"gpus": 1_000_000, "global_batch": 1 << 30, "micro_batch": 1 << 20,
               "tp": 1 << 16, "pp": 1 << 16, "gpus_per_node": 1024, "ssds_per_node": 1024,
               "retention": 1_000_000}
 
@@ -171,9 +171,9 @@ class TrainingConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-            if value > _MAX_COUNT[key]:
+            if value > MAX_COUNT[key]:
                 raise ConfigError(f"{key} {value:,} is out of range: give 1 to "
-                                  f"{_MAX_COUNT[key]:,}")
+                                  f"{MAX_COUNT[key]:,}")
         for key in ("ssd_capacity_bytes", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s",
                     "ssd_rated_dwpd", "restart_budget_s", "max_stall_fraction"):
             if not getattr(self, key) > 0:
