@@ -145,6 +145,10 @@ def test_capacity_for_a_hit_ratio(tmp_path: Path) -> None:
     assert cap["value"] == 40 * (512 << 10)
     assert cap["fraction_of_dataset"] == pytest.approx(40 * (512 << 10) / (40 * SAMPLE),
                                                        abs=1e-4)
+    # in units that show a small dataset (it said "0.003 GB" and "0.000 GB per epoch";
+    # newcomer helper 84)
+    assert f"= 21.0 MB ({cap['fraction_of_dataset']:.3f} x the 2.62 MB dataset)" in \
+        cap["arithmetic"] and "= 655.4 kB per epoch" in cap["arithmetic"], cap["arithmetic"]
 
 
 def test_checkpoints_and_interval(tmp_path: Path) -> None:

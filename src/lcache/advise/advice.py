@@ -16,6 +16,7 @@ from lcache.data.sizing import (
     choose_segment_size,
     plan_overhead,
 )
+from lcache.store.layout import format_decimal_size
 from lcache.store.record import HEADER_SIZE
 
 DAY_S = 86_400.0
@@ -32,10 +33,6 @@ class Targets:
     ssd_capacity_bytes: float = 3.84e12
     ssds: int = 8  # per node, as lcache model (a DGX H100's data drives)
     rated_dwpd: float = 1.0
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.3f} GB"
 
 
 def _loader_workers() -> int:
@@ -81,12 +78,13 @@ def cache_capacity(fitted: dict[str, Any], t: Targets) -> dict[str, Any]:
                            f"{workers} DataLoader workers) x {segment:,} B segments (capacity "
                            f"/ 512 down to a power of two in 64 KiB..64 MiB, at least 4 x the "
                            f"largest record {largest + HEADER_SIZE:,} B) + 16 B x {n:,} "
-                           f"samples + 64 KiB of index = {held:,} B; {total} = {_gb(cap)} "
-                           f"({cap / ds['bytes']:.3f} x the {_gb(ds['bytes'])} dataset); "
+                           f"samples + 64 KiB of index = {held:,} B; {total} = "
+                           f"{format_decimal_size(cap)} ({cap / ds['bytes']:.3f} x the "
+                           f"{format_decimal_size(ds['bytes'])} dataset); "
                            f"where /dev/shm cannot hold the prefetch staging area it is "
                            f"carved out of the capacity: {on_ssd:,} B; the source then sends "
                            f"(1 - {t.hit_ratio:g}) x dataset = "
-                           f"{_gb((1 - t.hit_ratio) * ds['bytes'])} per epoch")}
+                           f"{format_decimal_size((1 - t.hit_ratio) * ds['bytes'])} per epoch")}
 
 
 def readers(fitted: dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +135,9 @@ def checkpoint_interval(fitted: dict[str, Any], t: Targets) -> dict[str, Any]:
                f"{stall / (stall + k0 * steps['step_s']):.1%}")
     return {"topic": topic, "figure": "steps_between_checkpoints", "value": k,
             "seconds_between": round(k * steps["step_s"], 3),
-            "arithmetic": (f"a save of {_gb(ck['bytes_p50'])} at the measured persist "
-                           f"bandwidth {ck['persist_MBps']:,.1f} MB/s stalls {stall:.3f} s; "
+            "arithmetic": (f"a save of {format_decimal_size(ck['bytes_p50'])} at the measured "
+                           f"persist bandwidth {ck['persist_MBps']:,.1f} MB/s stalls "
+                           f"{stall:.3f} s; "
                            f"stall / (stall + k x {steps['step_s']:.4f} s) <= "
                            f"{t.max_stall:g} gives k >= {stall:.3f} x (1 - {t.max_stall:g}) / "
                            f"({t.max_stall:g} x {steps['step_s']:.4f}) = {k} steps{now}")}
@@ -162,7 +161,7 @@ def offload(fitted: dict[str, Any], scaled: dict[str, Any] | None,
         step = pred["step_time_s"]
         w = r = c["bytes_per_event"] / 2
         source = (f"lcache model {pred['model']} on {pred['gpus']} GPUs, per node: "
-                  f"{w / 1e9:,.2f} GB read and written back per step of {step:.2f} s")
+                  f"{format_decimal_size(w)} read and written back per step of {step:.2f} s")
     else:
         return {"topic": topic, "missing": "no offload traffic in the trace and no --model "
                 "to predict it from"}

@@ -16,6 +16,7 @@ from typing import Any
 
 from lcache.bench import BenchOptions, parse_workload, run_workload
 from lcache.errors import ConfigError, LCacheError
+from lcache.store.layout import format_decimal_size
 from lcache.terminate import UnwindOnTerminate
 
 
@@ -125,7 +126,7 @@ def run_check(doc: dict[str, Any], storage: str, fitted: dict[str, Any], max_sta
         classes["checkpoint"] = {
             "needed_MBps": round(need / 1e6, 3), "measured_MBps": round(have / 1e6, 3),
             "keeps_up": have >= need, "margin": _margin(have, need),
-            "arithmetic": (f"a {ck['bytes_p50'] / 1e9:,.3f} GB save every "
+            "arithmetic": (f"a {format_decimal_size(ck['bytes_p50'])} save every "
                            f"{ck['interval_steps']} steps of {steps['step_s']:.4f} s may stall "
                            f"{max_stall:g} of the time: {window:.3f} s, so "
                            f"{need / 1e6:,.1f} MB/s needed")}

@@ -14,7 +14,7 @@ from rich.table import Table
 from lcache.checks import printable
 from lcache.errors import ConfigError
 from lcache.model import PRESETS, config_from_preset, get_preset, load_model_file, predict
-from lcache.store.layout import parse_size
+from lcache.store.layout import format_decimal_size, parse_size
 
 console = Console()
 
@@ -56,11 +56,7 @@ def both_units(n: float) -> str:
     """``112.4 GB (104.7 GiB)``: decimal and binary, so nobody has to guess which."""
     if not n:
         return "0"
-    dec = bin_ = ""
-    for i, unit in enumerate(("B", "kB", "MB", "GB", "TB", "PB", "EB")):
-        if abs(n) < 1000 ** (i + 1) or unit == "EB":
-            dec = f"{_num(n / 1000**i)} {unit}" if i else f"{n:.0f} B"
-            break
+    dec, bin_ = format_decimal_size(n), ""
     for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")):
         if abs(n) < 1024 ** (i + 1) or unit == "EiB":
             bin_ = f"{_num(n / 1024**i)} {unit}" if i else f"{n:.0f} B"

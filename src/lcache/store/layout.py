@@ -99,6 +99,17 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_decimal_size(n: float) -> str:
+    """``n`` bytes in decimal units (kB, MB, GB...), 3 significant digits or more: the
+    units of bandwidth and of the figures advice computes with."""
+    for i, unit in enumerate(("B", "kB", "MB", "GB", "TB", "PB", "EB")):
+        if abs(n) < 1000 ** (i + 1) or unit == "EB":
+            x = n / 1000**i
+            return f"{n:.0f} B" if not i else \
+                f"{x:.2f} {unit}" if abs(x) < 10 else f"{x:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def index_floor(capacity: int) -> int:
     """Bytes on disk of a new store's indexes and delete journal: the int index's header
     page, the first hash table (sized from the capacity), the journal's first block."""
