@@ -126,6 +126,8 @@ def test_stats_of_a_warmed_cache_counts_demand_misses_and_says_no_reads_yet(
     assert table.returncode == 0, table.stderr
     assert "None" not in table.stdout and "no reads yet" in table.stdout
     assert "demand_misses" in table.stdout
+    # the ratio counts every epoch and warm's fetches: said so (newcomer helper 84)
+    assert "hit_ratio (all time)" in table.stdout
     doc = json.loads(run("stats", cache, "--json").stdout)
     assert doc["hit_ratio"] is None and doc["counters"]["demand_misses"] == 0
     assert doc["counters"]["fetches"] == 4

@@ -197,7 +197,8 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
         _emit_json(doc)
         return
     head = {"source": doc["source"], "samples": doc["samples"],
-            "hit_ratio": "no reads yet" if doc["hit_ratio"] is None else doc["hit_ratio"],
+            "hit_ratio (all time)": "no reads yet" if doc["hit_ratio"] is None
+            else doc["hit_ratio"],
             "capacity": store["capacity"], "bytes_on_disk": store["bytes_on_disk"],
             "cached samples": store["live_keys"]}
     console.print(_table(f"lcache sample cache {directory}", head))
