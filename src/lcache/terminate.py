@@ -8,6 +8,7 @@ workers ran on for a minute, waiting on the server that had died with it.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import signal
@@ -59,11 +60,15 @@ class UnwindOnTerminate:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
-        if self.taken and tb is not None:
-            # what the unwound frames still hold (a DataLoader's iterator, whose workers
-            # only stop when it is collected) goes now, not with the process
-            traceback.clear_frames(tb)
-            gc.collect()
+        if self.taken:
+            if tb is not None:
+                # what the unwound frames still hold (a DataLoader's iterator, whose workers
+                # only stop when it is collected) goes now, not with the process
+                traceback.clear_frames(tb)
+                gc.collect()
+            # what a normal exit runs (multiprocessing's temporary folders, the trace's
+            # last events), which dying of the signal would skip
+            atexit._run_exitfuncs()
         for sig, previous in self._old.items():
             signal.signal(sig, previous)
         # also when the exception was swallowed on its way (raised in a finaliser) or
