@@ -6,7 +6,8 @@ Each rank saves its own state (async, then a second save that waits for the firs
 back and checks them bit for bit; a third save that fails on rank 1 must fail on both ranks
 and publish nothing; a fourth succeeds and keep_last=2 retires the first; a fifth is polled
 with done() alone (no wait()) and must be the newest visible checkpoint once done() is True; a
-sixth with bad meta on rank 1 fails on both.
+sixth with bad meta on rank 1 fails on both; a seventh to another path on each rank, and an
+eighth with an option only rank 1 gets wrong, fail on both; a ninth is published.
 Rank R writes ``ROOT/../rank{R}.json`` with what it saw, and at exit ``ROOT/../rank{R}.exit``
 with whether lcache still held its process groups (it must not: gloo aborts the process when a
 group is torn down with the interpreter).
@@ -106,6 +107,26 @@ def main() -> None:
         report["sixth"] = "published"
     except Exception as exc:  # the test checks which error each rank saw
         report["sixth"] = f"{type(exc).__name__}: {exc}"
+
+    # ranks that save to different checkpoints (a rank that skipped a save is one save
+    # ahead): both fail, nothing is published (a mixed checkpoint was; attack helper 85)
+    other = ck.Checkpointer()  # no retention: step-4 stays for the test's checks
+    seventh = other.async_save(rank_state(rank, 7),
+                               os.path.join(root, "step-7" if rank == 0 else "step-8"))
+    # an option only rank 1 gets wrong: it fails at once there, and votes (rank 0 waited
+    # for it 30 minutes)
+    eighth = other.async_save(rank_state(rank, 8), os.path.join(root, "step-8"),
+                              **({"keep_lst": 2} if rank == 1 else {}))
+    for name, handle in (("seventh", seventh), ("eighth", eighth)):
+        try:
+            handle.wait(timeout=60)
+            report[name] = "published"
+        except Exception as exc:  # the test checks which error each rank saw
+            report[name] = f"{type(exc).__name__}: {exc}"
+    other.save(rank_state(rank, 9), os.path.join(root, "step-9"))  # in step again
+    other.close()
+    dist.barrier()
+    report["listed_at_the_end"] = [c.name for c in ck.list_checkpoints(root)[0]]
     with open(os.path.join(os.path.dirname(root), f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     saver.close()

@@ -49,6 +49,13 @@ def test_two_ranks_save_and_load(tmp_path: Path) -> None:
     assert reports[1]["sixth"].startswith("ConfigError: meta"), reports[1]
     assert reports[0]["sixth"].startswith("CheckpointFailedError"), reports[0]
     assert not (root / "step-6").exists()
+    for r in (0, 1):
+        assert reports[r]["seventh"].startswith("CheckpointFailedError") and \
+            "the ranks saved to different checkpoints" in reports[r]["seventh"], reports[r]
+    assert reports[1]["eighth"].startswith("ConfigError: unknown checkpoint option"), reports[1]
+    assert reports[0]["eighth"].startswith("CheckpointFailedError") and \
+        "rank 1: ConfigError" in reports[0]["eighth"], reports[0]
+    assert reports[0]["listed_at_the_end"] == ["step-4", "step-5", "step-9"], reports[0]
     assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["released"] * 2
 
     body = ck.read_manifest(root / "step-4")
@@ -100,3 +107,21 @@ def test_kill_minus_9_of_every_rank_after_done_keeps_that_checkpoint(tmp_path: P
         step = int(info.name.split("-")[1])
         for rank in (0, 1):
             assert_state_equal(ck.load(info.path, rank=rank), rank_state(step, rank, elements))
+
+
+def test_the_vote_group_keeps_the_jobs_timeout(tmp_path: Path) -> None:
+    """The finding (attack helper 85): the checkpoints' own gloo group was made without a
+    timeout, so a rank waited torch's 30 minutes for one that had failed on its own, whatever
+    init_process_group(timeout=) said."""
+    code = (
+        "import datetime, sys, torch.distributed as dist\n"
+        "from lcache.checkpoint import dist as ck_dist\n"
+        "dist.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0,\n"
+        "                        world_size=1, timeout=datetime.timedelta(seconds=7))\n"
+        "print(ck_dist._timeout_of(ck_dist.vote_group()).total_seconds())\n"
+        "ck_dist._forget_group()\n"
+        "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "init")],
+                          capture_output=True, text=True, timeout=120, env=gloo_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["7.0"]

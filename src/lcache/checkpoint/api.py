@@ -209,18 +209,26 @@ class CheckpointHandle:
         are (or discards the staging directory) and tells the others."""
         mine = {"ok": self._error is None, "shard": self._shard,
                 "error": None if self._error is None else
-                f"{type(self._error).__name__}: {self._error}"}
+                f"{type(self._error).__name__}: {self._error}",
+                "path": os.path.join(os.path.realpath(self.root), self.name)}
         try:
             with turns.turn(ticket):
                 everyone = all_gather(mine, group, self.world)
                 failed = [f"rank {r}: {v['error']}" for r, v in enumerate(everyone) if not v["ok"]]
+                if not failed:
+                    failed = _other_paths(everyone)
                 outcome: dict[str, Any] = {"ok": not failed, "error": "; ".join(failed)}
                 if self.rank == 0:
                     outcome = self._publish_for_all(everyone, outcome)
                 outcome = broadcast(outcome, group, self.rank)
-        except Exception as exc:  # a rank died or timed out mid-vote: nothing is published
+        except Exception as exc:  # a rank died or timed out mid-vote
+            # rank 0 may have published before the others could hear it (the telling failed)
+            said = "it is published, but not every rank could hear it" \
+                if self.state is CkptState.PUBLISHED else \
+                "it is published only if rank 0 published it before the vote failed " \
+                "(lcache ckpt ls tells)" if self.rank else "nothing was published"
             raise CheckpointFailedError(f"checkpoint {self.path}: the ranks could not vote "
-                                        f"on it ({type(exc).__name__}: {exc})") from exc
+                                        f"on it ({type(exc).__name__}: {exc}); {said}") from exc
         if not outcome["ok"]:
             raise CheckpointFailedError(f"checkpoint {self.path} was not published: "
                                         f"{outcome['error']}")
@@ -255,6 +263,18 @@ class CheckpointHandle:
 
             self.uploaded_to = upload_checkpoint(self.path, url,
                                                  self._options.get("storage_options"))
+
+
+def _other_paths(everyone: list[dict[str, Any]]) -> list[str]:
+    """Why the ranks' shards are not one checkpoint: each rank saved to its own path (a rank
+    that skipped a save votes on its next one beside the others' previous: published, the
+    checkpoint mixed two steps, or missed a rank's shard)."""
+    paths = [v["path"] for v in everyone]
+    if len(set(paths)) == 1:
+        return []
+    shown = ", ".join(f"rank {r} {p}" for r, p in enumerate(paths) if p != paths[0])
+    return [f"the ranks saved to different checkpoints (rank 0 {paths[0]}, {shown}): every "
+            "rank must save the same path, in the same order"]
 
 
 def _append_streamed(path: str, snap: Snapshot) -> None:
@@ -330,19 +350,27 @@ class Checkpointer:
         ``wait()`` raises the error (``CheckpointFailedError`` on the other ranks).
         """
         t0 = time.perf_counter()
-        unknown = set(overrides) - set(self._defaults)
-        if unknown:
-            raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
-                              f"known: {sorted(self._defaults)}")
-        options = _checked({**self._defaults, **overrides})
-        root, name = dirs.split_path(path)
         rank, world = rank_and_world()
         if getattr(_persisting, "active", False):
             raise ConfigError("a checkpoint cannot be saved from a save's own background "
                               "thread (a handler of its log record?): it would wait for "
                               "itself; save from another thread")
+        refused: ConfigError | None = None
+        try:
+            unknown = set(overrides) - set(self._defaults)
+            if unknown:
+                raise ConfigError(f"unknown checkpoint option(s) {sorted(unknown)}; "
+                                  f"known: {sorted(self._defaults)}")
+            options = _checked({**self._defaults, **overrides})
+            root, name = dirs.split_path(path)
+        except ConfigError as exc:
+            if world == 1:
+                raise
+            # Multi-rank: the other ranks wait for this rank's vote (they waited 30 minutes
+            # for a rank that raised here): it votes, failing, and every rank learns why.
+            refused, options, root, name = exc, dict(self._defaults), "", f"{path!r:.200}"
         with self._lock():
-            return self._start(state, root, name, rank, world, options, meta, t0)
+            return self._start(state, root, name, rank, world, options, meta, t0, refused)
 
     def _lock(self) -> threading.RLock:
         """The turn lock, made anew in a forked child: another thread of the parent may
@@ -352,8 +380,8 @@ class Checkpointer:
         return self._turn
 
     def _start(self, state: Any, root: str, name: str, rank: int, world: int,
-               options: dict[str, Any], meta: dict[str, Any] | None, t0: float
-               ) -> CheckpointHandle:
+               options: dict[str, Any], meta: dict[str, Any] | None, t0: float,
+               refused: ConfigError | None = None) -> CheckpointHandle:
         self.wait_pending()
         # every rank reaches this point in the same order: the place for the one collective
         # that makes the vote group, and for the ticket that orders the votes
@@ -363,6 +391,8 @@ class Checkpointer:
         self._pending = handle
         snap: Snapshot | None = None
         try:
+            if refused is not None:  # a rank of a multi-rank save that cannot take part
+                raise refused
             handle._meta = check_meta(meta)  # in the try: a rank with bad meta fails the vote
             dirs.ensure_root(root)
             if rank == 0:

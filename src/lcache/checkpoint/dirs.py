@@ -23,7 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lcache.checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
+from lcache.checkpoint.errors import (
+    CheckpointExistsError,
+    CheckpointFailedError,
+    CheckpointNotFoundError,
+    ConfigError,
+)
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_ORDER, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
@@ -219,8 +224,18 @@ def clean_leftovers(root: str, keep: str | None = None) -> list[str]:
 
 
 def publish(stage: str, root: str, name: str, manifest: bytes, expected: set[str]) -> str:
-    """Make the staged checkpoint visible as ``root/name``; returns that path."""
-    for entry in os.listdir(stage):  # stale files of an earlier, interrupted save
+    """Make the staged checkpoint visible as ``root/name``; returns that path.
+
+    Raises:
+        CheckpointFailedError: a data file ``expected`` is not in the stage (a rank wrote
+            its shard elsewhere): published, the checkpoint would miss it.
+    """
+    entries = os.listdir(stage)
+    missing = sorted(expected - set(entries))
+    if missing:
+        raise CheckpointFailedError(f"{stage} lacks {', '.join(missing)}: a rank's shard is "
+                                    "not there; the checkpoint was not published")
+    for entry in entries:  # stale files of an earlier, interrupted save
         if entry not in expected:
             os.unlink(os.path.join(stage, entry))
     atomic_write(os.path.join(stage, MANIFEST), manifest, io_class=IO_CLASS)  # dir synced too

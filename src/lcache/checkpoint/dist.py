@@ -54,8 +54,22 @@ def vote_group() -> Any:
         if _group is None or _group[0] is not world:
             if _group is None:
                 atexit.register(_forget_group)
-            _group = (world, dist.new_group(backend="gloo"))
+            _group = (world, dist.new_group(backend="gloo", timeout=_timeout_of(world)))
         return _group[1]
+
+
+def _timeout_of(group: Any) -> Any:
+    """The timeout ``group`` was made with (``init_process_group(timeout=)``), or None for
+    torch's default: without it the vote group waited torch's 30 minutes for a rank that had
+    failed on its own, whatever the job's timeout."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no such backend on the group, or torch's private API moved
+            continue
+    return None
 
 
 def _forget_group() -> None:
