@@ -107,3 +107,19 @@ def test_resume_from_a_state_taken_after_an_epoch_ran_out(data: Path, tmp_path: 
             ds.cache.close()
             del ds, sampler, loader
             gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_an_ended_state_without_set_epoch_gives_nothing_once(data: Path, tmp_path: Path) -> None:
+    """The finding (attack helper 85): once an ended epoch's state was loaded, a loader whose
+    loop never calls set_epoch (an evaluation pass) got nothing on every later pass; the
+    first pass after it is empty, and the next ones are the epoch, as before."""
+    ds, sampler, loader = build(data, tmp_path / "cache", 0)
+    try:
+        assert len([x for b in loader for x in b]) == N
+        state = sampler.state_dict()
+        sampler.load_state_dict(state)
+        passes = [[sample_index(x, SIZE) for b in loader for x in b] for _ in range(3)]
+        assert passes == [[], sampler.order(0).tolist(), sampler.order(0).tolist()]
+    finally:
+        ds.cache.close()

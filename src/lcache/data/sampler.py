@@ -135,7 +135,8 @@ class SeedAwareSampler:
         self.epoch = 0
         self._start = 0
         self._yielded = 0
-        self._asked: int | None = None  # the last set_epoch's, until a state is loaded
+        self._asked: int | None = None  # the last set_epoch's, until an iteration or a load
+        self._keep_finished = False
         self._plans: dict[int, PlanResult] = {}
         self._plan_lock = threading.Lock()
         self._ahead: threading.Thread | None = None
@@ -179,6 +180,8 @@ class SeedAwareSampler:
             raise ConfigError(f"{exc} (the epoch, not the step)") from None
         if epoch != self.epoch:  # a state_dict taken now is at the new epoch's start
             self._start = self._yielded = 0
+        # asked for by name, a finished epoch stays finished (see __iter__)
+        self._keep_finished = self._start == self.num_samples
         self.epoch = epoch
         self._asked = epoch
 
@@ -241,7 +244,12 @@ class SeedAwareSampler:
         self._plan_ahead(self.epoch + 1)
         keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
         start = self._start
-        if start < len(order):  # a finished epoch stays finished until set_epoch moves on
+        self._asked = None
+        # A resumed epoch that had ended gives nothing once, then starts again as any epoch
+        # does without set_epoch; asked for by set_epoch, it gives nothing until set_epoch
+        # moves on (StatefulDataLoader makes a second iterator after restoring an ended
+        # one, which then replayed the epoch the loop had resumed).
+        if start < len(order) or not self._keep_finished:
             self._start = 0
         self._yielded = start
         prefetcher = Prefetcher(self.cache, order, start, hits=hits,
@@ -304,6 +312,7 @@ class SeedAwareSampler:
                               f"(0..{self.num_samples})")
         epoch = whole_number(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
         asked, self._asked = self._asked, None
+        self._keep_finished = consumed == self.num_samples and asked == epoch
         if consumed == self.num_samples and asked is not None and asked > epoch:
             # The state of a finished epoch, loaded after set_epoch moved past it, as
             # StatefulDataLoader loads it (at iter()): the epoch asked for, from its start.
