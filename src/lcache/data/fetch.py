@@ -45,10 +45,10 @@ class Request:
     size: int | None = None  # a whole object's listed size
 
     def asked(self) -> tuple[int | None, int | None]:
-        """The range to ask for: a whole object of a known size up to one byte past it. An
-        empty one is asked whole (its length still checked): a range of an empty object is
-        416 to S3 and nginx."""
-        if self.start is None and self.size:
+        """The range to ask for: a whole object of a known size up to one byte past it (an
+        empty one too: asked whole, one swapped for something endless was read until memory
+        ran out; a range of an empty object is 416, see ``fetch``)."""
+        if self.start is None and self.size is not None:
             return 0, self.size + 1
         return self.start, self.end
 
@@ -146,7 +146,16 @@ def fetch(remote: Remote, wants: Sequence[Want],
         datas = [_read_here(remote, wants, requests[0])]
     else:
         def job(r: Request) -> Callable[[], Awaitable[bytes]]:
-            return lambda: remote.cat(r.path, *r.asked(), lambda: _describe(remote, wants, r))
+            async def ask() -> bytes:
+                try:
+                    return await remote.cat(r.path, *r.asked(),
+                                            lambda: _describe(remote, wants, r))
+                except SourceError as exc:
+                    if r.start is None and r.size == 0 and _unsatisfiable(exc.__cause__):
+                        return b""  # bytes 0-0 of an object still empty: nothing to send
+                    raise
+
+            return ask
 
         datas = remote.run(lambda: remote.bounded(job(r) for r in requests))
     for req, data in zip(requests, datas, strict=True):
@@ -158,6 +167,16 @@ def fetch(remote: Remote, wants: Sequence[Want],
             check(w.index, piece)
         result.append(piece)
     return result
+
+
+def _unsatisfiable(exc: BaseException | None) -> bool:
+    """Whether a request failed as "range not satisfiable" (HTTP 416; S3's InvalidRange,
+    which s3fs raises as an OSError saying so)."""
+    if exc is None:
+        return False
+    text = str(exc).lower()
+    return getattr(exc, "status", None) == 416 or "not satisfiable" in text or \
+        "invalidrange" in text
 
 
 def _read_here(remote: Remote, wants: Sequence[Want], req: Request) -> bytes:
