@@ -69,6 +69,10 @@ def test_without_dir_the_report_goes_to_a_private_folder_it_names(tmp_path: Path
                                            "lcache-demo-summary.json",
                                            "lcache-demo.trace.gz"]
     assert f"I/O report of this run: {private / 'lcache-demo-report.html'}" in err
+    # its cache is closed: no staging area of it stays in /dev/shm (attack helper 85)
+    assert [d for d in Path("/dev/shm").glob("lcache-*")
+            if (d / "origin").is_file()
+            and str(tmp_path) in (d / "origin").read_text(errors="replace")] == []
 
 
 def test_without_dir_the_json_names_the_private_report(tmp_path: Path) -> None:
