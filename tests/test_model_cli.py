@@ -124,6 +124,12 @@ def test_model_name_reaches_the_terminal_escaped(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "\x1b" not in run.stdout, run.stdout[:300]
     assert "\\x1b[31mred [bold]x" in run.stdout.replace("\n", " "), run.stdout[:300]
+    # the GPU's name too: "h100[/]x" was a MarkupError traceback (attack helper 85)
+    path.write_text('preset: llama3-8b\ntraining: {gpu: "h100[/]x", peak_flops: 1.0e+15, '
+                    'hbm_bytes: 80000000000}\n')
+    run = run_lcache("model", "--model-file", str(path), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "h100[/]x" in run.stdout.replace("\n", " "), run.stdout[:300]
 
 
 def test_real_subprocess_json() -> None:

@@ -85,7 +85,7 @@ def _print_tables(doc: dict[str, Any]) -> None:
     cfg = doc["config"]
     mem = doc["memory"]
     name = printable(doc["model"])  # from a model file
-    head = Table(title=f"lcache model {name}: {doc['gpus']} x {cfg['gpu']} "
+    head = Table(title=f"lcache model {name}: {doc['gpus']} x {printable(cfg['gpu'])} "
                        f"({doc['nodes']} nodes), TP{cfg['tp']} PP{cfg['pp']} DP{doc['dp']} "
                        f"ZeRO-{cfg['zero_stage']}, MFU {cfg['mfu']:.0%}", show_header=False)
     head.add_column(style="bold")
