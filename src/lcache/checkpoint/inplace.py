@@ -112,9 +112,40 @@ def _same_place(a: Any, b: Any) -> bool:
                 and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
 
 
+def _host_view(dest: Any) -> np.ndarray | None:
+    """``dest``'s elements as a numpy array over the same memory (a CPU tensor's seen as
+    integers of its element size), or None where there is none."""
+    if isinstance(dest, np.ndarray):
+        return dest
+    try:
+        if dest.device.type != "cpu":
+            return None
+        import torch
+
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        view = dest.detach()
+        if view.element_size() in ints and view.dtype not in ints.values():
+            view = view.view(ints[view.element_size()])
+        return np.asarray(view.numpy())
+    except Exception:  # a dtype numpy has no view of (complex32, 16-byte ints)
+        return None
+
+
+def _collide(a: Any, b: Any) -> bool:
+    """Whether some element of ``a`` is some element of ``b`` in memory: exactly where both
+    are host arrays (views that interleave, as q, k and v split from one fused weight,
+    never collide), else whenever their extents meet."""
+    x, y = _host_view(a), _host_view(b)
+    if x is None or y is None:
+        return True
+    try:
+        return bool(np.shares_memory(x, y))
+    except Exception:  # numpy's TooHardError (strides it cannot solve): say they do
+        return True
+
+
 def _sharing(refs: list[ArrayRef], dests: list[Any]) -> list[str]:
-    """Why pairs of destinations cannot both be loaded: they share memory (found from their
-    extents: arrays that interleave without colliding are refused too), unless they are
+    """Why pairs of destinations cannot both be loaded: they share memory, unless they are
     one array and the checkpoint holds the same bytes for both (tied weights, saved twice).
     Loaded anyway, the last array written won where they overlap: another key's values."""
     spans = sorted(((span, j) for j, d in enumerate(dests) if (span := _span(d)) is not None),
@@ -124,11 +155,13 @@ def _sharing(refs: list[ArrayRef], dests: list[Any]) -> list[str]:
         for (device2, start2, _), k in spans[i + 1:]:
             if device2 != device or start2 >= end:
                 break
-            if not (_same_place(dests[j], dests[k]) and refs[j].xxh3 == refs[k].xxh3):
+            if _same_place(dests[j], dests[k]) and refs[j].xxh3 == refs[k].xxh3:
+                continue
+            if _collide(dests[j], dests[k]):
                 one, other = sorted((j, k))
                 why.append(f"{refs[one].key} and {refs[other].key}: like= holds arrays that "
-                           "share memory, and the checkpoint holds other values for them; "
-                           "give arrays of their own")
+                           "share memory (one would be written over the other); give arrays "
+                           "of their own")
     return why
 
 
