@@ -108,11 +108,12 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
     doc["layout"] = _digest(np.asarray(layout, "<u8").tobytes())
     if not getattr(source, "versioned", lambda: True)() and fingerprint is None:
         # With a fingerprint the user names the version; without, say what is at stake.
-        log.warning("lcache: %s gives no version finer than a whole second (an HTTP "
-                    "server with Last-Modified alone or nginx's default ETags, or files= "
-                    "with sizes): an object rewritten with the same size (in the second it "
-                    "was cached) cannot be told from the cached one; pass fingerprint= (a "
-                    "dataset version) to be safe", source.url)
+        log.warning("lcache: %s gives no version finer than a whole second, or none (an "
+                    "HTTP server with Last-Modified alone, nginx's default ETags, one with "
+                    "neither, or files= with sizes): an object rewritten with the same size "
+                    "(with any size, where no size is given either) cannot be told from the "
+                    "cached one; pass fingerprint= (a dataset version) to be safe",
+                    source.url)
     return Identity(doc, listing)
 
 
