@@ -26,6 +26,7 @@ from lcache.data.sizing import MIN_SEGMENTS, choose_segment_size
 from lcache.errors import ConfigError
 from lcache.store import format_size
 from lcache.store.record import HEADER_SIZE
+from lcache.terminate import let_go
 from lcache.testing.remote import ThrottledServer
 
 CLASSES = 10
@@ -238,6 +239,12 @@ def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction:
             try:
                 rows = _compare(cached, source, sample_bytes, capacity, epochs, workers,
                                 batch_size, seed, server, progress)
+            except BaseException as exc:
+                # the DataLoader workers stop while the server they fetch from still runs:
+                # else each waits out its fetch's retries and DataLoader's 5 s join, and a
+                # signal's exit could leave them running and their folders behind
+                let_go(exc.__traceback__)
+                raise
             finally:
                 # its staging area in /dev/shm (19 MB here) went only with the next cache
                 cached.cache.close()

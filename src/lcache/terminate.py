@@ -18,6 +18,14 @@ from types import FrameType, TracebackType
 from typing import Any
 
 
+def let_go(tb: TracebackType | None) -> None:
+    """Drop what the unwound frames of ``tb`` still hold, now rather than with the process:
+    a DataLoader's workers stop only when its iterator is collected."""
+    if tb is not None:
+        traceback.clear_frames(tb)
+        gc.collect()
+
+
 class Terminated(BaseException):
     """A SIGTERM or SIGHUP taken inside ``UnwindOnTerminate`` (a BaseException, as
     KeyboardInterrupt is: nothing on the way out takes it for an error to handle)."""
@@ -61,11 +69,7 @@ class UnwindOnTerminate:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         if self.taken:
-            if tb is not None:
-                # what the unwound frames still hold (a DataLoader's iterator, whose workers
-                # only stop when it is collected) goes now, not with the process
-                traceback.clear_frames(tb)
-                gc.collect()
+            let_go(tb)
             # what a normal exit runs (multiprocessing's temporary folders, the trace's
             # last events), which dying of the signal would skip
             atexit._run_exitfuncs()
