@@ -67,9 +67,16 @@ def test_object_deleted_after_listing(tmp_path: Path) -> None:
     assert isinstance(info.value, OSError)
     assert info.value.__cause__ is not None  # the original error is kept
     assert [ds[i] for i in (0, 1, 2, 4, 5)] == [files[i] for i in (0, 1, 2, 4, 5)]
-    victim.write_bytes(files[3])  # back: the failed fetch left no claim or entry behind
-    assert ds[3] == files[3]
-    assert ds.stats()["fetches"] == 6
+    assert ds.stats()["fetches"] == 5
+    # back, as a new file: not the one listed, until the source is opened again
+    victim.write_bytes(files[3])
+    with pytest.raises(SourceError, match="rewritten since the source was opened"):
+        ds[3]
+    ds.close()
+    ds = CachedDataset(str(data), tmp_path / "cache", CAPACITY)
+    assert ds[3] == files[3]  # the failed fetches left no claim or entry behind
+    assert [ds[i] for i in range(6)] == files
+    ds.close()
 
 
 def test_a_failed_prefetch_warns_once_naming_samples_of_its_group(
@@ -172,18 +179,21 @@ def test_an_empty_object_rewritten_after_listing_is_refused_not_cached(
         url = server.url + "/data/" if over_http else str(tmp_path / "data")
         ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
         (tmp_path / "data" / "a.bin").write_bytes(b"new" * 1000)
-        with pytest.raises(SourceError, match=r"a\.bin is now more than 0 bytes, 0 when it "
-                                              r"was listed"):
+        with pytest.raises(SourceError, match=r"a\.bin\): .*rewritten since the source was "
+                                              "opened"):
             ds[0]
         assert 0 not in ds.cache.store() and ds[1] == b"b" * 10
         if over_http:  # bounded: one byte asked (asked whole, a huge one was read to the end)
             sent = server.bytes_sent
             (tmp_path / "data" / "a.bin").write_bytes(bytes(64 << 20))
-            with pytest.raises(SourceError, match="more than 0 bytes"):
+            with pytest.raises(SourceError, match="rewritten since the source was opened"):
                 ds[0]
             assert server.bytes_sent - sent < 1 << 20
         (tmp_path / "data" / "a.bin").write_bytes(b"")
+        ds.close()
+        ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
         assert ds[0] == b""
+        ds.close()
 
 
 def test_local_object_swapped_for_an_endless_file_is_not_read_without_end(
@@ -207,6 +217,33 @@ def test_local_object_swapped_for_an_endless_file_is_not_read_without_end(
     assert "sample 1" in done.stdout and "is a character device, not a regular file" in done.stdout
 
 
+@pytest.mark.parametrize("over_http", [False, True])
+def test_ranges_of_a_file_rewritten_after_listing_are_refused_not_cached(
+        tmp_path: Path, over_http: bool) -> None:
+    """Attack helper 86: a token file regenerated at another size during a run had ranges
+    cut at the old offsets, mixing two new samples, cached and served again without error
+    (only each answer's length was checked). A same-size rewrite is refused too."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokens.bin").write_bytes(b"".join(bytes([i]) * 100 for i in range(40)))
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ThrottledServer(str(tmp_path), etags=True))
+        url = server.url + "/data/" if over_http else str(data)
+        src = RangeSource(url, "tokens.bin", range(0, 4000, 100), [100] * 40)
+        ds = CachedDataset(src, tmp_path / "cache", CAPACITY)
+        assert ds[0] == bytes([0]) * 100
+        (data / "tokens.bin").write_bytes(b"".join(bytes([i]) * 100 for i in range(50, 90))
+                                          + b"x" * 50)
+        with pytest.raises(SourceError, match=r"^cannot read sample 3 \(bytes 300-400 of .*"
+                                              r"now 4050 bytes, 4000 when it was listed"):
+            ds[3]
+        (data / "tokens.bin").write_bytes(b"".join(bytes([i]) * 100 for i in range(50, 90)))
+        with pytest.raises(SourceError, match="rewritten since the source was opened"):
+            ds[3]
+        assert 3 not in ds.cache.store() and ds[0] == bytes([0]) * 100
+        ds.close()
+
+
 def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(random.Random(1).randbytes(1000))
     with pytest.raises(SourceError) as info:  # a missing file is named up front
@@ -223,7 +260,7 @@ def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
     with pytest.raises(SourceError) as info:
         src.fetch(1)
     assert "sample 1" in str(info.value) and "a.bin" in str(info.value)
-    assert "ended after 50 of bytes 900-1000" in str(info.value)
+    assert "now 950 bytes, 1000 when it was listed" in str(info.value)
     (tmp_path / "a.bin").unlink()
     with pytest.raises(SourceError) as info:
         src.fetch(0)

@@ -238,6 +238,32 @@ def _s3_options(endpoint: str) -> dict[str, Any]:
     return {"endpoint_url": endpoint, "key": "x", "secret": "y"}
 
 
+def test_s3_object_rewritten_after_listing_then_put_back_is_never_served(
+        s3_endpoint: str, tmp_path: Path) -> None:
+    """Attack helper 86: the bytes of a same-size rewrite after the listing were cached under
+    the listed ETag; once the object was put back (its ETag is its content's) they were
+    served as its bytes in every later run."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**_s3_options(s3_endpoint), skip_instance_cache=True)
+    fs.mkdir("revert")
+    for i in range(3):
+        fs.pipe_file(f"revert/{i}.bin", b"A" * 100)
+    opts = _s3_options(s3_endpoint)
+    ds = CachedDataset(FileSource("s3://revert/", retries=1, storage_options=opts),
+                       tmp_path / "cache", "8MiB")
+    fs.pipe_file("revert/0.bin", b"B" * 100)
+    with pytest.raises(SourceError, match=r"0\.bin\): .*its ETag is now .* when it was listed"):
+        ds[0]
+    assert ds[1] == b"A" * 100
+    ds.close()
+    fs.pipe_file("revert/0.bin", b"A" * 100)
+    ds = CachedDataset(FileSource("s3://revert/", retries=1, storage_options=opts),
+                       tmp_path / "cache", "8MiB")
+    assert [ds[i] for i in range(3)] == [b"A" * 100] * 3
+    ds.close()
+
+
 @pytest.fixture(scope="module")
 def s3_objects(s3_endpoint: str) -> dict[str, bytes]:
     """Bucket ``samples`` with 48 objects under ``train/`` (nested) and one outside it."""
@@ -697,8 +723,7 @@ def test_s3_empty_object_is_served_and_its_growth_refused(s3_endpoint: str) -> N
     src = FileSource("s3://empties/", retries=1, storage_options=_s3_options(s3_endpoint))
     assert src.sizes().tolist() == [0, 10] and src.fetch_many([0, 1]) == [b"", b"b" * 10]
     fs.pipe_file("empties/a.bin", b"grown")
-    with pytest.raises(SourceError, match=r"a\.bin is now more than 0 bytes, 0 when it was "
-                                          r"listed"):
+    with pytest.raises(SourceError, match=r"a\.bin\): .*its ETag is now .* when it was listed"):
         src.fetch(0)
 
 

@@ -8,7 +8,9 @@ would have cut, and a format's ``check`` (tar header checksums, say) sees every 
 before it is returned. A whole object of a known size is asked for one byte more than that
 size and refused unless exactly that size arrives: an object rewritten since it was listed
 is an error, not new bytes cached under the old listing, and one swapped for something
-endless is not read without end.
+endless is not read without end. Over HTTP, S3 and local files, every answer's object must
+also still have its listed size and version (``Listed``): a range of a rewritten shard, or
+an object rewritten with the same size, is an error too.
 """
 
 from __future__ import annotations
@@ -18,20 +20,22 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from lcache.data.remote import Remote, SourceError, trace_read
+from lcache.data.remote import Listed, Remote, SourceError, trace_read
 from lcache.trace import recorder as _trace
 
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """One sample's bytes: ``path[start:end]``, or the whole object when ``start`` is None
-    (of ``size`` bytes as listed, None: not known)."""
+    """One sample's bytes: ``path[start:end]``, or the whole object when ``start`` is None;
+    the object is of ``size`` bytes as listed (None: not known), and of ``version`` (its
+    ``object_version``, "" if not known)."""
 
     index: int
     path: str
     start: int | None = None
     end: int | None = None
     size: int | None = None
+    version: str = ""
 
 
 @dataclass(slots=True)
@@ -42,7 +46,8 @@ class Request:
     start: int | None
     end: int | None
     wants: list[int] = field(default_factory=list)
-    size: int | None = None  # a whole object's listed size
+    size: int | None = None  # the object's listed size
+    version: str = ""  # and version
 
     def asked(self) -> tuple[int | None, int | None]:
         """The range to ask for: a whole object of a known size up to one byte past it (an
@@ -51,6 +56,12 @@ class Request:
         if self.start is None and self.size is not None:
             return 0, self.size + 1
         return self.start, self.end
+
+    def listed(self) -> Listed | None:
+        """What each answer is checked against (a whole object's size is checked by
+        ``_split``, whose error can say more)."""
+        size = None if self.start is None else self.size
+        return Listed(size, self.version) if size is not None or self.version else None
 
 
 def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
@@ -61,7 +72,7 @@ def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
     by_path: dict[str, list[int]] = {}
     for pos, w in enumerate(wants):
         if w.start is None:
-            requests.append(Request(w.path, None, None, [pos], w.size))
+            requests.append(Request(w.path, None, None, [pos], w.size, w.version))
         else:
             by_path.setdefault(w.path, []).append(pos)
     for path, positions in by_path.items():
@@ -78,7 +89,7 @@ def plan(wants: Sequence[Want], gap: int, max_request: int) -> list[Request]:
                 cur.end = max(cur.end, w.end)
                 cur.wants.append(pos)
             else:
-                cur = Request(path, w.start, w.end, [pos])
+                cur = Request(path, w.start, w.end, [pos], w.size, w.version)
                 requests.append(cur)
     return requests
 
@@ -149,7 +160,7 @@ def fetch(remote: Remote, wants: Sequence[Want],
             async def ask() -> bytes:
                 try:
                     return await remote.cat(r.path, *r.asked(),
-                                            lambda: _describe(remote, wants, r))
+                                            lambda: _describe(remote, wants, r), r.listed())
                 except SourceError as exc:
                     if r.start is None and r.size == 0 and _unsatisfiable(exc.__cause__):
                         return b""  # bytes 0-0 of an object still empty: nothing to send
@@ -186,7 +197,7 @@ def _read_here(remote: Remote, wants: Sequence[Want], req: Request) -> bytes:
     size = 0 if end is None else end - (start or 0)
     t0 = time.perf_counter_ns() if _trace._active is not None else 0
     try:
-        data = remote.read(req.path, start, end)
+        data = remote.read(req.path, start, end, req.listed())
     except Exception as exc:
         trace_read(url, req.start or 0, size, t0, -errno.EIO)
         raise SourceError(f"{_describe(remote, wants, req)}: {type(exc).__name__}: "

@@ -47,6 +47,38 @@ class SourceCorruptionError(SourceError, CorruptionError):
     CorruptionError (a ValueError)."""
 
 
+class SourceChangedError(SourceError):
+    """An object answered with another size or version than its listing's: it was rewritten
+    since the source was opened."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """What the listing said of an object, to check each answer against: its size (None: not
+    checked here) and its ``object_version``. Why: an answer's length alone does not tell a
+    rewritten object. A range cut from a shard rewritten at another size mixed two new
+    samples; an S3 object rewritten with the same size was cached under the listed ETag, and
+    when the object was put back (its ETag is its content's) those bytes were served as the
+    listed version's in every later run."""
+
+    size: int | None
+    version: str
+
+    def check(self, size: int | None, answered: dict[str, Any]) -> None:
+        """Refuse an answer from an object now of ``size`` bytes (None: not said) whose
+        version fields are ``answered`` (those it did not send: None)."""
+        if self.size is not None and size is not None and size != self.size:
+            raise SourceChangedError(f"the object is now {size} bytes, {self.size} when it was "
+                                     "listed: it changed since the source was opened (open it "
+                                     "again)")
+        listed = version_fields(self.version)
+        for name, value in answered.items():
+            if value is not None and name in listed and str(value) != listed[name]:
+                raise SourceChangedError(
+                    f"its {name} is now {value}, {listed[name]} when it was listed: it was "
+                    "rewritten since the source was opened (open it again)")
+
+
 @dataclass(frozen=True)
 class FetchOptions:
     """How a source talks to its remote.
@@ -108,11 +140,16 @@ def object_version(info: dict[str, Any]) -> str:
     return "|".join(f"{k}={info[k]}" for k in VERSION_FIELDS if info.get(k) not in (None, ""))
 
 
+def version_fields(version: str) -> dict[str, str]:
+    """The fields of an ``object_version``, by name."""
+    return dict(field.partition("=")[::2] for field in version.split("|") if field)
+
+
 def tells_rewrites(version: str) -> bool:
     """Whether an ``object_version`` changes with every rewrite of the same size: it has a
     field besides whole-second modification times (nginx's ETag, ``"<mtime>-<size>"`` in
     hex, is one of them)."""
-    fields = dict(field.partition("=")[::2] for field in version.split("|") if field)
+    fields = version_fields(version)
     return any(name not in COARSE_FIELDS and not _nginx_etag(value, fields)
                for name, value in fields.items())
 
@@ -239,12 +276,23 @@ def _why(exc: BaseException, timeout: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
+#: The version fields of an HTTP answer, as fsspec's ``info`` names them.
+HTTP_VERSION_HEADERS = ("ETag", "Content-MD5", "Digest", "Last-Modified")
+
+
+def _range_total(content_range: str | None) -> int | None:
+    """The object's size that a ``Content-Range`` (``bytes 0-99/1234``) says, if any."""
+    total = (content_range or "").rpartition("/")[2].strip()
+    return int(total) if total.isdigit() else None
+
+
+async def _http_range(fs: Any, url: str, start: int, end: int, listed: Listed | None) -> bytes:
     """Bytes ``start:end`` of ``url`` over fsspec's HTTP session, with the place of the answer
     checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that answered a
     range with other bytes of the right length had them cached as the sample. A 200 (the
     whole object: a server without ranges) is taken for a range from byte 0 only, and the
-    caller refuses it unless it is exactly the range."""
+    caller refuses it unless it is exactly the range. The object's size and version fields
+    are checked against ``listed``."""
     kw = dict(fs.kwargs)
     headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
     session = await fs.set_session()
@@ -261,6 +309,27 @@ async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
             raise SourceCorruptionError(
                 f"{url} answered a request for bytes {start}-{end} with other bytes "
                 f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
+        if listed is not None:
+            listed.check(_range_total(answered) if r.status == 206 else len(data),
+                         {name: r.headers.get(name) for name in HTTP_VERSION_HEADERS})
+    return data
+
+
+async def _s3_get(fs: Any, path: str, start: int | None, end: int | None,
+                  listed: Listed) -> bytes:
+    """``path[start:end]`` (or all of it) from S3, with the object's size and ETag checked
+    against ``listed`` (s3fs's ``_cat_file`` returns the body alone)."""
+    bucket, key, version_id = fs.split_path(path)
+    kw: dict[str, Any] = {"VersionId": version_id} if version_id else {}
+    if start is not None:
+        kw["Range"] = f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
+    r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+    try:
+        data: bytes = await r["Body"].read()
+    finally:
+        r["Body"].close()
+    listed.check(_range_total(r.get("ContentRange")) if start is not None else len(data),
+                 {"ETag": r.get("ETag")})
     return data
 
 
@@ -475,31 +544,42 @@ class Remote:
 
     # ------------------------------------------------------------------- requests
     async def cat(self, path: str, start: int | None, end: int | None,
-                  what: Callable[[], str]) -> bytes:
-        """The bytes of ``path`` (``start:end``, or all of it), retried; traced."""
+                  what: Callable[[], str], listed: Listed | None = None) -> bytes:
+        """The bytes of ``path`` (``start:end``, or all of it), retried; traced. Over HTTP,
+        S3 and local files, an answer from an object whose size or version is not
+        ``listed``'s is refused (``SourceChangedError``)."""
         fs, _ = self.fs()
         url = self.full_url(path)
         traced = (url, start or 0, 0 if end is None else end - (start or 0))
         if self.is_async:
-            if start is not None and end is not None and "http" in _protocols(fs):
-                return await self.attempt(lambda: _http_range(fs, path, start, end), what,
-                                          traced)
+            protocols = _protocols(fs)
+            if start is not None and end is not None and "http" in protocols:
+                return await self.attempt(lambda: _http_range(fs, path, start, end, listed),
+                                          what, traced)
+            if listed is not None and "s3" in protocols:
+                return await self.attempt(lambda: _s3_get(fs, path, start, end, listed),
+                                          what, traced)
             kw = self._whole_kw if start is None else {}
             return await self.attempt(
                 lambda: fs._cat_file(path, start=start, end=end, **kw), what, traced)
-        return await self.attempt(lambda: self.in_thread(lambda: self.read(path, start, end)),
-                                  what, traced)
+        return await self.attempt(
+            lambda: self.in_thread(lambda: self.read(path, start, end, listed)), what, traced)
 
-    def read(self, path: str, start: int | None, end: int | None) -> bytes:
+    def read(self, path: str, start: int | None, end: int | None,
+             listed: Listed | None = None) -> bytes:
         """``path[start:end]`` on a non-async filesystem, in this thread. A local path is
         opened as a regular file only (without blocking, then checked): a FIFO or a device
-        put under a sample's or an index's name would block the read forever or never end."""
+        put under a sample's or an index's name would block the read forever or never end.
+        A local file's size, modification time and inode are checked against ``listed``."""
         fs, _ = self.fs()
         if "file" not in _protocols(fs):
             return bytes(fs.cat_file(path, start=start, end=end))
         fd = open_regular(path, os.O_RDONLY, follow=True)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if listed is not None:  # as fsspec's LocalFileSystem.info says them
+                listed.check(size, {"mtime": st.st_mtime, "ino": st.st_ino})
             lo, hi, _ = slice(start, end).indices(size)
             chunks = []
             while lo < hi:

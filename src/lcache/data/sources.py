@@ -200,7 +200,8 @@ class FileSource:
         sizes = self._object_sizes
         return fetch(self._remote, [Want(int(i), self.paths[int(i)],
                                          size=None if sizes[int(i)] == UNKNOWN_SIZE
-                                         else int(sizes[int(i)])) for i in indices])
+                                         else int(sizes[int(i)]),
+                                         version=self._versions[int(i)]) for i in indices])
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
@@ -387,9 +388,9 @@ class RangeSource:
         wants = []
         for i in indices:
             i = int(i)
-            start = int(self.offsets[i])
-            wants.append(Want(i, self._paths[self._file_of[i]], start,
-                              start + int(self.lengths[i])))
+            start, f = int(self.offsets[i]), self._file_of[i]
+            wants.append(Want(i, self._paths[f], start, start + int(self.lengths[i]),
+                              self._file_sizes[f], self._versions[f]))
         return fetch(self._remote, wants, self.check)
 
     def check(self, index: int, data: bytes) -> None:
