@@ -287,6 +287,80 @@ def test_a_killed_runs_swap_file_is_found_and_reused(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+RANK_HOLDER = """
+import sys, time
+from lcache.offload.swap import SwapFile
+swap = SwapFile(sys.argv[1], int(sys.argv[2]), 1 << 20, {}, direct=False)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_runs_other_ranks_swap_files_are_removed_but_not_a_live_ranks(
+        tmp_path: Path) -> None:
+    # ranks 1 and 2 of a run; rank 1 is killed, then a one-rank run starts in the directory
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_HOLDER, str(tmp_path), str(r)],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+             for r in (1, 2)]
+    try:
+        for child in ranks:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        ranks[0].send_signal(signal.SIGKILL)
+        ranks[0].wait()
+        # named like swap files, but not ours to remove: no manifest, another format's, another
+        # rank's, a symbolic link, another host's
+        (tmp_path / "rank00003.swap").write_bytes(b"x")
+        (tmp_path / "rank00004.swap").write_bytes(b"x")
+        (tmp_path / "rank00004.json").write_text('{"format": "other", "rank": 4}')
+        (tmp_path / "rank00005.swap").write_bytes(b"x")
+        (tmp_path / "rank00005.json").write_text('{"format": "lcache-offload-swap", "rank": 6}')
+        (tmp_path / "rank00006.swap").symlink_to(tmp_path / "rank00003.swap")
+        (tmp_path / "rank00008.swap").write_bytes(b"x")  # another node's, on a shared disk
+        (tmp_path / "rank00008.json").write_text(
+            '{"format": "lcache-offload-swap", "rank": 8, "host": "another-node"}')
+        (tmp_path / "rank00007.json.tmp1").write_bytes(b"x")
+        (tmp_path / "rank00001.json.tmp1").write_bytes(b"x")  # the killed rank's half-written
+        planted = sorted(n for n in os.listdir(tmp_path) if not n.startswith("rank00001"))
+        assert len(planted) == 11
+        model = make_model()
+        with OffloadedOptimizer(model.parameters(), dir=tmp_path, **SMALL) as opt:
+            # the killed rank's files are gone; the live rank's stay, and it still holds them
+            assert sorted(os.listdir(tmp_path)) == sorted(
+                [*planted, "rank00000.json", "rank00000.swap"])
+            train(model, opt, range(1))
+    finally:
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[1].wait()
+    with OffloadedOptimizer(make_model().parameters(), dir=tmp_path, **SMALL):
+        pass
+    assert sorted(os.listdir(tmp_path)) == [n for n in planted if not n.startswith("rank00002")]
+
+
+STARTS = """
+import os, sys
+from lcache.io import close_file
+from lcache.offload.swap import SwapFile
+for _ in range(40):
+    swap = SwapFile(sys.argv[1], int(sys.argv[2]), 4096, {}, direct=False, preallocate=False)
+    assert os.path.samestat(os.fstat(swap.fd), os.stat(swap.path))
+    close_file(swap.fd)  # as if killed: the lock goes, the files stay for others to remove
+    swap.fd = -1
+print("ok", flush=True)
+"""
+
+
+def test_ranks_starting_at_once_among_killed_files_never_take_each_other_for_dead(
+        tmp_path: Path) -> None:
+    # each start removes the others' dead files while they reuse or recreate them: none may
+    # be refused as "in use", or lose the file it holds
+    ranks = [subprocess.Popen([sys.executable, "-c", STARTS, str(tmp_path), str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=subprocess_env())
+             for r in range(4)]
+    outs = [child.communicate(timeout=120)[0] for child in ranks]
+    assert all(out.strip().endswith("ok") for out in outs), outs
+
+
 def test_offload_io_is_traced_under_its_own_classes(tmp_path: Path) -> None:
     seen: list[str] = []
     previous = set_tracer(lambda ev: seen.append(ev.io_class))

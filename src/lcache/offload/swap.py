@@ -5,7 +5,11 @@ with ``atomic_write``). Names depend only on the rank, never on Python object id
 of a killed run are found by the next start in the same directory (DeepSpeed PR #4416: swap
 files named by ``id()`` piled up). The owner holds an exclusive ``flock`` on the swap file,
 released by the kernel when it dies: a start that gets the lock reuses the file (a killed
-run's), one that does not is refused (a live run's). ``close()`` removes both files.
+run's), one that does not is refused (a live run's). A start also removes the files of other
+ranks whose lock it gets (a killed run of more ranks than this one left them, each the size of
+a rank's whole state); it opens and locks its own file, and reclaims, under an exclusive
+``flock`` on the directory, so no rank's file is ever taken for dead between its creation and
+its lock. ``close()`` removes both files.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import glob
 import json
 import logging
 import os
+import re
+import socket
+import stat
 from typing import Any
 
 from lcache.errors import (
@@ -43,6 +50,7 @@ IO_WRITE = "offload-write"
 CHUNK = 4 << 20  # one engine operation: several in flight keep the device busy
 FORMAT = "lcache-offload-swap"
 VERSION = 1
+_SWAP_NAME = re.compile(r"rank(\d{5})\.swap")
 
 
 def swap_names(directory: str, rank: int) -> tuple[str, str]:
@@ -91,11 +99,13 @@ class SwapFile:
         try:
             # a buffered descriptor for the unaligned reads and writes of checkpoints
             self.plain_fd = open_file(self.path, os.O_RDWR) if self.direct else self.fd
-            self._size_file(preallocate)
+            # the manifest first: it is what marks the file as ours to another rank's start
+            # (_reclaim), and preallocating a large file takes a while to be killed in
             body = {"format": FORMAT, "version": VERSION, "pid": os.getpid(), "rank": rank,
-                    "bytes": size, **manifest}
+                    "host": socket.gethostname(), "bytes": size, **manifest}
             atomic_write(self.manifest_path, json.dumps(body).encode(), io_class=IO_WRITE,
                          durable=False)
+            self._size_file(preallocate)
         except BaseException:
             self.close()
             raise
@@ -103,6 +113,25 @@ class SwapFile:
             log.info("reusing the swap file of a run that ended without close(): %s", self.path)
 
     def _open_locked(self) -> int:
+        # Starts in one directory take turns: a reclaiming start must never lock another
+        # rank's file between that rank's open (which creates it) and its flock.
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            except OSError:  # a filesystem without flock on directories: reclaim nothing
+                return self._open_own()
+            fd = self._open_own()
+            try:
+                self._reclaim()
+            except OSError as exc:  # leftovers stay; this rank's file is good
+                log.warning("could not remove other ranks' swap files in %s: %s",
+                            self.directory, exc)
+            return fd
+        finally:
+            os.close(dir_fd)  # releases the directory's lock
+
+    def _open_own(self) -> int:
         flags = os.O_RDWR | os.O_CREAT
         for _ in range(10):
             if self.direct:
@@ -129,11 +158,42 @@ class SwapFile:
             close_file(fd)  # its owner closed and removed it between our open and lock: again
         raise ConfigError(f"cannot hold {self.path}: something keeps removing it")
 
-    def _remove_temps(self) -> None:
-        """Manifest temp files a killed run of this rank left (we hold the rank's lock)."""
-        for tmp in glob.glob(glob.escape(self.manifest_path) + ".tmp*"):
+    def _remove_temps(self, manifest_path: str | None = None) -> None:
+        """Manifest temp files a killed run of a rank left (we hold the rank's lock)."""
+        for tmp in glob.glob(glob.escape(manifest_path or self.manifest_path) + ".tmp*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _reclaim(self) -> None:
+        """Remove the swap files of other ranks that no live process holds (a killed run's,
+        e.g. of more ranks than this one); called under the directory's lock."""
+        for name in sorted(os.listdir(self.directory)):
+            match = _SWAP_NAME.fullmatch(name)
+            path = os.path.join(self.directory, name)
+            if match is None or path == self.path:
+                continue
+            try:  # never a symbolic link; a FIFO must not block the open
+                fd = open_file(path, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError:  # gone, or a link
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                manifest_path = swap_names(self.directory, int(match.group(1)))[1]
+                # only a regular file still under its name, whose manifest says it is ours
+                # and of that rank: never another program's file that happens to match
+                st = os.fstat(fd)
+                if not (stat.S_ISREG(st.st_mode) and os.path.samestat(st, os.lstat(path))
+                        and _is_manifest_of(manifest_path, int(match.group(1)))):
+                    continue
+                for gone in (manifest_path, path):  # as close() does, before the lock goes
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(gone)
+                self._remove_temps(manifest_path)
+                log.info("removed the swap file of a run that ended without close(): %s", path)
+            except OSError:  # BlockingIOError: a live rank's; or gone meanwhile
+                continue
+            finally:
+                close_file(fd)
 
     def _size_file(self, preallocate: bool) -> None:
         os.ftruncate(self.fd, 0)  # a reused file's old bytes are meaningless
@@ -180,6 +240,22 @@ class SwapFile:
             close_file(self.plain_fd)
         close_file(self.fd)
         self.fd = self.plain_fd = -1
+
+
+def _is_manifest_of(path: str, rank: int) -> bool:
+    """Whether ``path`` is the manifest :class:`SwapFile` on this host writes for ``rank``."""
+    try:
+        fd = open_file(path, os.O_RDONLY | os.O_NONBLOCK)  # never a link; a FIFO: no wait
+        try:
+            doc = json.loads(os.read(fd, 1 << 20))
+        finally:
+            close_file(fd)
+    except (OSError, ValueError):  # missing, not a file, not JSON
+        return False
+    # of this host: on a directory shared between nodes, flock may be each node's own
+    # (Lustre's localflock, NFS's local_lock), and another node's live rank would look dead
+    return (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("rank") == rank
+            and doc.get("host") == socket.gethostname())
 
 
 class _WholeRead:
