@@ -611,6 +611,33 @@ def test_dataset_source_refuses_unencodable_items(tmp_path: Path) -> None:
         CachedDataset(Objects(), tmp_path / "cache", CAPACITY)
 
 
+def test_an_items_torch_size_comes_back_a_torch_size_and_other_torch_objects_are_refused(
+        tmp_path: Path) -> None:
+    """The finding: any object of torch's module was taken for a tensor, so an item holding
+    its tensor's shape ({"x": t, "shape": t.shape}), a dtype or a device raised a bare
+    AttributeError out of CachedDataset(...)."""
+
+    class Shaped:
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> Any:
+            t = torch.full((2, 3), float(i))
+            return {"x": t, "shape": t.shape, "shapes": [torch.Size([]), torch.Size([0, 5])]}
+
+    ds = CachedDataset(Shaped(), tmp_path / "cache", CAPACITY)
+    for i in range(4):
+        item = ds[i]
+        assert type(item["shape"]) is torch.Size and item["shape"] == (2, 3)
+        assert [type(s) for s in item["shapes"]] == [torch.Size, torch.Size]
+        assert item["shapes"] == [torch.Size([]), torch.Size([0, 5])]
+        assert torch.equal(item["x"], torch.full((2, 3), float(i)))
+    for obj, name in [(torch.float32, "torch.dtype"), (torch.device("cpu"), "torch.device"),
+                      (torch.strided, "torch.layout")]:
+        with pytest.raises(CodecError, match=rf"cannot cache a {name} .*str\(x\)"):
+            codec.encode({"x": torch.zeros(1), "meta": obj})
+
+
 @pytest.mark.parametrize("garbage", [b"", b"junk", b"PK\x03\x04" + bytes(60),
                                      b"\x80\x04\x95pickle"])
 def test_codec_decode_garbage_without_magic(garbage: bytes) -> None:
@@ -631,8 +658,9 @@ def _framed(header: bytes, body: bytes = b"") -> bytes:
     _framed(b'{"x": 1}'),
     _framed(b'{"a": [0, 100], "dtype": "<f4", "shape": [25]}', b"x" * 8),  # past the body
     _framed(b'{"a": [0, 8], "dtype": "|O", "shape": [1]}', b"x" * 8),  # object dtype
+    _framed(b'{"size": [2, "3"]}'),
 ], ids=["magic-only", "bad-json", "short-header", "json-list", "unknown-node", "past-body",
-        "object-dtype"])
+        "object-dtype", "size-not-ints"])
 def test_codec_decode_malformed_after_magic(garbage: bytes) -> None:
     with pytest.raises(CodecError):
         codec.decode(garbage)

@@ -1,5 +1,6 @@
-"""A safe codec for dataset items: bytes, numpy arrays, tensors, numbers, strings, and
-lists / tuples / dicts of them. Never pickle, so a cache file cannot run code when read.
+"""A safe codec for dataset items: bytes, numpy arrays, tensors (and torch.Size), numbers,
+strings, and lists / tuples / dicts of them. Never pickle, so a cache file cannot run code
+when read.
 
 Layout: ``b"LCS1"``, u32 header length, a JSON header describing the structure, then the raw
 buffers. Arrays decode as zero-copy views of the record (``np.frombuffer``), read-only.
@@ -40,8 +41,10 @@ def encode(item: Any) -> bytes:
             return {**_array(np.asarray(x), add), "scalar": True}
         if isinstance(x, (bytes, bytearray, memoryview)):
             return {"b": add(memoryview(x).cast("B"))}
-        if isinstance(x, np.ndarray) or kind.__module__ == "torch":
+        if isinstance(x, np.ndarray):
             return _array(x, add)
+        if kind.__module__ == "torch":
+            return _torch_leaf(x, add)
         if kind in (list, tuple):
             return {"t" if kind is tuple else "l": [walk(v) for v in x]}
         if kind is dict:
@@ -81,6 +84,19 @@ def _array(x: Any, add: Any) -> dict[str, Any]:
     if is_tensor:
         out["torch"] = torch_dtype
     return out
+
+
+def _torch_leaf(x: Any, add: Any) -> dict[str, Any]:
+    """A tensor, or a torch.Size (an item's ``t.shape``): a tuple subclass that must come
+    back a torch.Size. Other torch objects are refused, not taken for tensors."""
+    import torch
+
+    if type(x) is torch.Tensor:
+        return _array(x, add)
+    if type(x) is torch.Size:
+        return {"size": list(x)}
+    raise CodecError(f"cannot cache a {type(x).__module__}.{type(x).__name__} ({x!r:.60}); "
+                     "return tensors, or str(x) for a dtype or a device")
 
 
 def _refuse_plain_subclass(x: Any) -> None:
@@ -159,9 +175,19 @@ def _decode(view: memoryview) -> Any:
             return [walk(v) for v in node["l"]]
         if "t" in node:
             return tuple(walk(v) for v in node["t"])
+        if "size" in node:
+            return _size(node["size"])
         return {k: walk(v) for k, v in node["d"].items()}
 
     return walk(header)
+
+
+def _size(dims: list[Any]) -> Any:
+    import torch
+
+    if not all(type(d) is int for d in dims):
+        raise ValueError("bad torch.Size entry")
+    return torch.Size(dims)
 
 
 def _tensor(arr: np.ndarray, dtype: str) -> Any:
