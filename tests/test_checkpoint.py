@@ -536,6 +536,45 @@ def test_load_into_arrays_strided_over_themselves_writes_nothing(tmp_path: Path)
     assert out["t"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
+READ_ONLY_LOAD = """
+import sys, warnings
+import numpy as np, torch
+from lcache import checkpoint as ck
+root = sys.argv[1]
+np.arange(128, dtype=np.float32).tofile(root + "/w.bin")
+ro = np.memmap(root + "/w.bin", dtype=np.float32, mode="r")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch: the array is not writable
+    w = torch.from_numpy(ro)
+ck.save({"a": torch.zeros(64), "w": torch.zeros(64), "v": torch.zeros(32)}, root + "/c/s")
+mine = torch.full((64,), 7.0)
+try:  # w in place, v (strided) through a staging copy
+    ck.load(root + "/c/s", like={"a": mine, "w": w[:64], "v": w[64::2]}, into=True)
+except ck.StateMismatchError as exc:
+    print(exc)
+print(mine.eq(7).all().item(), ro.tolist() == list(range(128)))
+"""
+
+
+def test_load_into_a_tensor_over_read_only_memory_is_refused(tmp_path: Path) -> None:
+    """The finding: like= holding torch.from_numpy of np.memmap(mode="r") (a tensor has no
+    writeable flag) took the load, and the copy into the read-only page killed the process
+    with SIGSEGV. Now refused, as every unfit destination, before anything is written."""
+    (tmp_path / "c").mkdir()
+    done = subprocess.run([sys.executable, "-c", READ_ONLY_LOAD, str(tmp_path)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    why = ("like= holds a tensor over read-only memory (torch.from_numpy of a read-only "
+           "array, such as np.memmap(mode='r')); give a writable one")
+    assert sorted(line for line in lines if "read-only memory" in line) == [
+        f"  v: {why}", f"  w: {why}"]
+    assert lines[-1] == "True True"  # nothing written, the file's values kept
+    ck.save({"w": torch.arange(4.0)}, tmp_path / "c" / "t")
+    out = ck.load(tmp_path / "c" / "t", like={"w": torch.zeros(4)}, into=True)
+    assert out["w"].tolist() == [0, 1, 2, 3]  # writable host memory still loads in place
+
+
 def test_load_into_two_arrays_sharing_memory_writes_nothing(tmp_path: Path) -> None:
     """Regression (attack helper 82): like={"a": t, "b": t[:3]} took b's saved values over
     a's first three, reported as a success. One tensor under two keys (tied weights, saved

@@ -10,6 +10,7 @@ of ``like`` is written.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import mmap
@@ -165,6 +166,48 @@ def _sharing(refs: list[ArrayRef], dests: list[Any]) -> list[str]:
     return why
 
 
+def _read_only(refs: list[ArrayRef], dests: list[Any]) -> list[str]:
+    """Why host tensors cannot be written: their memory is mapped read-only, as that of
+    ``torch.from_numpy`` over ``np.memmap(mode="r")`` (a tensor has no writeable flag, and
+    writing there kills the process with SIGSEGV)."""
+    spans = [(ref, span) for ref, d in zip(refs, dests, strict=True)
+             if ref.kind == "torch" and (span := _span(d)) is not None and span[0] == "cpu"]
+    if not spans:
+        return []
+    writable = _writable_memory()
+    if writable is None:  # no /proc/self/maps: nothing to tell by
+        return []
+    starts = [lo for lo, _ in writable]
+    why = []
+    for ref, (_, start, end) in spans:
+        at = bisect.bisect_right(starts, start) - 1
+        if at < 0 or writable[at][1] < end:
+            why.append(f"{ref.key}: like= holds a tensor over read-only memory (torch."
+                       "from_numpy of a read-only array, such as np.memmap(mode='r')); give "
+                       "a writable one")
+    return why
+
+
+def _writable_memory() -> list[tuple[int, int]] | None:
+    """The process's writable address ranges, adjacent ones merged, from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    ranges: list[tuple[int, int]] = []
+    for line in lines:
+        fields = line.split(maxsplit=2)
+        if len(fields) < 2 or fields[1][1:2] != b"w":
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split(b"-"))
+        if ranges and ranges[-1][1] == lo:  # the kernel lists mappings in address order
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    return ranges
+
+
 class _Target:
     """Where one array's bytes go: straight into the destination's memory when it is one
     contiguous, writable host block; otherwise into a staging array copied over at the end."""
@@ -254,7 +297,8 @@ def load_into(path: str, body_shard: tuple[str, int, list[ArrayRef], Any], like:
                                  f"key(s):\n  {shown}")
     dests: list[Any] = [None] * len(refs)
     _pair(skeleton, like, dests)
-    unfit = [why for why in map(_unfit, refs, dests) if why] or _sharing(refs, dests)
+    unfit = ([why for why in map(_unfit, refs, dests) if why] or _sharing(refs, dests)
+             or _read_only(refs, dests))
     if unfit:  # before any byte of like= is written
         shown = "\n  ".join(unfit[:20])
         raise StateMismatchError(f"like= cannot take the checkpoint's arrays at {len(unfit)} "
