@@ -137,6 +137,7 @@ class SeedAwareSampler:
         self._yielded = 0
         self._asked: int | None = None  # the last set_epoch's, until an iteration or a load
         self._keep_finished = False
+        self._resumed_asked: int | None = None  # see load_state_dict
         self._plans: dict[int, PlanResult] = {}
         self._plan_lock = threading.Lock()
         self._ahead: threading.Thread | None = None
@@ -245,6 +246,7 @@ class SeedAwareSampler:
         keep, hits = plan.keep[local::ranks], plan.hits[local::ranks]
         start = self._start
         self._asked = None
+        resumed, self._resumed_asked = self._resumed_asked, None
         # A resumed epoch that had ended gives nothing once, then starts again as any epoch
         # does without set_epoch; asked for by set_epoch, it gives nothing until set_epoch
         # moves on (StatefulDataLoader makes a second iterator after restoring an ended
@@ -268,6 +270,18 @@ class SeedAwareSampler:
         finally:
             if prefetcher is not None:
                 prefetcher.close()
+        if resumed is not None:
+            self._end_resumed(resumed)
+
+    def _end_resumed(self, asked: int) -> None:
+        """A loaded epoch iterated to its end: what loading its ended state after
+        ``set_epoch(asked)`` would have given (see ``load_state_dict``)."""
+        if asked > self.epoch:
+            self.epoch, self._start, self._yielded = asked, 0, 0
+            self._keep_finished = False
+        elif asked == self.epoch:
+            self._start = self._yielded = self.num_samples
+            self._keep_finished = True
 
     # ------------------------------------------------------------------- resuming
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
@@ -276,7 +290,8 @@ class SeedAwareSampler:
         By default, the samples this sampler has yielded. That is what the training loop has
         received with ``num_workers=0``, and with torchdata's ``StatefulDataLoader``, which
         calls this as it sends each batch and saves the call that matches the last batch the
-        loop received. A plain DataLoader with workers pulls indices ahead of the loop: there
+        loop received (or of its last snapshot, with the batches since counted: resume with
+        the same batch size). A plain DataLoader with workers pulls indices ahead of the loop: there
         pass ``consumed`` (samples the loop received this epoch), or use StatefulDataLoader.
         """
         if consumed is not None:  # refused now, not when the checkpoint holding it is loaded
@@ -312,6 +327,7 @@ class SeedAwareSampler:
                               f"(0..{self.num_samples})")
         epoch = whole_number(state["epoch"], "the sampler state's epoch", 0, MAX_EPOCH)
         asked, self._asked = self._asked, None
+        self._resumed_asked = None
         self._keep_finished = consumed == self.num_samples and asked == epoch
         if consumed == self.num_samples and asked is not None and asked > epoch:
             # The state of a finished epoch, loaded after set_epoch moved past it, as
@@ -323,3 +339,10 @@ class SeedAwareSampler:
         self.epoch = epoch
         self._start = consumed
         self._yielded = consumed
+        if consumed < self.num_samples:
+            # Once its rest has been iterated, the epoch has ended as if its ended state had
+            # been loaded. Why: a StatefulDataLoader state taken at an epoch's end holds the
+            # sampler's state of its last snapshot (with snapshot_every_n_steps > 1, or with
+            # drop_last, a few samples short of the end); restored, the loader runs that rest
+            # off, sees its iterator ended and makes a second, which replayed the whole epoch.
+            self._resumed_asked = asked
