@@ -349,6 +349,45 @@ def test_upload_to_fsspec_url(tmp_path: Path) -> None:
     assert ck.verify(tmp_path / "c" / "t").ok
 
 
+def test_an_upload_onto_the_checkpoint_or_into_its_directory_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding (attack helper 89): upload_to naming the checkpoints' directory (a path or
+    a file:// URL) opened each file "wb" over itself: every checkpoint became 0 bytes,
+    wait() reported success and latest() returned None. Now refused when the save is called,
+    before anything is written, and by upload_checkpoint, however the place is written."""
+    root = tmp_path / "ckpts"
+    (tmp_path / "alias").symlink_to(root)
+    monkeypatch.chdir(tmp_path)
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    same = (str(root), f"{root}/", f"file://{root}/", f"local://{root}", "ckpts", "./ckpts/",
+            f"{tmp_path}/x/../ckpts", str(tmp_path / "alias"), f"file://{tmp_path}/alias/")
+    saver = ck.Checkpointer(keep_last=1, upload_to=str(root))
+    with pytest.raises(ConfigError, match="step-1, in the checkpoint itself"):
+        saver.save(state, root / "step-1")
+    for url in same:
+        with pytest.raises(ConfigError, match="in the checkpoint itself"):
+            ck.save(state, root / "step-1", upload_to=url)
+    with pytest.raises(ConfigError, match=f"inside its directory {root}"):
+        ck.save(state, root / "step-1", upload_to=root / "step-0")  # retention removes it
+    assert not root.exists()  # nothing written
+    path = ck.save(state, root / "step-1")
+    for url in same:
+        with pytest.raises(ConfigError, match="in the checkpoint itself"):
+            ck.upload_checkpoint(path, url)
+    link = tmp_path / "remote" / "step-1" / "rank00000.data"  # left by someone: into it
+    link.parent.mkdir(parents=True)
+    link.symlink_to(root / "step-1" / "rank00000.data")
+    with pytest.raises(ConfigError, match=r"rank00000\.data, in the checkpoint itself"):
+        ck.upload_checkpoint(path, str(tmp_path / "remote"))
+    nested = ck.save(state, tmp_path / "step-1" / "c" / "step-1")
+    with pytest.raises(ConfigError, match=f"holds its directory {tmp_path}/step-1/c"):
+        ck.upload_checkpoint(nested, str(tmp_path))
+    assert ck.verify(path).ok and ck.latest(root) == path
+    assert ck.load(path)["w"].tobytes() == state["w"].tobytes()
+    url = ck.upload_checkpoint(path, f"file://{tmp_path}/elsewhere/")  # beside it is fine
+    assert ck.load(url)["w"].tobytes() == state["w"].tobytes()
+
+
 def test_io_goes_through_lcache_io_as_checkpoint_class(tmp_path: Path) -> None:
     events: list[IOEvent] = []
     previous = set_tracer(events.append)

@@ -33,6 +33,7 @@ from lcache.checkpoint.format import data_file_name
 from lcache.checkpoint.manifest import check_manifest_room, check_meta, dump_manifest
 from lcache.checkpoint.persist import CHUNK, IO_CLASS, write_data_file
 from lcache.checkpoint.snapshot import HostBuffer, Snapshot, take_snapshot
+from lcache.checkpoint.upload import check_upload_target, upload_checkpoint
 from lcache.checks import flag, path_argument, seconds, whole_number
 from lcache.errors import LCacheError
 from lcache.forksafe import fork_safe_lock
@@ -259,8 +260,6 @@ class CheckpointHandle:
                 log.warning("retention after checkpoint %s did not run: %s", self.path, exc)
         url = self._options.get("upload_to")
         if url:
-            from lcache.checkpoint.upload import upload_checkpoint
-
             self.uploaded_to = upload_checkpoint(self.path, url,
                                                  self._options.get("storage_options"))
 
@@ -363,6 +362,9 @@ class Checkpointer:
                                   f"known: {sorted(self._defaults)}")
             options = _checked({**self._defaults, **overrides})
             root, name = dirs.split_path(path)
+            if options["upload_to"] is not None:  # before anything is written
+                check_upload_target(os.path.join(root, name), options["upload_to"],
+                                    options["storage_options"])
         except ConfigError as exc:
             if world == 1:
                 raise

@@ -6,13 +6,14 @@ uploaded after every data file, so a reader that finds it finds complete data.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from lcache.checkpoint.errors import ConfigError
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.persist import CHUNK, open_member
 from lcache.checkpoint.restore import read_manifest
-from lcache.errors import ConfigError
 from lcache.io import close_file, pread_full
 from lcache.io.urls import filesystem_of
 
@@ -21,12 +22,15 @@ IO_CLASS = "checkpoint-upload"
 
 def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | None = None
                       ) -> str:
-    """Upload the checkpoint directory ``path`` to ``url/<name>``; returns that URL."""
-    fs, base = filesystem_of(url, storage_options)
-    name = os.path.basename(path.rstrip(os.sep))
-    dest = f"{base.rstrip('/')}/{name}"
+    """Upload the checkpoint directory ``path`` to ``url/<name>``; returns that URL.
+
+    Raises:
+        ConfigError: a local ``url`` on the checkpoint, in its directory or holding it (see
+            ``check_upload_target``), or one that cannot be written.
+    """
     # the files the manifest names (checked plain names), nothing else found in the directory
     files = sorted({shard["file"] for shard in read_manifest(path)["shards"]})
+    fs, dest = check_upload_target(path, url, storage_options, [*files, MANIFEST])
     try:
         fs.makedirs(dest, exist_ok=True)
         _copy(fs, path, dest, [*files, MANIFEST])
@@ -35,6 +39,58 @@ def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | Non
                           "give upload_to a writable URL (s3://, gs://, a path...)") from exc
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{dest}" if protocol != "file" else dest
+
+
+def check_upload_target(path: str, url: str, storage_options: dict[str, Any] | None = None,
+                        names: list[str] | tuple[str, ...] = ()) -> tuple[Any, str]:
+    """``(filesystem, destination)`` of uploading the checkpoint ``path`` (its files
+    ``names``) to ``url``. A local destination that is the checkpoint, lies in its directory
+    or holds that directory is refused: on the checkpoint, the upload opened each file for
+    writing over itself and left every checkpoint 0 bytes, its save reported a success; in
+    the directory, retention would remove the copy with the checkpoints.
+
+    Raises:
+        ConfigError: such a destination, or a URL fsspec cannot open.
+    """
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, base = filesystem_of(url, storage_options)
+    path = os.path.abspath(path)
+    dest = f"{base.rstrip('/')}/{os.path.basename(path)}"
+    if not isinstance(fs, LocalFileSystem):
+        return fs, dest
+    root = os.path.dirname(path)
+    for target in (dest, *(f"{dest}/{name}" for name in names)):  # a file may link into it
+        if _within(target, root):
+            where = "in the checkpoint itself" if _within(target, path) else \
+                f"inside its directory {root}"
+            raise ConfigError(f"upload_to={url}: the upload of {path} would write {target}, "
+                              f"{where}; give upload_to a place outside {root}")
+    if _within(root, dest):
+        raise ConfigError(f"upload_to={url}: the upload of {path} would go to {dest}, which "
+                          f"holds its directory {root}; give upload_to a place outside it")
+    return fs, dest
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it: by their real paths (links, '..',
+    relative paths, trailing slashes), and by the directories themselves where they exist (a
+    bind mount shows one directory under two paths)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep):
+        return True
+    try:
+        target = os.stat(folder)
+    except OSError:
+        return False
+    while True:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(path), target):
+                return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
 
 
 def _copy(fs: Any, path: str, dest: str, names: list[str]) -> None:
