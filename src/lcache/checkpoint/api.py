@@ -304,7 +304,8 @@ class Checkpointer:
     Args:
         keep_last: after each save, keep only this many newest complete checkpoints in the
             checkpoint's parent directory (None keeps all; the newest is never removed).
-        upload_to: an fsspec URL; each published checkpoint is copied to ``URL/<name>``.
+        upload_to: an fsspec URL; each published checkpoint is copied to ``URL/<name>``,
+            never over a checkpoint already there (``wait()`` raises CheckpointExistsError).
         storage_options: fsspec options for ``upload_to``.
         direct: write and read data files with O_DIRECT where the filesystem allows it.
         queue_depth: data-file writes in flight.

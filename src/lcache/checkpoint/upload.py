@@ -1,7 +1,10 @@
 """Copy a finished checkpoint to any fsspec URL (s3://, gs://, file://, ...), manifest last.
 
-The remote copy follows the local rule as far as an object store allows: the manifest is
-uploaded after every data file, so a reader that finds it finds complete data.
+The remote copy follows the local rules as far as an object store allows: the manifest is
+uploaded after every data file, so a reader that finds it finds complete data, and a remote
+checkpoint (one with a manifest) is never overwritten: its data files would be rewritten in
+place under its old manifest, and an upload cut short would leave neither copy whole (an
+object store has no rename that could swap a new copy in at once).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import contextlib
 import os
 from typing import Any
 
-from lcache.checkpoint.errors import ConfigError
+from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.persist import CHUNK, open_member
 from lcache.checkpoint.restore import read_manifest
@@ -27,10 +30,19 @@ def upload_checkpoint(path: str, url: str, storage_options: dict[str, Any] | Non
     Raises:
         ConfigError: a local ``url`` on the checkpoint, in its directory or holding it (see
             ``check_upload_target``), or one that cannot be written.
+        CheckpointExistsError: ``url/<name>`` holds a checkpoint already (a manifest); a
+            destination without one (an upload cut short) is written over.
     """
     # the files the manifest names (checked plain names), nothing else found in the directory
     files = sorted({shard["file"] for shard in read_manifest(path)["shards"]})
     fs, dest = check_upload_target(path, url, storage_options, [*files, MANIFEST])
+    fs.invalidate_cache(dest)  # a listing fsspec cached earlier must not hide a new manifest
+    if fs.lexists(f"{dest}/{MANIFEST}"):
+        raise CheckpointExistsError(
+            f"{url} already holds a checkpoint named {os.path.basename(dest)!r} ({dest}/"
+            f"{MANIFEST}); checkpoints are never overwritten (its data files would be "
+            "rewritten under its manifest, and an upload cut short would leave neither copy "
+            "whole): remove it first, or upload to another URL or under another name")
     try:
         fs.makedirs(dest, exist_ok=True)
         _copy(fs, path, dest, [*files, MANIFEST])
