@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lcache.report import summarize
-from lcache.report.load import Trace, load
+from lcache.report.load import Trace, json_lines, load
 
 HERE = Path(__file__).parent
 LCACHE = [sys.executable, "-m", "lcache"]
@@ -106,7 +106,6 @@ def test_sampler_opens_each_proc_file_once_and_writes_what_it_read(
     # A sample is one pread per process of a /proc/<pid>/io kept open (and one of
     # /proc/diskstats), written as read: no open, parse or JSON per sample; the loader and
     # --jsonl parse them into the same counters.
-    from lcache.report.load import json_lines, load
     from lcache.trace.sampler import ProcSampler
     from lcache.trace.writer import TraceWriter
 
@@ -202,6 +201,36 @@ def test_syscall_offsets_a_shared_description_or_o_append_hides_are_unknown(
     offsets = [int(tr.offset[i]) for i in range(len(tr)) if tr.files[tr.file[i]] == str(data)
                and tr.ops[tr.op[i]] == "write"]
     assert offsets == [0, -1, -1, -1]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None and os.geteuid() != 0,
+                    reason="strace is not installed and cannot be (not root)")
+def test_syscalls_name_odd_files_and_keep_unlinked_ones(tmp_path: Path) -> None:
+    """The finding (attack helper 87): names were strace's escapes (``donn\\303\\251es.bin``,
+    ``a\\74b\\76.bin``), a file named ``x:[1].bin`` lost its reads as a "socket", and writes to
+    unlinked files (every TemporaryFile) were dropped."""
+    t = tmp_path / "sys.trace"
+    names = [b"donn\xc3\xa9es.bin", b"bad\xff.bin", b"a<b>.bin", b"x:[1].bin",
+             b'q"u\\v\n.bin', b"a) = 7 b[,c.bin", b"z>(deleted)"]
+    for n in names:
+        (tmp_path / os.fsdecode(n)).write_bytes(b"x" * 100)
+    code = (f"import os, tempfile\nos.chdir({str(tmp_path)!r})\n"
+            f"for n in {names!r}:\n    fd = os.open(n, os.O_RDONLY)\n    os.read(fd, 100)\n"
+            "    os.close(fd)\n"
+            "f = open('gone.bin', 'wb')\nos.unlink('gone.bin')\nf.write(b'x' * 5000)\nf.close()\n"
+            "with tempfile.TemporaryFile(dir='.') as f:\n    f.write(b'y' * 7000)\n")
+    tr = _syscalls(t, code)
+    moved: dict[str, int] = {}
+    for e in map(json.loads, json_lines(str(t))):
+        name = e.get("args", {}).get("file", "")
+        if e.get("cat") == "syscall" and name.startswith(str(tmp_path)):
+            moved[name] = moved.get(name, 0) + e["args"]["ret"]
+    temp = [n for n in moved if n.endswith(" (deleted)") and "/#" in n]
+    # named as lcache's own events name files (os.fsdecode): b"\xff" is "\udcff"
+    assert moved == {**{f"{tmp_path}/{os.fsdecode(n)}": 100 for n in names},
+                     f"{tmp_path}/gone.bin (deleted)": 5000, **dict.fromkeys(temp, 7000)}
+    assert len(temp) == 1  # O_TMPFILE: the kernel names it "#<inode> (deleted)"
+    assert f"{tmp_path}/bad\\xff.bin" in tr.files  # the report shows its bytes
 
 
 def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> None:

@@ -70,3 +70,56 @@ def test_copies_between_fds_and_file_mappings() -> None:
         ("read", "/d/in", 8, 16, 16, "splice"),  # the pipe side is not storage
         ("mmap", "/d/in", 4096, 8192, 0, "mmap"),  # mapped; the faults' bytes unseen
     ]
+
+
+# Lines strace 6.1 wrote (-D -f -qq -ttt -T -y -s 0) for files with odd names, unlinked files,
+# a memfd, a pipe and a socket (paths shortened to /d).
+ODD_NAMES = r"""
+9 1796647229.000001 read(3</d/donn\303\251es.bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000002 read(3</d/bad\377\376.bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000003 read(3</d/a\74b\76.bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000004 read(3</d/nl\nx\tq\"u\\v\33[m.bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000005 read(3</d/x:[1].bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000006 read(3</d/z\76(deleted), 5.bin>, ""..., 3) = 3 <0.000001>
+9 1796647229.000007 openat(AT_FDCWD</d>, "a) = 7 b[.bin", O_RDWR|O_CREAT|O_CLOEXEC, 0777) \
+= 7</d/a) = 7 b[.bin> <0.000032>
+9 1796647229.000008 write(7</d/a) = 7 b[.bin>, ""..., 10) = 10 <0.000010>
+9 1796647229.000009 pwrite64(7</d/a) = 7 b[.bin>, ""..., 5, 3) = 5 <0.000007>
+9 1796647229.000010 openat(AT_FDCWD</d>, "O_APPEND.bin", O_RDWR|O_CREAT|O_CLOEXEC, 0777) \
+= 10</d/O_APPEND.bin> <0.000029>
+9 1796647229.000011 write(10</d/O_APPEND.bin>, ""..., 10) = 10 <0.000011>
+9 1796647229.000012 sendfile(8</d/c{p,y}[.bin>, 7</d/x:[1].bin>, [0] => [5], 5) = 5 <0.000018>
+9 1796647229.000013 mmap(NULL, 10, PROT_READ, MAP_SHARED, 7</d/x:[1].bin>, 0) = 0x7f00 <0.00001>
+9 1796647229.000014 write(3</d/gone.bin>(deleted), ""..., 5000) = 5000 <0.000001>
+9 1796647229.000015 write(3</d/odd\377\76(deleted)>(deleted), ""..., 50) = 50 <0.000001>
+9 1796647229.000016 write(3</d/#2318647>(deleted), ""..., 7000) = 7000 <0.000001>
+9 1796647229.000017 write(3</memfd:buf>(deleted), ""..., 10) = 10 <0.000019>
+9 1796647229.000018 write(4<pipe:[2678431]>, ""..., 2) = 2 <0.000008>
+9 1796647229.000019 read(5<socket:[2678432]>, ""..., 1) = 1 <0.000008>
+9 1796647229.000020 read(6<anon_inode:[eventfd]>, ""..., 8) = 8 <0.000008>
+"""
+
+
+def test_names_are_the_real_paths_and_unlinked_files_are_kept() -> None:
+    """The finding (attack helper 87): names were strace's escaped spelling
+    (``donn\\303\\251es.bin``), a file named ``x:[1].bin`` was taken for a socket, and writes
+    to an unlinked file (``3</p>(deleted)``, every TemporaryFile) were dropped."""
+    events = list(parse(ODD_NAMES.replace("\\\n", "").splitlines(), wall_minus_mono_us=0.0))
+    got = [(e["name"], e["args"]["file"], e["args"]["off"], e["args"]["ret"]) for e in events]
+    assert got == [
+        ("read", "/d/données.bin", -1, 3),
+        ("read", "/d/bad\udcff\udcfe.bin", -1, 3),  # os.fsdecode of the bytes
+        ("read", "/d/a<b>.bin", -1, 3),
+        ("read", '/d/nl\nx\tq"u\\v\x1b[m.bin', -1, 3),
+        ("read", "/d/x:[1].bin", -1, 3),
+        ("read", "/d/z>(deleted), 5.bin", -1, 3),  # "(deleted)" inside the name: not unlinked
+        ("write", "/d/a) = 7 b[.bin", 0, 10),  # ") = 7" in a name is not the result
+        ("write", "/d/a) = 7 b[.bin", 3, 5),
+        ("write", "/d/O_APPEND.bin", 0, 10),  # the name is no flag
+        ("read", "/d/x:[1].bin", 0, 5),  # sendfile: "," and "{" in a name split nothing
+        ("write", "/d/c{p,y}[.bin", -1, 5),
+        ("mmap", "/d/x:[1].bin", 0, 0),
+        ("write", "/d/gone.bin (deleted)", -1, 5000),  # as /proc/<pid>/fd names it
+        ("write", "/d/odd\udcff>(deleted) (deleted)", -1, 50),
+        ("write", "/d/#2318647 (deleted)", -1, 7000),  # an O_TMPFILE file
+    ]  # the memfd, pipe, socket and eventfd are not storage

@@ -10,7 +10,10 @@ bytes between two fds: each gives a read of its input and a write of its output,
 given or at the positions followed. ``mmap`` of a file gives an ``mmap`` event (``size``: the
 length mapped, ``ret`` 0): the page faults that then read the file are not system calls, so
 strace cannot see those bytes. Only regular files under ``/`` outside ``/dev``, ``/proc`` and
-``/sys`` are kept; pipes, sockets and terminals are not storage.
+``/sys`` are kept; pipes, sockets and terminals are not storage. Names are the real paths (strace
+escapes their bytes); a file written after it was unlinked (``tempfile.TemporaryFile``) is
+named as ``/proc/<pid>/fd`` and lsof name it, ``<path> (deleted)``: its bytes still went to its
+filesystem.
 
 strace stops the tracee at every traced system call, so the run is slower: docs/trace.md states
 by how much (benchmarks/trace_overhead.py measures it).
@@ -39,12 +42,21 @@ _POSITIONAL = {"pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2"
 #: (count after them: argument 3 of sendfile, 4 of the others)
 _COPIES = {"sendfile": (1, 2, 0, -1), "sendfile64": (1, 2, 0, -1),
            "copy_file_range": (0, 1, 2, 3), "splice": (0, 1, 2, 3)}
-_SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/")
+# memfd_create files live in memory; the kernel names them "/memfd:<name> (deleted)"
+_SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:")
 
 _LINE = re.compile(r"^(\d+)\s+(\d+\.\d+)\s+(\w+)\((.*)$")
 _RESUMED = re.compile(r"^(\d+)\s+(\d+\.\d+)\s+<\.\.\. (\w+) resumed>(.*)$")
 _RESULT = re.compile(r"\)\s+=\s+(-?\d+|\?)(?:<[^>]*>)?(?:\s+(E[A-Z0-9]+))?.*?(?:<(\d+\.\d+)>)?\s*$")
-_FD = re.compile(r"^(-?\d+)<(.*?)>(?:,|$)")
+_FD = re.compile(r"^(-?\d+)<(\d+)>(?:,|$)")  # an fd and the index of its lifted path
+# What is lifted out of a call's text before it is parsed, so that no character of a file name
+# is taken for syntax: quoted strings (an open's path) and the path strace -y prints after an
+# fd (or AT_FDCWD). strace escapes < and > inside that path (string_quote with "<>"), and
+# prints "(deleted)" after it when the file behind the fd was unlinked.
+_OPAQUE = re.compile(r'"(?:[^"\\]|\\.)*"|(?:(?<=\d)|(?<=AT_FDCWD))<([^<>]*)>(\(deleted\))?')
+# strace's escapes in a path: octal (1-3 digits), \xHH (with -x), \n \t \r \f \v, \\ and \"
+_ESCAPE = re.compile(rb"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{2})|(.))", re.DOTALL)
+_LETTERS = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b"f": b"\f", b"v": b"\v"}
 _INT = re.compile(r"-?\d+")
 
 
@@ -93,17 +105,48 @@ def wait_for_tracer(log_path: str) -> None:
 
 
 def _storage_path(path: str) -> bool:
-    return path.startswith("/") and not path.startswith(_SKIP_PREFIXES) and ":[" not in path
+    # a file's path starts with "/"; pipes, sockets and anonymous inodes are "pipe:[123]",
+    # "socket:[123]", "anon_inode:[eventfd]" (a file may well be named "x:[1].bin")
+    return path.startswith("/") and not path.startswith(_SKIP_PREFIXES)
+
+
+def _unescape(match: re.Match[bytes]) -> bytes:
+    octal, hexa, char = match.groups()
+    if octal or hexa:
+        return bytes([int(octal, 8) if octal else int(hexa, 16)])
+    return _LETTERS.get(char, char)
+
+
+def _file_name(text: str, deleted: bool = False) -> str:
+    """The path strace -y printed as ``text``, as lcache names files (``os.fsdecode``: bytes
+    that are not UTF-8 come as lone surrogates); ``deleted``: it was printed with
+    ``(deleted)`` after it, and the name gets the kernel's `` (deleted)``."""
+    path = os.fsdecode(_ESCAPE.sub(_unescape, text.encode()))
+    return path + " (deleted)" if deleted else path
+
+
+def _lift(rest: str) -> tuple[str, list[str]]:
+    """``rest`` with its quoted strings emptied and each fd's path replaced by its index in
+    the list returned (as file names)."""
+    paths: list[str] = []
+
+    def lift(m: re.Match[str]) -> str:
+        if m[0].startswith('"'):
+            return '""'
+        paths.append(_file_name(m[1], m[2] is not None))
+        return f"<{len(paths) - 1}>"
+
+    return _OPAQUE.sub(lift, rest), paths
 
 
 def _split_args(args: str) -> list[str]:
-    """Top-level arguments of a call (commas inside ``[...]``, ``{...}`` and the ``<path>``
-    strace -y adds are not separators)."""
+    """Top-level arguments of a call, its paths lifted (commas inside ``[...]`` and ``{...}``
+    are not separators)."""
     out, depth, start = [], 0, 0
     for i, c in enumerate(args):
-        if c in "[{<":
+        if c in "[{":
             depth += 1
-        elif c in "]}>" and depth:
+        elif c in "]}" and depth:
             depth -= 1
         elif c == "," and depth == 0:
             out.append(args[start:i].strip())
@@ -112,9 +155,9 @@ def _split_args(args: str) -> list[str]:
     return out
 
 
-def _fd_arg(arg: str) -> tuple[int, str] | None:
+def _fd_arg(arg: str, paths: list[str]) -> tuple[int, str] | None:
     m = _FD.match(arg)
-    return (int(m[1]), m[2]) if m else None
+    return (int(m[1]), paths[int(m[2])]) if m else None
 
 
 def _offset_arg(arg: str) -> int | None:
@@ -172,7 +215,8 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
             position[key] = offset + moved
         return offset
 
-    for tid, wall, name, rest in _joined(lines):
+    for tid, wall, name, text in _joined(lines):
+        rest, paths = _lift(text)
         res = _RESULT.search(rest)
         if res is None or res[1] == "?":
             continue
@@ -200,7 +244,7 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
         if name in _COPIES or name == "mmap":
             parts = _split_args(args)
             if name == "mmap":  # mmap(addr, length, prot, flags, fd, offset)
-                fd_arg = _fd_arg(parts[4]) if len(parts) == 6 else None
+                fd_arg = _fd_arg(parts[4], paths) if len(parts) == 6 else None
                 if fd_arg is not None and _storage_path(fd_arg[1]):
                     try:
                         offset = int(parts[5], 0)  # "0" or "0x1f000"
@@ -216,7 +260,7 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
             if not 0 <= count < 1 << 62:  # cp asks copy_file_range for "all" (SSIZE_MAX)
                 count = moved
             for op, i, i_off in (("read", i_in, i_off_in), ("write", i_out, i_off_out)):
-                fd_arg = _fd_arg(parts[i]) if i < len(parts) else None
+                fd_arg = _fd_arg(parts[i], paths) if i < len(parts) else None
                 if fd_arg is None:
                     continue
                 off = _offset_arg(parts[i_off]) if i_off >= 0 else None
@@ -225,10 +269,10 @@ def parse(lines: Iterable[str], wall_minus_mono_us: float) -> Iterator[dict[str,
                 if _storage_path(fd_arg[1]):
                     yield event(op, fd_arg[1], off, count, ret)
             continue
-        fd_m = _FD.match(args)
-        if fd_m is None:
+        fd_arg = _fd_arg(args, paths)
+        if fd_arg is None:
             continue
-        fd, path = int(fd_m[1]), fd_m[2]
+        fd, path = fd_arg
         key = (tid, fd)
         if name == "close":
             position.pop(key, None)
