@@ -79,7 +79,8 @@ class ActivationStats:
         tensors_deduplicated: saved tensors that reused the spill of their storage.
         tensors_kept: saved tensors left in memory (under ``min_bytes``, parameters...).
         bytes_spilled: bytes written.
-        bytes_read: bytes read back.
+        bytes_read: bytes read back (a spill still being written when backward needs it
+            is handed back from memory, unread).
         reads_on_demand: spills backward had to read when it needed them, as none was read
             ahead (a few per backward pass at most when its order follows the forward's).
         held_bytes: spilled bytes in memory now: still being written, or read back and not
