@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 import unicodedata
@@ -24,6 +25,20 @@ def whole_number(value: Any, name: str, low: int, high: int | None = None) -> in
             (high is not None and number > high):
         span = f"from {low:,} to {high:,}" if high is not None else f"of at least {low}"
         raise ConfigError(f"{name}={value!r}: give a whole number {span}")
+    return number
+
+
+def real_number(value: Any, name: str, low: float, high: float) -> float:
+    """``value`` as a float in [low, high] (ints, floats and numpy numbers; not bools,
+    strings or NaN), or a ConfigError naming ``name``."""
+    number = math.nan  # in no range
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = math.inf
+    if not low <= number <= high:
+        raise ConfigError(f"{name}={value!r:.200}: give a number from {low:g} to {high:g}")
     return number
 
 

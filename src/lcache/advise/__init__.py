@@ -20,7 +20,10 @@ from typing import Any
 from lcache.advise.advice import Targets, advise_all
 from lcache.advise.emit import to_yaml, workload
 from lcache.advise.fit import fit
+from lcache.checks import flag, path_argument, whole_number
+from lcache.errors import ConfigError
 from lcache.io import atomic_write
+from lcache.model.config import MAX_COUNT
 from lcache.report.load import load
 
 __all__ = ["Targets", "advise"]
@@ -43,10 +46,28 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
 
     Raises:
         lcache.trace.TraceFormatError: a trace file is missing, truncated or not a trace.
-        ConfigError: an unknown ``model``, or a ``storage`` that is not an existing
-            directory or cannot be used.
+        ConfigError: an argument of the wrong kind or out of range (the ranges of
+            ``lcache advise``'s options), an unknown ``model``, or a ``storage`` that is not
+            an existing directory or cannot be used.
     """
+    names = _trace_names(paths)
+    if targets is not None and not isinstance(targets, Targets):
+        raise ConfigError(f"targets={targets!r:.200}: give a lcache.advise.Targets (or None), "
+                          "such as Targets(hit_ratio=0.9)")
     t = targets or Targets()
+    if scale_gpus is not None:
+        whole_number(scale_gpus, "scale_gpus", 1, MAX_COUNT["gpus"])
+    if model is not None and not isinstance(model, str):
+        raise ConfigError(f"model={model!r:.200}: give a preset's name (lcache model --list)")
+    whole_number(gpus_per_node, "gpus_per_node", 1, MAX_COUNT["gpus_per_node"])
+    if traced_gpus is not None:
+        whole_number(traced_gpus, "traced_gpus", 1, 1 << 24)
+    if storage is not None:
+        storage = path_argument(storage, "storage")
+    whole_number(check_epochs, "check_epochs", 1, 1000)
+    if html_path is not None:
+        path_argument(html_path, "html_path")
+    flag(show_progress, "show_progress")
     if storage is not None:
         from lcache.advise.check import check_storage
 
@@ -54,8 +75,6 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
     trace = load(paths)
     fitted = fit(trace)
     doc, notes = workload(fitted)
-    names = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike))
-                                    else paths)]
     out: dict[str, Any] = {"fit": fitted, "workload": {"doc": doc, "notes": notes,
                                                        "yaml": to_yaml(doc, notes,
                                                                        ", ".join(names))},
@@ -83,3 +102,15 @@ def advise(paths: PathLike | Sequence[PathLike], targets: Targets | None = None,
 
         atomic_write(os.fspath(html_path), render_page(trace, out).encode(), mode=0o644)
     return out
+
+
+def _trace_names(paths: Any) -> list[str]:
+    """``paths`` (one path or a sequence of them) as a list of path strings, or a ConfigError
+    (an int was iterated: "'int' object is not iterable"). A missing or empty one is the
+    loader's to refuse, naming the file."""
+    many = isinstance(paths, Sequence) and not isinstance(paths, (str, bytes))
+    given = list(paths) if many else [paths]
+    if not given or not all(isinstance(p, (str, os.PathLike)) for p in given):
+        raise ConfigError(f"paths={paths!r:.200}: give a trace file's path or a non-empty "
+                          "list of them")
+    return [os.fspath(p) for p in given]

@@ -10,13 +10,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lcache.checks import real_number, whole_number
 from lcache.data.sizing import (
     MIN_SEGMENTS,
     capacity_for,
     choose_segment_size,
     plan_overhead,
 )
-from lcache.store.layout import format_decimal_size
+from lcache.store.layout import MAX_SIZE, format_decimal_size
 from lcache.store.record import HEADER_SIZE
 
 DAY_S = 86_400.0
@@ -33,6 +34,19 @@ class Targets:
     ssd_capacity_bytes: float = 3.84e12
     ssds: int = 8  # per node, as lcache model (a DGX H100's data drives)
     rated_dwpd: float = 1.0
+
+    def __post_init__(self) -> None:
+        # the ranges of lcache advise's options: a str or NaN here failed deep in the
+        # arithmetic, a TypeError that named no target
+        for name, (low, high) in _TARGET_RANGES.items():
+            object.__setattr__(self, name, real_number(getattr(self, name), name, low, high))
+        object.__setattr__(self, "ssds", whole_number(self.ssds, "ssds", 1, 1024))
+
+
+#: the range of each float field of :class:`Targets` (as ``lcache advise`` checks its options)
+_TARGET_RANGES = {"hit_ratio": (0.001, 1.0), "max_stall": (0.0001, 0.99),
+                  "ssd_write_Bps": (1.0, float(MAX_SIZE)), "ssd_read_Bps": (1.0, float(MAX_SIZE)),
+                  "ssd_capacity_bytes": (1.0, float(MAX_SIZE)), "rated_dwpd": (0.001, 1000.0)}
 
 
 def _loader_workers() -> int:
