@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 
 from lcache.errors import ConfigError
-from lcache.model import CLASSES, PRESETS, TrainingConfig, config_from_preset, predict
+from lcache.model import (
+    CLASSES,
+    PRESETS,
+    TrainingConfig,
+    config_from_preset,
+    load_model_file,
+    predict,
+)
 from lcache.model import formulas as f
 
 GiB = 2**30
@@ -284,6 +291,19 @@ def test_finite_settings_whose_figures_leave_float_range_are_refused() -> None:
 def test_unknown_preset_lists_the_presets() -> None:
     with pytest.raises(ConfigError, match="llama3-8b, llama3-70b"):
         config_from_preset("llama4")
+
+
+@pytest.mark.parametrize(("call", "words"), [
+    (lambda: predict(None), "cfg=None: give a TrainingConfig"),  # type: ignore[arg-type]
+    (lambda: config_from_preset(5), "unknown model preset 5; choose one of llama3-8b"),  # type: ignore[arg-type]
+    (lambda: load_model_file(None), "path=None: give a path"),  # type: ignore[arg-type]
+])
+def test_api_arguments_of_the_wrong_kind_are_named(call, words: str) -> None:  # type: ignore[no-untyped-def]
+    """The finding (attack helper 87): predict(None) raised AttributeError ("'NoneType'
+    object has no attribute 'validate'"), config_from_preset(5) AttributeError (no
+    'lower'), load_model_file(None) a TypeError from Path()."""
+    with pytest.raises(ConfigError, match=words):
+        call()
 
 
 def test_training_config_defaults_predict() -> None:

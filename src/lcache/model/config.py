@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lcache.checks import path_argument
 from lcache.errors import ConfigError
 from lcache.model.formulas import RECOMPUTE, dtype_bytes
 from lcache.model.hardware import get_gpu
@@ -324,7 +325,7 @@ def load_model_file(path: str | Path, **overrides: Any) -> TrainingConfig:
     # most); imported here because lcache.bench imports lcache.model.
     from lcache.bench.yamlfile import load_yaml, read_file
 
-    path = Path(path)
+    path = Path(path_argument(path, "path"))  # None became TypeError from Path()
     doc = load_yaml(read_file(str(path), "model"), f"model file {path}", "model file")
     if not isinstance(doc, dict):
         raise ConfigError(f"model file {path} must hold a mapping of keys (layers, hidden, "

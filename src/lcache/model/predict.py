@@ -208,6 +208,9 @@ def predict(cfg: TrainingConfig) -> Prediction:
         ConfigError: the configuration is invalid (see :meth:`TrainingConfig.validate`), or
             its settings, each finite, are so far apart that a figure leaves float range.
     """
+    if not isinstance(cfg, TrainingConfig):  # None raised "has no attribute 'validate'"
+        raise ConfigError(f"cfg={cfg!r:.200}: give a TrainingConfig (from "
+                          "config_from_preset, load_model_file or build_config)")
     cfg.validate()
     try:
         pred = _predict(cfg)

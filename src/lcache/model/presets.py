@@ -148,7 +148,7 @@ def get_preset(name: str, where: str = "", alternative: str = "") -> ModelShape:
     (--model-file)"), if it has one."""
     try:
         return PRESETS[name.lower()]
-    except KeyError:
+    except (KeyError, AttributeError):  # AttributeError: not a str (5 has no lower())
         raise ConfigError(f"unknown model preset {name!r}{where}; choose one of "
                           f"{', '.join(PRESETS)}" + (f" or give {alternative}" if alternative
                                                       else "")) from None
