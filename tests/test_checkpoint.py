@@ -230,6 +230,24 @@ def test_like_mismatch_lists_the_keys(tmp_path: Path) -> None:
         ck.load(tmp_path / "c" / "s", like={**state, "model": {"w": None, "b": None}})
 
 
+@pytest.mark.parametrize(("like", "said"), [
+    ([1, 2], "<root>: checkpoint has dict, like= a list of 2 items"),
+    (np.zeros(3), "<root>: checkpoint has dict, like= array float64[3]"),
+    ({"w": np.zeros(3), "l": (1, 2)}, "/l: checkpoint has a list of 3 items, like= a tuple of 2 "
+     "items"),
+    ({"w": np.zeros(3), "l": 7}, "/l: checkpoint has list, like= int"),
+])
+def test_like_of_another_shape_says_what_each_side_holds(tmp_path: Path, like: Any,
+                                                        said: str) -> None:
+    """The finding (attack helper 87): like=[1, 2] against a dict checkpoint read
+    ": checkpoint has dict of - items, like= 2" (no key for the root, a dict's item count
+    as "-", and a bare 2); like= an array said ": checkpoint has dict"."""
+    ck.save({"w": np.zeros(3), "l": [1, 2, 3]}, tmp_path / "c" / "s")
+    with pytest.raises(ck.StateMismatchError) as info:
+        ck.load(tmp_path / "c" / "s", like=like)
+    assert str(info.value).endswith(f":\n  {said}"), str(info.value)
+
+
 def test_missing_checkpoint_and_partial_dir(tmp_path: Path) -> None:
     with pytest.raises(ck.CheckpointNotFoundError, match="no such directory"):
         ck.load(tmp_path / "nope")

@@ -368,9 +368,10 @@ def _describe(value: Any) -> str:
 def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
     if _restores(want):  # it checks what it is handed itself
         return
+    where = key or "<root>"  # the whole state: "" printed as ": checkpoint has..."
     if isinstance(want, dict):
         if not isinstance(got, dict):
-            diffs.append(f"{key or '<root>'}: checkpoint has {_describe(got)}, like= a dict")
+            diffs.append(f"{where}: checkpoint has {_describe(got)}, like= a dict")
             return
         for k in want:
             if k not in got:
@@ -381,10 +382,13 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
             else:
                 _compare(got[k], want[k], f"{key}/{key_text(k)}", diffs)
     elif isinstance(want, (list, tuple)):
-        if not isinstance(got, (list, tuple)) or len(got) != len(want):
-            diffs.append(f"{key}: checkpoint has {_describe(got)} of "
-                         f"{len(got) if isinstance(got, (list, tuple)) else '-'} items, "
-                         f"like= {len(want)}")
+        like = f"like= a {type(want).__name__} of {len(want)} items"
+        if not isinstance(got, (list, tuple)):
+            diffs.append(f"{where}: checkpoint has {_describe(got)}, {like}")
+            return
+        if len(got) != len(want):
+            diffs.append(f"{where}: checkpoint has a {_describe(got)} of {len(got)} items, "
+                         f"{like}")
             return
         for i, (g, w) in enumerate(zip(got, want, strict=False)):
             _compare(g, w, f"{key}/{i}", diffs)
@@ -392,11 +396,10 @@ def _compare(got: Any, want: Any, key: str, diffs: list[str]) -> None:
         same_kind = _kind(got) == _kind(want)
         if not (hasattr(got, "dtype") and same_kind and got.dtype == want.dtype
                 and tuple(got.shape) == tuple(want.shape)):
-            diffs.append(f"{key}: checkpoint has {_describe(got)}, like= {_describe(want)}")
+            diffs.append(f"{where}: checkpoint has {_describe(got)}, like= {_describe(want)}")
     elif isinstance(got, (dict, list, tuple)) or hasattr(got, "shape"):
         # like= a plain value where the checkpoint holds structure (like="junk" was ignored)
-        diffs.append(f"{key or '<root>'}: checkpoint has {_describe(got)}, like= "
-                     f"{_describe(want)}")
+        diffs.append(f"{where}: checkpoint has {_describe(got)}, like= {_describe(want)}")
 
 
 def _to_devices(got: Any, want: Any) -> Any:
