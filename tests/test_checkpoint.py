@@ -673,6 +673,18 @@ def test_bad_options_and_paths_are_refused_before_any_work(tmp_path: Path,
         ck.load(tmp_path / "s2", rank="0")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("options", [{"verify": "no"}, {"direct": "no"}, {"verify": None},
+                                     {"direct": 0}, {"into": "no"}])
+def test_load_flags_are_bools(tmp_path: Path, options: dict[str, Any]) -> None:
+    """The finding (attack helper 87): load(verify="no", direct="no") was taken by
+    truthiness, as yes; checked as Checkpointer(direct=) is."""
+    path = ck.save({"w": np.zeros(3)}, tmp_path / "c" / "s")
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=f"^{name}=.*: give True or False"):
+        ck.load(path, like={"w": np.zeros(3)}, **options)
+    assert ck.load(path, verify=np.bool_(False), direct=False)["w"].shape == (3,)
+
+
 def test_non_paths_and_bad_upload_options_are_config_errors(tmp_path: Path) -> None:
     """Each was a bare TypeError (upload_to=True only after the local checkpoint was
     complete), and a save into /proc a bare FileNotFoundError (attack helper 47)."""

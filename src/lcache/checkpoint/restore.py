@@ -43,7 +43,7 @@ from lcache.checkpoint.persist import (
     read_data_file,
     read_small_file,
 )
-from lcache.checks import path_argument, whole_number
+from lcache.checks import flag, path_argument, whole_number
 from lcache.errors import LCacheError
 from lcache.io import aligned_buffer, close_file, pread_full
 
@@ -159,6 +159,8 @@ def load(path: str | os.PathLike[str], like: Any = None, *, rank: int | None = N
         StateMismatchError: the state differs from ``like``; lists the keys.
     """
     path = path_argument(path, "path")
+    # as a Checkpointer's direct=: taken by truthiness, verify="no" and direct="no" meant yes
+    verify, direct, into = flag(verify, "verify"), flag(direct, "direct"), flag(into, "into")
     if into and like is None:
         raise ConfigError("load(into=True) copies into like=: pass the state to fill")
     body = read_manifest(path)
