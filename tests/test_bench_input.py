@@ -97,6 +97,15 @@ def test_bad_set_value_is_one_line(tmp_path: Path, override: str, words: list[st
     assert_one_line_error(run, *words)
 
 
+@pytest.mark.parametrize("overrides", ["train.epochs=1", b"train.epochs=1", None,
+                                       ["train.epochs=1", 2], {"train.epochs": 1}])
+def test_overrides_not_a_list_of_strings_are_named(tmp_path: Path, overrides: Any) -> None:
+    """The finding (attack helper 87): parse_workload(doc, overrides="a.b=1") walked the str
+    a character at a time: "override 'a' is not SECTION.KEY=VALUE"."""
+    with pytest.raises(ConfigError, match=r"^overrides=.*: give a list of SECTION\.KEY=VALUE"):
+        parse_workload(tiny(tmp_path), overrides=overrides)
+
+
 def test_model_set_tag_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump(tiny(tmp_path)))

@@ -360,6 +360,11 @@ def parse_workload(doc: dict[str, Any], source: str = "<dict>",
         doc = doc["workload"]
     doc = _copy(doc)
     file_length = _record_length_of(doc, source)
+    if not isinstance(overrides, (list, tuple)) or \
+            not all(isinstance(item, str) for item in overrides):
+        # a str was walked a character at a time: "override a is not SECTION.KEY=VALUE"
+        raise ConfigError(f"overrides={overrides!r:.200}: give a list of SECTION.KEY=VALUE "
+                          "strings, such as ['train.epochs=2']")
     overridden = {_apply_override(doc, item) for item in overrides}
     _check_keys(doc, source)
     w = Workload(source=source)
