@@ -274,6 +274,24 @@ def test_bad_input_is_one_line(trace: Path, tmp_path: Path, args: tuple[str, ...
     assert_one_line_error(done, *words)
 
 
+@pytest.mark.parametrize("args, words", [
+    (("--scale-gpus", "7"), ["7 GPUs (--scale-gpus 7)", "give --scale-gpus 4 or 8"]),
+    (("--scale-gpus", "12"), ["give --scale-gpus 8 or 16"]),
+    (("--gpus-per-node", "3"), ["its own 8 GPUs with --gpus-per-node 3",
+                                "--scale-gpus 2 (the nearest", "or another --gpus-per-node"]),
+])
+def test_a_gpu_count_the_model_preset_cannot_run_on_is_said_with_advises_options(
+        trace: Path, tmp_path: Path, args: tuple[str, ...], words: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding (attack helper 87): lcache model's refusal came through alone, naming
+    settings advise has no option for ("global_batch 512 is not a multiple of micro_batch x
+    dp = 1 x 7", "change gpus or gpus_per_node"); the counts that would do were not said."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["advise", str(trace), "--model", "llama3-8b", *args])
+    done = subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+    assert_one_line_error(done, "--model llama3-8b cannot run on", *words)
+
+
 def test_foreign_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello\n")
     assert_one_line_error(run_lcache("advise", "notes.txt", cwd=tmp_path), "notes.txt")

@@ -8,6 +8,8 @@ import math
 from typing import Any
 
 from lcache.advise.advice import DAY_S, Targets
+from lcache.errors import ConfigError
+from lcache.model.config import MAX_COUNT, TrainingConfig
 
 #: Figures taken from ``lcache model``'s prediction for the table (per node, MBps = 1e6 B/s).
 _MODEL_KEYS = ("MBps_needed_overlap", "MBps_needed_no_overlap")
@@ -19,13 +21,9 @@ def scale(fitted: dict[str, Any], gpus: int | None, gpus_per_node: int, traced_g
     Without ``gpus``: the preset's own GPU count, else one node."""
     pred = None
     if model is not None:
-        from lcache.model import config_from_preset, predict
+        from lcache.model import predict
 
-        # Offload on, so that the advice can say whether it fits (docs/advise.md).
-        settings: dict[str, Any] = {"gpus_per_node": gpus_per_node, "optimizer_offload": True}
-        if gpus is not None:
-            settings["gpus"] = gpus
-        pred = predict(config_from_preset(model, **settings)).to_dict()
+        pred = predict(_preset_config(model, gpus, gpus_per_node)).to_dict()
         gpus = int(pred["gpus"])
     gpus = gpus or gpus_per_node
     nodes = math.ceil(gpus / gpus_per_node)
@@ -61,3 +59,50 @@ def scale(fitted: dict[str, Any], gpus: int | None, gpus_per_node: int, traced_g
             name: {k: round(c[k], 3) for k in _MODEL_KEYS} for name, c in pred["classes"].items()
             if c["enabled"]}
     return out
+
+
+def _preset_config(model: str, gpus: int | None, per_node: int) -> TrainingConfig:
+    """``model``'s preset on ``gpus`` (default: its own), with optimizer offload on so that
+    the advice can say whether it fits (docs/advise.md). A GPU count the preset cannot run
+    on is refused as ``lcache model --gpus`` refuses it, said with advise's options and the
+    nearest counts that work, as the preset's own rules find them: the model's message alone
+    named settings advise has no option for ("global_batch 512 is not a multiple of
+    micro_batch x dp = 1 x 7"; attack helper 87)."""
+    from lcache.model import config_from_preset
+
+    def config(count: int | None) -> TrainingConfig:
+        settings: dict[str, Any] = {"gpus_per_node": per_node, "optimizer_offload": True}
+        return config_from_preset(model, **settings, **({} if count is None else
+                                                         {"gpus": count}))
+
+    try:
+        return config(gpus)
+    except ConfigError as exc:
+        try:
+            n = gpus or config_from_preset(model).gpus
+        except ConfigError:  # the preset itself (an unknown name): its message says it
+            raise exc from None
+        near = [_nearest_count(config, n, step) for step in (-1, 1)]
+        works = [f"{c:,}" for c in near if c is not None]
+        if not works:
+            raise
+        given = f"its own {n:,} GPUs" if gpus is None else f"{n:,} GPUs (--scale-gpus {n})"
+        raise ConfigError(f"--model {model} cannot run on {given} with --gpus-per-node "
+                          f"{per_node}, as the preset's settings say ({exc}); give "
+                          f"--scale-gpus {' or '.join(works)} (the nearest that "
+                          f"work{'s' if len(works) == 1 else ''}), or another --gpus-per-node"
+                          ) from None
+
+
+def _nearest_count(config: Any, n: int, step: int) -> int | None:
+    """The GPU count nearest ``n`` in direction ``step`` that ``config`` takes (None: none
+    from 1 to 4 x n + 64, tried by the preset's own rules)."""
+    end = 0 if step < 0 else min(MAX_COUNT["gpus"], 4 * n + 64) + 1
+    for count in range(n + step, end, step):
+        try:
+            config(count)
+            return count
+        except ConfigError:
+            continue
+    return None
+
