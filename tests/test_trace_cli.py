@@ -252,6 +252,37 @@ def test_signals_reach_the_command_and_the_trace_is_written(tmp_path: Path) -> N
     assert summarize(t)["processes"]
 
 
+def test_sighup_is_passed_on_and_the_trace_finished(tmp_path: Path) -> None:
+    """The finding (attack helper 87): SIGHUP (a closed terminal, a dropped ssh) killed
+    `lcache trace` on the spot, exit 129: the command and `strace -D` ran on, strace's log
+    stayed in the temp folder, the trace lost its last events and no summary was printed."""
+    import signal
+    import time
+
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing: run .ci/run (apt-get install strace)")
+    t = tmp_path / "hup.trace"
+    env = {k: v for k, v in os.environ.items() if k != "LCACHE_TRACE"}
+    env["TMPDIR"] = str(tmp_path)  # strace's log goes here
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGHUP, lambda *a: sys.exit(43))\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    log = tmp_path / "stderr"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([*LCACHE, "trace", "--syscalls", "-o", str(t), "--interval",
+                                 "0.05", "--", sys.executable, "-c", code], env=env,
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGHUP)
+    code = proc.wait(timeout=60)
+    err = log.read_text()
+    assert code == 43, err  # the command's own exit, not lcache trace's death
+    assert "lcache trace: " in err and "syscall events" in err
+    assert not list(tmp_path.glob("lcache-strace-*"))
+    assert summarize(t)["processes"]
+
+
 def test_syscalls_sample_the_command_not_strace(tmp_path: Path) -> None:
     """The finding: under --syscalls the sampler's root was strace, which reaped the command
     and so held all its bytes under strace's name; the command had one sample of zeros."""

@@ -91,13 +91,15 @@ def run_traced(output: str, command: list[str], interval: float = 0.2,
     child: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: Any) -> None:
-        # Ctrl-C reaches the command through the terminal's process group; SIGTERM sent to
-        # lcache trace is passed on. Either way we stay to write the trace.
+        # Ctrl-C reaches the command through the terminal's process group; SIGTERM and SIGHUP
+        # (a closed terminal, a dropped ssh) sent to lcache trace are passed on. Either way we
+        # stay to write the trace and remove strace's log.
         if signum != signal.SIGINT and child:
             child[0].send_signal(signum)
 
     # A handler, not SIG_IGN: handlers are reset by exec, SIG_IGN would be inherited.
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, forward)
+           for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         try:
             proc = subprocess.Popen(argv, env=env)
