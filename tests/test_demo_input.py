@@ -117,3 +117,65 @@ def test_an_interrupted_demo_leaves_nothing_behind(tmp_path: Path, sig: int,
     while any(os.path.exists(f"/proc/{w}") for w in workers):
         assert time.monotonic() < deadline, "the DataLoader workers outlived the demo"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("name", "make", "words"), [
+    ("lcache-demo-report.html", "file", ["is not a report lcache wrote", "--dir"]),
+    ("lcache-demo-summary.json", "file", ["is not a summary lcache wrote", "--dir"]),
+    ("lcache-demo.trace.gz", "file", ["is not a trace lcache wrote", "--dir"]),
+    ("lcache-demo.trace.gz", "link", ["is a symbolic link", "--dir"]),
+    ("lcache-demo-report.html", "dir", ["is a directory"]),
+])
+def test_dir_holding_what_lcache_did_not_write_is_refused_before_training(
+        tmp_path: Path, name: str, make: str, words: list[str]) -> None:
+    """The finding (attack helper 87): `demo --dir` replaced a user's files of its output
+    names (and unlinked a link at its trace's), where `lcache report -o` refuses; a report
+    path that is a directory failed only after both training runs, exit 2, and left the
+    trace behind."""
+    d, mine = tmp_path / "d", tmp_path / "mine"
+    d.mkdir()
+    mine.write_text("precious")
+    if make == "file":
+        (d / name).write_text("precious")
+    elif make == "link":
+        (d / name).symlink_to(mine)
+    else:
+        (d / name).mkdir()
+    out = run_lcache("demo", "--dir", str(d), "--samples", "800", "--epochs", "1",
+                     "--latency", "0", "--workers", "0", cwd=tmp_path)
+    assert_one_line_error(out, str(d / name), *words)
+    assert os.listdir(d) == [name]  # nothing written: no dataset, no cache, no trace
+    assert mine.read_text() == "precious"
+    if make == "file":
+        assert (d / name).read_text() == "precious"
+    assert (d / name).is_symlink() == (make == "link")
+
+
+def test_a_rerun_replaces_its_outputs_and_a_failed_report_removes_its_trace(
+        tmp_path: Path) -> None:
+    """What lcache wrote is replaced by the next run; a report that cannot be written (a
+    directory made at its path during the run) fails the run, which removes its trace."""
+    script = (
+        "import os, sys\n"
+        "from lcache.demo import run_training_demo\n"
+        "d, html = sys.argv[1], os.path.join(sys.argv[1], 'lcache-demo-report.html')\n"
+        "def hook(s):\n"
+        "    if s.startswith('writing the I/O report') and sys.argv[2] == 'fail':\n"
+        "        os.unlink(html)\n"
+        "        os.mkdir(html)\n"
+        "run_training_demo(d, samples=800, epochs=1, latency=0, workers=0, progress=hook)\n")
+    env = subprocess_env()
+    env.pop("LCACHE_TRACE", None)
+
+    def run(how: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, str(tmp_path), how], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    outputs = ["lcache-demo-report.html", "lcache-demo-summary.json", "lcache-demo.trace.gz"]
+    for _ in range(2):
+        out = run("ok")
+        assert out.returncode == 0, out.stderr
+        assert sorted(os.listdir(tmp_path)) == outputs
+    out = run("fail")
+    assert out.returncode == 1 and "is a directory" in out.stderr, out.stderr
+    assert sorted(os.listdir(tmp_path)) == outputs[:2]  # its own trace is gone

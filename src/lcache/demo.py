@@ -153,6 +153,29 @@ def _train(loader: Any, sampler: Any, epochs: int, server: ThrottledServer,
     return rows
 
 
+#: what the demo writes into its folder (``--dir``)
+TRACE_NAME = "lcache-demo.trace.gz"
+HTML_NAME = "lcache-demo-report.html"
+SUMMARY_NAME = "lcache-demo-summary.json"
+
+
+def _check_outputs(folder: str, traced: str | None) -> None:
+    """Refuse, with a ConfigError, the demo's outputs in ``folder`` where one could not be
+    written or would replace a file lcache did not write (``traced``: the trace already being
+    recorded, which the demo reads, else the demo writes its own)."""
+    from lcache.cli.checks import check_outputs, check_replaceable
+    from lcache.report import is_html_report, is_json_summary
+    from lcache.trace.writer import is_trace
+
+    html, summary = os.path.join(folder, HTML_NAME), os.path.join(folder, SUMMARY_NAME)
+    trace = None if traced else os.path.join(folder, TRACE_NAME)
+    check_outputs([("--dir", html, "report", False), ("--dir", summary, "summary", False),
+                   ("--dir", trace, "trace", False)], [traced] if traced else [])
+    check_replaceable([("--dir", html, "report", is_html_report),
+                       ("--dir", summary, "summary", is_json_summary),
+                       ("--dir", trace, "trace", is_trace)])
+
+
 def run_training_demo(directory: str | None = None, *, samples: int = 4000,
                       sample_bytes: int = 16 << 10, cache_fraction: float = 0.5,
                       epochs: int = 3, latency: float = 0.005, bandwidth: float = 25e6,
@@ -161,7 +184,9 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
                       report_dir: str | None = None) -> dict[str, Any]:
     """Run the demo; it ends by writing the I/O report of its own run (docs/trace.md) to
     ``report_dir`` (default: ``directory``, else a new private folder in the system's
-    temporary directory). A run that fails removes the trace it wrote."""
+    temporary directory). A file already there under one of its names is replaced only where
+    lcache wrote it (else :class:`ConfigError` before any training). A run that fails removes
+    the trace it wrote."""
     import lcache.trace
     from lcache.trace import recorder
 
@@ -170,29 +195,37 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
     except ImportError:
         raise SystemExit("lcache demo needs PyTorch: pip install 'lcache[torch]'") from None
     check_demo_size(samples, sample_bytes, cache_fraction, directory or tempfile.gettempdir())
+    active = recorder._active
+    own_trace = active is None
+    if report_dir or directory:
+        # before any training, by `lcache report -o`'s rule: a file there that lcache did not
+        # write, a link or a directory is refused (they were replaced, or found after training)
+        _check_outputs(cast(str, report_dir or directory), None if active is None else active.path)
     # Without a folder of its own, the run writes into a new private one (fixed names in the
     # shared temporary directory were overwritten by a concurrent demo).
     private = None if report_dir or directory else tempfile.mkdtemp(prefix="lcache-demo-")
     report_dir = report_dir or directory or cast(str, private)
-    active = recorder._active
-    own_trace = active is None
-    trace_path = os.path.join(report_dir, "lcache-demo.trace.gz")
+    trace_path = os.path.join(report_dir, TRACE_NAME)
     if active is None:
-        if os.path.exists(trace_path):
+        if os.path.exists(trace_path):  # checked: one lcache wrote
             os.unlink(trace_path)
         lcache.trace.enable(trace_path)
     else:  # already traced (LCACHE_TRACE or `lcache trace -- lcache demo`): report that trace
         trace_path = active.path
-    try:
-        figures = _run(directory, samples, sample_bytes, cache_fraction, epochs, latency,
-                       bandwidth, workers, batch_size, seed, progress)
-    except BaseException:
+
+    def discard() -> None:
         if own_trace:  # a failed run leaves nothing behind
             lcache.trace.disable()
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
             elif os.path.exists(trace_path):
                 os.unlink(trace_path)
+
+    try:
+        figures = _run(directory, samples, sample_bytes, cache_fraction, epochs, latency,
+                       bandwidth, workers, batch_size, seed, progress)
+    except BaseException:
+        discard()
         raise
     if own_trace:
         lcache.trace.disable()
@@ -200,10 +233,14 @@ def run_training_demo(directory: str | None = None, *, samples: int = 4000,
         lcache.trace.flush()
     from lcache.report import write_report
 
-    html_path = os.path.join(report_dir, "lcache-demo-report.html")
-    json_path = os.path.join(report_dir, "lcache-demo-summary.json")
+    html_path = os.path.join(report_dir, HTML_NAME)
+    json_path = os.path.join(report_dir, SUMMARY_NAME)
     progress("writing the I/O report of this run")
-    summary = write_report([trace_path], html_path, json_path)
+    try:
+        summary = write_report([trace_path], html_path, json_path)
+    except BaseException:
+        discard()
+        raise
     figures["report"] = {"trace": trace_path, "html": html_path, "summary": json_path,
                          "classes": {k: {f: v[f] for f in ("ops", "bytes", "seq_fraction")}
                                      for k, v in summary["classes"].items()}}

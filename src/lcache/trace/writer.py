@@ -48,6 +48,24 @@ def dumps(event: Any) -> str:
 _HEAD_BYTES = 64 * 1024
 
 
+def is_trace(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) starts an lcache trace: the ``process_name``
+    line :func:`process_metadata` writes (``"lcache_trace": 1`` in its args), plain or as the
+    start of a gzip member."""
+    if head[:2] == b"\x1f\x8b":
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, _HEAD_BYTES)
+        except zlib.error:
+            return False
+    line, newline, _ = head.partition(b"\n")
+    try:
+        first = json.loads(line) if newline else None
+    except ValueError:
+        return False
+    return (isinstance(first, dict) and first.get("name") == "process_name"
+            and isinstance(first.get("args"), dict) and first["args"].get("lcache_trace") == 1)
+
+
 def check_trace_file(fd: int, path: str, verb: str) -> int:
     """The size of the file open at ``fd``, or a ConfigError when it is not a regular file
     (a FIFO would hang the job once its buffer is full; a device or socket is no trace), or
@@ -64,19 +82,7 @@ def check_trace_file(fd: int, path: str, verb: str) -> int:
                           "a trace file; choose a file path")
     if st.st_size == 0:
         return 0
-    head = os.pread(fd, _HEAD_BYTES, 0)
-    if head[:2] == b"\x1f\x8b":
-        try:
-            head = zlib.decompressobj(wbits=31).decompress(head, _HEAD_BYTES)
-        except zlib.error:
-            head = b""
-    line, newline, _ = head.partition(b"\n")
-    try:
-        first = json.loads(line) if newline else None
-    except ValueError:
-        first = None
-    if not (isinstance(first, dict) and first.get("name") == "process_name"
-            and isinstance(first.get("args"), dict) and first["args"].get("lcache_trace") == 1):
+    if not is_trace(os.pread(fd, _HEAD_BYTES, 0)):
         raise ConfigError(f"{path} is not an lcache trace (it does not start with lcache's "
                           f"process_name line), and tracing only {verb} a trace; move it "
                           "away or choose another path")
