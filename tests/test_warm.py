@@ -1,5 +1,5 @@
 """``lcache warm``'s figures: what the run fetched and what the cache holds, with another warm
-of the same cache running beside it and with a disk that fills."""
+of the same cache running beside it and with a disk that fills; its ``-o`` storage options."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from lcache.data.warm import warm_cache
 
-from .conftest import bounded_memory, make_files, mounted_tmpfs, subprocess_env
+from .conftest import bounded_memory, make_files, moto_s3, mounted_tmpfs, subprocess_env
 
 KIB = 1024
 
@@ -59,3 +59,35 @@ def test_cached_samples_are_those_the_cache_holds_when_the_disk_fills(
     assert doc["admit_failures"] == 1, doc
     assert doc["fetched_samples"] == 128, doc  # all fetched, the refused ones staged
     assert 0 < doc["cached_samples"] < 96, doc  # 96 x 64 KiB = 6 MiB
+
+
+def test_option_values_are_typed_so_anon_false_signs_its_requests(tmp_path: Path) -> None:
+    """The finding (attack helper 87): every -o value was a string, and s3fs takes the
+    string "false" as true: -o anon=false sent unsigned requests, refused as Forbidden."""
+    import s3fs
+
+    env = {**subprocess_env(), "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    env.pop("LCACHE_TRACE", None)
+    with moto_s3() as url:
+        fs = s3fs.S3FileSystem(key="x", secret="x", endpoint_url=url, skip_instance_cache=True)
+        fs.mkdir("bkt")
+        for i in range(4):
+            fs.pipe(f"bkt/tr/f{i}.bin", b"x" * 10_000)
+
+        def warm(name: str, *options: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "lcache", "warm", "s3://bkt/tr/", "--cache",
+                 str(tmp_path / name), "--capacity", "3MB", "--segment-size", "64KiB",
+                 "-o", f"endpoint_url={url}", *options, "--json"],
+                env=env, capture_output=True, text=True, timeout=120)
+
+        for value in ("false", "False", "FALSE"):
+            out = warm(value, "-o", f"anon={value}")
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["fetched_samples"] == 4
+        out = warm("true", "-o", "anon=true")  # unsigned: moto refuses them
+        assert out.returncode == 2 and "Forbidden" in out.stderr, out.stderr
+    out = warm("bad", "-o", "anon=[")
+    assert out.returncode == 2 and out.stderr.startswith("error: -o anon: not valid YAML"), \
+        out.stderr

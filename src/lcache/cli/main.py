@@ -218,12 +218,16 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
               help="A new cache's segment size, as CachedDataset(segment_size=) takes it "
                    "(default: sized from the capacity; a small cache may need a smaller one).")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
-              help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000.")
+              help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000; "
+                   "VALUE is read as YAML, as bench's --set reads it (-o anon=false is the "
+                   "boolean, 8 a number, null None; quote it to keep a string: "
+                   "-o 'token=\"0123\"').")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size: str | None,
          options: tuple[str, ...], as_json: bool) -> None:
     """Fetch SOURCE's files (in path order) into the cache until it is full: a cache of
     plain files, as CachedDataset(SOURCE, ...) opens it (docs/cache.md)."""
+    from lcache.bench.yamlfile import load_yaml
     from lcache.data.sizing import cache_capacity
     from lcache.data.warm import warm_cache
 
@@ -243,7 +247,8 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--option")
         if key in storage_options:
             raise click.BadParameter(f"{key!r} is given twice", param_hint="--option")
-        storage_options[key] = value
+        # typed as fsspec's own keyword arguments are: the string "false" is true to s3fs
+        storage_options[key] = load_yaml(value, f"-o {key:.80}", "storage option")
     try:
         figures = warm_cache(source, cache_dir, capacity, threads=threads,
                              storage_options=storage_options, show_progress=not as_json,
