@@ -56,6 +56,25 @@ def test_more_reads_than_writes_is_refused_as_dlio_does(tmp_path: Path) -> None:
             "checkpoint.num_checkpoints_read=3"])
 
 
+def test_a_read_only_run_without_its_checkpoints_is_refused_before_a_folder_is_made(
+        tmp_path: Path) -> None:
+    """The finding (attack helper 87): `bench run llama3_8b --checkpoint-dir ck --set
+    checkpoint.num_checkpoints_write=0` made output/ and ck/, then refused the missing
+    checkpoints and left them empty."""
+    def workload(writes: int, reads: int) -> Any:
+        return load_workload(str(MLPERF / "llama3_8b.yaml"), [
+            *TINY_LLM, *folders(tmp_path), f"checkpoint.num_checkpoints_write={writes}",
+            f"checkpoint.num_checkpoints_read={reads}", "checkpoint.time_between_checkpoints=0"])
+
+    with pytest.raises(ConfigError, match="one is missing: global_epoch1_step1/"):
+        run(workload(0, 2))
+    assert os.listdir(tmp_path) == []
+    run(workload(2, 0))  # written by an earlier run, they are read
+    s = run(workload(0, 2))
+    assert [(c["kind"], c["name"]) for c in s["checkpoints"]] == [
+        ("load", "global_epoch1_step1"), ("load", "global_epoch1_step2")]
+
+
 def test_each_checkpoint_event_is_its_own_row() -> None:
     """Two loads of one checkpoint are two rows, not one row of twice the bytes."""
     ranks = [{"rank": r, "epochs": {}, "evals": {}, "checkpoints": [

@@ -237,7 +237,8 @@ class _Run:
         if self.generate and not w.on_s3:
             dirs.append((self.data_dir, "data"))
         # Every refusal comes before a folder is made (a refused run left empty ones): the
-        # folders that exist are checked first, then the room, then the others are made.
+        # folders that exist are checked first, then the room (and the files the run reads),
+        # then the others are made.
         _owned_dirs([d for d in dirs if os.path.lexists(d[0])])
         _check_room(w, comm.world, self.data_dir, self.ck_dir, self.generate)
         if w.do_train:  # before minutes of generating, and before a folder is made
@@ -245,6 +246,8 @@ class _Run:
                 self.files = {split: datagen.list_files(w, self.data_dir, split) for split in
                               ("train", "valid") if split == "train" or w.do_eval}
             _check_batches(w, comm.world, w.num_files_train)
+        elif w.do_checkpoint:  # a run that only reads needs them there
+            self._require(self._reads())
         _owned_dirs([d for d in dirs if not os.path.lexists(d[0])])
         start = _now()
         trace_mod, trace_path = _enable_trace(self.output, comm.rank) if opts.trace \
@@ -294,8 +297,6 @@ class _Run:
         names = [f"global_epoch1_step{i + 1}" for i in range(max(w.num_checkpoints_write,
                                                                  w.num_checkpoints_read))]
         reads = names[:max(0, w.num_checkpoints_read)]
-        if w.num_checkpoints_write <= 0 and reads:
-            self._require(reads)
         for kind, todo in (("save", names[:max(0, w.num_checkpoints_write)]), ("load", reads)):
             if not todo:
                 continue
@@ -307,9 +308,20 @@ class _Run:
                     self._checkpoint(kind, name)
                     advance(1)
 
+    def _reads(self) -> list[str]:
+        """The checkpoints a checkpoint-only run reads that no write of it makes (earlier
+        runs wrote them)."""
+        w = self.w
+        if w.num_checkpoints_write > 0:
+            return []
+        return [f"global_epoch1_step{i + 1}" for i in range(max(0, w.num_checkpoints_read))]
+
     def _require(self, names: list[str]) -> None:
-        """Every rank's files of ``names`` exist (checked on all ranks before any load)."""
-        files = self.ck_io.files if self.ck_io is not None else []
+        """Every rank's files of ``names`` exist (checked on all ranks, before a folder is
+        made)."""
+        if not names:
+            return
+        files = ckpt.rank_files(self.w, self.comm.rank, self.comm.world)
         missing = [f"{n}/{f.name}" for n in names for f in files
                    if not os.path.isfile(os.path.join(self.ck_dir, n, f.name))]
         if not self.comm.all_ok(not missing):
