@@ -294,12 +294,21 @@ def test_classes_past_the_first_two_dozen_are_one(tmp_path: Path) -> None:
 
 
 def test_a_recorded_size_past_2_62_is_refused_by_a_report(tmp_path: Path) -> None:
-    """Binary blocks too: a size the recorder clamped to int64 would wrap the totals."""
+    """Binary blocks too: a size of int64's max would wrap the totals. record() refuses it
+    (attack helper 87), so the recorded size is changed in the file, as another writer or a
+    damaged file could have it."""
+    import struct
+
+    marked = 0x1234_5678_9ABC
     lcache.trace.enable(str(tmp_path / "t.trace"))
     try:
-        lcache.trace.record("read", "/f", 0, 2**63 - 1, "data-source", 1000, 500, 1)
+        lcache.trace.record("read", "/f", 0, marked, "data-source", 1000, 500, 1)
     finally:
         lcache.trace.disable()
+    data = (tmp_path / "t.trace").read_bytes()
+    assert data.count(struct.pack("<q", marked)) == 1
+    (tmp_path / "t.trace").write_bytes(
+        data.replace(struct.pack("<q", marked), struct.pack("<q", 2**63 - 1)))
     with pytest.raises(CorruptionError, match="not a byte count below 2"):
         summarize(tmp_path / "t.trace")
 

@@ -492,16 +492,48 @@ def test_values_past_30_bits_and_beyond_int64_arrive_exact(tmp_path: Path) -> No
         fd = open_file(str(data), os.O_RDONLY)
         pread_full(fd, 2**33 + 5, memoryview(bytearray(3)), "cache-read")  # past the end: 0
         close_file(fd)
-        lcache.trace.record("read", "s3://b/k", 2**62 + 1, 2**40, "data-source", 2**44 + 7,
+        lcache.trace.record("read", "s3://b/k", 2**62 - 1, 2**40, "data-source", 2**44 + 7,
                             2**31 + 3, -5)
-        lcache.trace.record("read", "s3://b/k", 2**70, -(2**70), "data-source", 0, 0, 2**64)
     finally:
         lcache.trace.disable()
     got = [(e["args"]["off"], e["args"]["size"], e["args"]["ret"]) for e in _io(_events(trace))]
-    assert got == [(2**33 + 5, 3, 0), (2**62 + 1, 2**40, -5),
-                   (2**63 - 1, -(2**63), 2**63 - 1)]
+    assert got == [(2**33 + 5, 3, 0), (2**62 - 1, 2**40, -5)]
     big = _io(_events(trace))[1]
     assert (big["ts"], big["dur"]) == ((2**44 + 7) / 1000, (2**31 + 3) / 1000)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    ((0, 2**62, 10, 0, 1), "byte counts below 2**62"),
+    ((-5, 10, 10, 0, 1), "byte counts below 2**62"),
+    ((0, 10, 2**62, 0, 1), "byte counts below 2**62"),
+    ((0, 10, -(2**62), 0, 1), "byte counts below 2**62"),
+    ((0, -1, 10, 0, 1), "byte counts below 2**62"),
+    ((0, float("nan"), 10, 0, 1), "whole numbers"),
+    ((0, 10, None, 0, 1), "whole numbers"),
+    ((0, 10, 10, 0, -1), "must be >= 0"),
+    ((0, 10, 10, 2**63, 0), "end before 2**53 us"),
+])
+def test_record_refuses_what_a_report_cannot_read_and_keeps_the_trace(
+        tmp_path: Path, args: tuple, words: str) -> None:
+    """The finding (attack helper 87): record() kept a size of 2**62 or an offset below -1,
+    and `lcache report` then refused the whole trace ("a binary block with a size, offset or
+    result that is not a byte count below 2**62"); a NaN size was a bare ValueError."""
+    from lcache.errors import ConfigError
+    from lcache.report import summarize
+
+    offset, size, result, start, duration = args
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        lcache.trace.record("read", "/ok", 0, 10, "data-source", 0, 1, 10)
+        with pytest.raises(ConfigError, match=words.replace("*", r"\*")):
+            lcache.trace.record("read", "/bad", offset, size, "data-source", start, duration,
+                                result)
+        lcache.trace.record("read", "/ok", 10, 10, "data-source", 2, 1, 10)
+    finally:
+        lcache.trace.disable()
+    assert [e["args"]["off"] for e in _io(_events(trace))] == [0, 10]  # nothing of the bad one
+    assert summarize(str(trace))["classes"]["data-source"]["read_bytes"] == 20
 
 
 def test_store_reads_from_mapped_segments_are_exact(tmp_path: Path) -> None:

@@ -90,8 +90,8 @@ MAX_BLANK_LINES = 10_000  # in a row: a gzip of 10^8 newlines (100 KB) took minu
 
 #: Timestamps and durations are microseconds; beyond 2^53 (285 years) a float loses the
 #: microsecond and the time bins of the report would overflow.
-_MAX_US = float(1 << 53)
-_MAX_BYTES = 1 << 62
+_MAX_US = float(blocks.MAX_US)
+_MAX_BYTES = blocks.MAX_BYTES
 MAX_CLASSES = 24  # shown apart in a report; the rest are one
 
 

@@ -34,6 +34,11 @@ FIELDS = RECORD_FIELDS
 #: Largest payload a writer makes (a block per 16 MiB, ~300,000 events); a reader refuses more
 #: as damage, so a corrupt length cannot make it allocate without bound.
 MAX_PAYLOAD = 1 << 24
+#: An event's size and offset (from -1: none) and result (from -2**62) are below this, so
+#: sums of millions stay within int64; its end time, in us, is at most ``MAX_US``. A reader
+#: refuses a trace that breaks either, and the recorder refuses such an event.
+MAX_BYTES = 1 << 62
+MAX_US = 1 << 53
 
 
 def block(kind: int, pid: int, tid: int, payload: bytes) -> bytes:

@@ -257,12 +257,16 @@ def _process_name() -> str:
 _checked: set[str] = set(CLASSES) | {"read", "write", "fsync", "fdatasync", "open", "unlink"}
 
 
+_MAX_BYTES = blocks_mod.MAX_BYTES
+_MAX_END_NS = (blocks_mod.MAX_US + 1) * 1000  # an end at or past it is past MAX_US
+
+
 def _check_name(kind: str, value: str) -> None:
     if value in _checked:
         return
     # Names become legend labels and summary keys: short and plain, like the documented ones.
     if not value or len(value) > 64 or not all(c.isalnum() or c in "-_." for c in value):
-        raise ValueError(f"trace {kind} {value!r} must be 1-64 letters, digits, '-', '_' or "
+        raise ConfigError(f"trace {kind} {value!r} must be 1-64 letters, digits, '-', '_' or "
                          "'.'; use one of the documented classes (docs/trace.md)")
     _checked.add(value)
 
@@ -347,17 +351,38 @@ def record(op: str, file: str, offset: int, size: int, io_class: str, start_ns: 
         start_ns: ``time.perf_counter_ns()`` when the operation started.
         duration_ns: how long it took, in nanoseconds.
         result: bytes transferred, or ``-errno`` on failure.
+
+    Raises:
+        ConfigError: a name that is not 1-64 letters, digits, '-', '_' or '.', or a value a
+            report could not read (a size, offset from -1 or result past 2**62, a time below
+            0 or ending past 2**53 us, something not a whole number); nothing is recorded.
     """
     rec = _active
     if rec is None:
         return
     _check_name("op", op)
     _check_name("class", io_class)
-    if start_ns < 0 or duration_ns < 0:
-        raise ValueError(f"start_ns ({start_ns}) and duration_ns ({duration_ns}) must be >= 0; "
-                         "take them from lcache.trace.now_ns()")
-    rec.record(op, str(file), int(offset), int(size), io_class, int(start_ns),
-               int(duration_ns), int(result))
+    try:
+        offset, size, result = int(offset), int(size), int(result)
+        start_ns, duration_ns = int(start_ns), int(duration_ns)
+    except (TypeError, ValueError, OverflowError):  # NaN, infinity, None, "x"
+        raise ConfigError(f"trace record of {file!r:.80}: offset {offset!r:.40}, size "
+                          f"{size!r:.40}, result {result!r:.40}, start_ns {start_ns!r:.40} and "
+                          f"duration_ns {duration_ns!r:.40} must be whole numbers") from None
+    # The bounds a report reads back (lcache.report.load): one event past them made it refuse
+    # the whole trace, so it is refused here, before anything is kept. One test, a local bound:
+    # this is the hot path of hand-recorded I/O.
+    m = _MAX_BYTES
+    if not (0 <= size < m and -1 <= offset < m and -m < result < m and start_ns >= 0
+            and duration_ns >= 0 and start_ns + duration_ns < _MAX_END_NS):
+        if start_ns < 0 or duration_ns < 0 or start_ns + duration_ns >= _MAX_END_NS:
+            raise ConfigError(f"trace record of {file!r:.80}: start_ns ({start_ns}) and "
+                              f"duration_ns ({duration_ns}) must be >= 0 and end before 2**53 "
+                              "us; take them from lcache.trace.now_ns()")
+        raise ConfigError(f"trace record of {file!r:.80}: size {size}, offset {offset} and "
+                          f"result {result} must be byte counts below 2**62 (offset -1: none; "
+                          "result: -errno on failure)")
+    rec.record(op, str(file), offset, size, io_class, start_ns, duration_ns, result)
 
 
 def now_ns() -> int:
