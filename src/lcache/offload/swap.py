@@ -129,7 +129,7 @@ class SwapFile:
                             self.directory, exc)
             return fd
         finally:
-            os.close(dir_fd)  # releases the directory's lock
+            close_file(dir_fd)  # releases the directory's lock
 
     def _open_own(self) -> int:
         flags = os.O_RDWR | os.O_CREAT
