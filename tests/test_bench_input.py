@@ -400,3 +400,13 @@ def test_a_key_without_a_value_is_refused(tmp_path: Path, section: str, key: str
         parse_workload(tiny(tmp_path, **{section: {key: value}}), "w.yaml")
     with pytest.raises(ConfigError, match=f"'{section}.{key}' is given without a value"):
         parse_workload(tiny(tmp_path), "w.yaml", [f"{section}.{key}="])
+
+
+@pytest.mark.parametrize("workload, opts", [({"a": 1}, None), (None, None),
+                                            ("unet3d", None), ("W", {"order": "shuffle"})])
+def test_run_workload_names_an_argument_of_the_wrong_kind(workload: Any, opts: Any) -> None:
+    # (attack helper 87) a dict was an AttributeError ('dict' object has no attribute 'notes')
+    if workload == "W":
+        workload = load_workload(shipped_configs()["resnet50_a100"])
+    with pytest.raises(ConfigError, match=r"workload|opts="):
+        run_workload(workload, opts)

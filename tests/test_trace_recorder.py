@@ -787,3 +787,14 @@ def test_a_trace_is_appended_to_in_its_own_format(tmp_path: Path) -> None:
         lcache.trace.enable(str(tmp_path / "b.trace.gz"), compress=compress)
         lcache.trace.disable()
         assert len(_io(_events(tmp_path / "b.trace.gz"))) == 2
+
+
+@pytest.mark.parametrize("path, compress", [(None, None), (5, None), ("", None),
+                                            ("t.trace", "no")])
+def test_enable_names_an_argument_of_the_wrong_kind(tmp_path: Path, path: object,
+                                                    compress: object) -> None:
+    # (attack helper 87) enable(None) was a TypeError from os.path; "no" turned gzip on
+    arg = str(tmp_path / path) if isinstance(path, str) and path else path
+    with pytest.raises(lcache.ConfigError, match=r"path=|compress="):
+        lcache.trace.enable(arg, compress=compress)  # type: ignore[arg-type]
+    assert not lcache.trace.enabled() and os.listdir(tmp_path) == []

@@ -191,6 +191,11 @@ def run_workload(w: Workload, opts: BenchOptions | None = None) -> dict[str, Any
     Raises:
         ConfigError: missing dataset files, impossible parallelism, bad options.
     """
+    if not isinstance(w, Workload):  # a dict was an AttributeError deep in the run
+        raise ConfigError(f"workload {w!r:.200}: give a Workload (lcache.bench.load_workload or "
+                          "parse_workload)")
+    if opts is not None and not isinstance(opts, BenchOptions):
+        raise ConfigError(f"opts={opts!r:.200}: give a BenchOptions (or None)")
     opts = opts or BenchOptions()
     if opts.order not in ORDERS:
         raise ConfigError(f"order {opts.order!r}: use one of {', '.join(ORDERS)}")

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from lcache.checks import env_seconds
+from lcache.checks import env_seconds, flag, path_argument
 from lcache.errors import ConfigError
 from lcache.forksafe import background_thread, fork_safe_lock
 from lcache.io import tracer as _io_tracer
@@ -287,10 +287,13 @@ def enable(path: str, *, compress: bool | None = None) -> None:
 
     Raises:
         ConfigError: ``$LCACHE_TRACE_FLUSH_S`` is not seconds from 0.001 to 1,000,000, or
-            ``path`` holds a file that is not an lcache trace (it is left as it is), is a
-            directory, or its directory does not exist (none is made).
+            ``path`` is not a path, holds a file that is not an lcache trace (it is left as
+            it is), is a directory, or its directory does not exist (none is made).
     """
     global _active, _interval
+    path = path_argument(path, "path")  # enable(None) was a TypeError from os.path
+    if compress is not None:
+        flag(compress, "compress")
     with _lock:
         interval = flush_interval()  # before anything changes: a bad value leaves tracing as is
         if _active is not None:
