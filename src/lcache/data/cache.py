@@ -696,8 +696,8 @@ class SampleCache:
                 out[k] = fetch_many(self.source, [k])[0]
             except SourceError as exc:
                 out[k] = None
-                self._warn_skip("lcache: skipped sample %d of %s after the source's retries "
-                                "(%s)", k, self.source.url, exc)
+                # (its own words: a sample that changed since the listing is not retried)
+                self._warn_skip("lcache: skipped sample %d of %s: %s", k, self.source.url, exc)
         return out
 
     def prefetch(self, index: int, keep: bool = True) -> int:

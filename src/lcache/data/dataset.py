@@ -76,7 +76,8 @@ class CachedDataset:
         if keys and not items:
             raise SourceError(f"every sample of a batch of {len(keys)} failed to come from "
                               f"{self.cache.source.url} (on_error=\"skip\" skips samples, "
-                              "not an unreachable source); see the warnings above")
+                              "not a source that is unreachable or changed since it was "
+                              "opened); see the warnings above")
         return items
 
     def _serve(self, keys: list[int | Access]) -> list[Any]:

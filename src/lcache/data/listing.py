@@ -395,10 +395,7 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         return
     cache_dir = private_dir(os.path.abspath(cache_dir), "cache directory")
     path = os.path.join(cache_dir, LISTING_FILE)
-    # Not sort_keys: it sorts the mappings inside too, and files={"b": 1, "a": 1} was given
-    # the listing of {"a": 1, "b": 1}: sample 0 served a's bytes for b
-    # The format in the digest: a listing kept before UNKNOWN_SIZE had 0 for "not known".
-    digest = xxhash.xxh3_128_hexdigest(json.dumps([LISTING_FORMAT, key], default=str).encode())
+    digest = _digest(key)
     launch = launch_id()
     fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
     try:
@@ -433,6 +430,28 @@ def kept_listing(cache_dir: str | None, key: dict[str, Any], ttl: float
         yield found, keep
     finally:
         close_file(fd)
+
+
+def forget_listing(cache_dir: str, key: dict[str, Any]) -> None:
+    """Drop the listing kept in ``cache_dir`` for ``key``: an object changed since it was
+    made, and until its TTL ran out every open took it again, each fetch of that object
+    refused as changed."""
+    cache_dir = os.path.abspath(cache_dir)
+    fd = open_owned(os.path.join(cache_dir, "listing.lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        kept = _load(os.path.join(cache_dir, LISTING_FILE))
+        if kept.pop(_digest(key), None) is not None:
+            _save(os.path.join(cache_dir, LISTING_FILE), kept)
+    finally:
+        close_file(fd)
+
+
+def _digest(key: dict[str, Any]) -> str:
+    # Not sort_keys: it sorts the mappings inside too, and files={"b": 1, "a": 1} was given
+    # the listing of {"a": 1, "b": 1}: sample 0 served a's bytes for b
+    # The format in the digest: a listing kept before UNKNOWN_SIZE had 0 for "not known".
+    return xxhash.xxh3_128_hexdigest(json.dumps([LISTING_FORMAT, key], default=str).encode())
 
 
 def _listing(entry: dict[str, Any]) -> Listing | None:

@@ -49,7 +49,12 @@ class SourceCorruptionError(SourceError, CorruptionError):
 
 class SourceChangedError(SourceError):
     """An object answered with another size or version than its listing's: it was rewritten
-    since the source was opened."""
+    since the source was opened. ``ask_again``: another answer may differ (an HTTP server's
+    replicas may give one object different ETags: Apache 2.2's held the inode)."""
+
+    def __init__(self, message: str, ask_again: bool = False) -> None:
+        super().__init__(message)
+        self.ask_again = ask_again
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +69,21 @@ class Listed:
     size: int | None
     version: str
 
-    def check(self, size: int | None, answered: dict[str, Any]) -> None:
+    def check(self, size: int | None, answered: dict[str, Any], ask_again: bool = False
+              ) -> None:
         """Refuse an answer from an object now of ``size`` bytes (None: not said) whose
-        version fields are ``answered`` (those it did not send: None)."""
+        version fields are ``answered`` (those it did not send: None); ``ask_again``: see
+        ``SourceChangedError``."""
         if self.size is not None and size is not None and size != self.size:
             raise SourceChangedError(f"the object is now {size} bytes, {self.size} when it was "
                                      "listed: it changed since the source was opened (open it "
-                                     "again)")
+                                     "again)", ask_again)
         listed = version_fields(self.version)
         for name, value in answered.items():
             if value is not None and name in listed and str(value) != listed[name]:
                 raise SourceChangedError(
                     f"its {name} is now {value}, {listed[name]} when it was listed: it was "
-                    "rewritten since the source was opened (open it again)")
+                    "rewritten since the source was opened (open it again)", ask_again)
 
 
 @dataclass(frozen=True)
@@ -234,7 +241,10 @@ def fingerprint(*parts: object) -> int:
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed request may succeed if asked again: a 5xx, 408 or 429 answer, a
     timeout, a reset or dropped connection. Not: a missing object, a refusal, a connection
-    refused (nothing listens there), a bad URL."""
+    refused (nothing listens there), a bad URL. An HTTP answer from an object that changed
+    since it was listed is asked again (``SourceChangedError.ask_again``)."""
+    if isinstance(exc, SourceChangedError):
+        return exc.ask_again
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
                         NotADirectoryError, ConnectionRefusedError, ValueError)):
         return False
@@ -286,15 +296,20 @@ def _range_total(content_range: str | None) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-async def _http_range(fs: Any, url: str, start: int, end: int, listed: Listed | None) -> bytes:
-    """Bytes ``start:end`` of ``url`` over fsspec's HTTP session, with the place of the answer
-    checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that answered a
-    range with other bytes of the right length had them cached as the sample. A 200 (the
-    whole object: a server without ranges) is taken for a range from byte 0 only, and the
-    caller refuses it unless it is exactly the range. The object's size and version fields
-    are checked against ``listed``."""
+async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
+                    listed: Listed | None) -> bytes:
+    """Bytes ``start:end`` of ``url`` (all of it when ``start`` is None) over fsspec's HTTP
+    session, with the place of the answer checked: fsspec's ``_cat_file`` takes any body, and
+    a server or proxy that answered a range with other bytes of the right length had them
+    cached as the sample. A 200 (the whole object: a server without ranges) is taken for a
+    range from byte 0 only, and the caller refuses it unless it is exactly the range. The
+    object's size and version fields are checked against ``listed`` (a whole object of no
+    known size too: served by ``_cat_file``, one rewritten after the listing was cached
+    under the listed ETag)."""
     kw = dict(fs.kwargs)
-    headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    headers = dict(kw.pop("headers", {}))
+    if start is not None and end is not None:
+        headers["Range"] = f"bytes={start}-{end - 1}"
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
         data: bytes = await r.read()
@@ -305,13 +320,14 @@ async def _http_range(fs: Any, url: str, start: int, end: int, listed: Listed | 
         answered = r.headers.get("Content-Range", "") if r.status == 206 else "bytes 0-"
         unit, _, span = answered.strip().partition(" ")
         first = span.strip().partition("-")[0]
-        if unit.lower() != "bytes" or not first.isdigit() or int(first) != start:
+        if unit.lower() != "bytes" or not first.isdigit() or int(first) != (start or 0):
             raise SourceCorruptionError(
                 f"{url} answered a request for bytes {start}-{end} with other bytes "
                 f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
         if listed is not None:
             listed.check(_range_total(answered) if r.status == 206 else len(data),
-                         {name: r.headers.get(name) for name in HTTP_VERSION_HEADERS})
+                         {name: r.headers.get(name) for name in HTTP_VERSION_HEADERS},
+                         ask_again=True)
     return data
 
 
@@ -553,8 +569,8 @@ class Remote:
         traced = (url, start or 0, 0 if end is None else end - (start or 0))
         if self.is_async:
             protocols = _protocols(fs)
-            if start is not None and end is not None and "http" in protocols:
-                return await self.attempt(lambda: _http_range(fs, path, start, end, listed),
+            if "http" in protocols and (start is None) == (end is None):
+                return await self.attempt(lambda: _http_get(fs, path, start, end, listed),
                                           what, traced)
             if listed is not None and "s3" in protocols:
                 return await self.attempt(lambda: _s3_get(fs, path, start, end, listed),

@@ -26,6 +26,7 @@ from lcache.data.identity import probe_contents
 from lcache.data.listing import (
     UNKNOWN_SIZE,
     Listing,
+    forget_listing,
     given_files,
     kept_listing,
     list_objects,
@@ -35,6 +36,7 @@ from lcache.data.listing import (
 from lcache.data.remote import (
     FetchOptions,
     Remote,
+    SourceChangedError,
     SourceError,
     fingerprint,
     object_version,
@@ -124,10 +126,14 @@ class FileSource:
                "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
+        # where a listing taken from the cache directory is kept (see fetch_many)
+        self._kept: tuple[str, dict[str, Any]] | None = None
         with kept_listing(cache_dir, key, listing_ttl) as (listing, keep):
             if listing is None:
                 listing = self._list(files, suffixes, progress, cache_dir)
                 keep(listing)
+            elif cache_dir is not None:
+                self._kept = (cache_dir, key)
         self.paths = listing.paths
         self._sizes = np.maximum(listing.sizes, 0)  # what the plan counts
         self._object_sizes = listing.sizes  # as listed (UNKNOWN_SIZE: not known)
@@ -198,10 +204,19 @@ class FileSource:
         """The objects of ``indices``, fetched concurrently, in order; one whose size is not
         the listed one is an error (it changed since the listing)."""
         sizes = self._object_sizes
-        return fetch(self._remote, [Want(int(i), self.paths[int(i)],
-                                         size=None if sizes[int(i)] == UNKNOWN_SIZE
-                                         else int(sizes[int(i)]),
-                                         version=self._versions[int(i)]) for i in indices])
+        try:
+            return fetch(self._remote, [Want(int(i), self.paths[int(i)],
+                                             size=None if sizes[int(i)] == UNKNOWN_SIZE
+                                             else int(sizes[int(i)]),
+                                             version=self._versions[int(i)])
+                                        for i in indices])
+        except SourceError as exc:
+            # An object changed since the kept listing was made: it goes, so that opening
+            # the source again lists it anew (within its TTL, every open took it again).
+            if self._kept is not None and isinstance(exc.__cause__, SourceChangedError):
+                forget_listing(*self._kept)
+                self._kept = None
+            raise
 
     def decode(self, data: bytes | memoryview) -> Any:
         return bytes(data)
