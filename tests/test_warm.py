@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,44 @@ def test_option_values_are_typed_so_anon_false_signs_its_requests(tmp_path: Path
     out = warm("bad", "-o", "anon=[")
     assert out.returncode == 2 and out.stderr.startswith("error: -o anon: not valid YAML"), \
         out.stderr
+
+
+def _staging_of(cache: Path) -> list[str]:
+    """The /dev/shm staging areas whose origin is the cache directory ``cache``."""
+    found = []
+    for entry in Path("/dev/shm").glob("lcache-*"):
+        try:
+            origin = (entry / "origin").read_text().partition("\n")[0]
+        except OSError:
+            continue
+        if str(cache) in origin:
+            found.append(entry.name)
+    return found
+
+
+def test_a_warm_stopped_by_sigterm_leaves_no_staging_and_stops_at_once(tmp_path: Path) -> None:
+    """(attack helper 87) `timeout` stopping `lcache warm` left its staging area in /dev/shm
+    until the cache was next opened; and its thread pool would have fetched every group it
+    had queued before letting the process go."""
+    from lcache.testing import ThrottledServer
+
+    make_files(tmp_path / "data", 400)
+    with ThrottledServer(str(tmp_path), latency=0.05) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lcache", "warm", server.url + "/data/", "--cache",
+             str(tmp_path / "cache"), "--capacity", "64MiB", "--threads", "1", "--json"],
+            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            while server.paths["/data/s0010.bin"] == 0:  # it is fetching
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+            assert _staging_of(tmp_path / "cache")
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGTERM
+        assert sum(server.paths.values()) < 200  # not the 400 queued
+    assert _staging_of(tmp_path / "cache") == []

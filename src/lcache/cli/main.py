@@ -250,9 +250,10 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size:
         # typed as fsspec's own keyword arguments are: the string "false" is true to s3fs
         storage_options[key] = load_yaml(value, f"-o {key:.80}", "storage option")
     try:
-        figures = warm_cache(source, cache_dir, capacity, threads=threads,
-                             storage_options=storage_options, show_progress=not as_json,
-                             segment_size=segment_size)
+        with UnwindOnTerminate():  # `timeout` left its staging area in /dev/shm
+            figures = warm_cache(source, cache_dir, capacity, threads=threads,
+                                 storage_options=storage_options, show_progress=not as_json,
+                                 segment_size=segment_size)
     except OSError as exc:
         if isinstance(exc, LCacheError) or exc.filename is not None:
             raise

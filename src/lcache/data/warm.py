@@ -39,6 +39,13 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
                           "to the source object")
     cache = SampleCache(source, cache_dir, capacity, name=name, fingerprint=fingerprint,
                         segment_size=segment_size)
+    try:  # closed however it ends: its staging area in /dev/shm went only with a next open
+        return _warm(cache, threads, show_progress)
+    finally:
+        cache.close()
+
+
+def _warm(cache: SampleCache, threads: int, show_progress: bool) -> dict[str, Any]:
     sizes = cache.record_sizes()
     fits = int(np.searchsorted(np.cumsum(sizes), cache.plan_capacity(writers=1), "right"))
     todo = [i for i in range(fits) if i not in cache.store()]
@@ -52,11 +59,14 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
                   disable=not (show_progress and sys.stdout.isatty())) as bar:
         task = bar.add_task("warming", total=int(sizes[todo].sum()) if todo else 0)
         groups = [todo[lo : lo + GROUP] for lo in range(0, len(todo), GROUP)]
-        with ThreadPoolExecutor(max(1, threads)) as pool:
+        pool = ThreadPoolExecutor(max(1, threads))
+        try:
             for n in pool.map(lambda g: cache.prefetch_many(g, [True] * len(g), done=done),
                               groups):
                 fetched += n
                 bar.advance(task, n)
+        finally:  # on Ctrl-C or SIGTERM the groups not begun are dropped, not fetched first
+            pool.shutdown(cancel_futures=True)
     seconds = time.perf_counter() - start
     store = cache.store()
     store.flush()
@@ -64,7 +74,6 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
     # what the cache holds now (whoever fetched it), not what would fit: a sample the disk
     # refused is not in it
     cached = sum(1 for i in range(len(cache.source)) if i in store)
-    cache.close()
     return {
         "samples": len(cache.source), "dataset_bytes": cache.dataset_bytes,
         "capacity": cache.capacity, "cached_samples": cached,
