@@ -146,8 +146,13 @@ def test_damaged_manifest_bytes(real: tuple[Path, bytes],
                                            b"[" * 3000, b"\\", b"\x00", b"\xff\xfe",
                                            b"NaN", b"1e999999"]))
         damaged = raw[:at] + piece + raw[at:]
-    # damage is never taken for a checkpoint: only the intact bytes verify
-    assert read_everything(path, damaged).ok == (damaged == raw)
+    # damage is never taken for a checkpoint: only the intact bytes verify, or bytes that
+    # are the same JSON ("model\/w" is "model/w": hypothesis found that splice)
+    try:
+        same = json.loads(damaged) == json.loads(raw)
+    except (ValueError, RecursionError):
+        same = False
+    assert read_everything(path, damaged).ok == same
 
 
 def reference_scan(raw: bytes) -> tuple[int, int]:
