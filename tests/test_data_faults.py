@@ -307,28 +307,6 @@ def test_an_object_of_no_known_size_rewritten_then_put_back_is_never_served(
         server.server_close()
 
 
-def test_an_http_answer_of_another_version_is_asked_again(tmp_path: Path) -> None:
-    """Replicas behind one name may give one object different ETags (attack round 20:
-    Apache 2.2's held the inode; the answers of two backends alternated): such an answer
-    is asked again before it is refused. Here the first GET sees another modification
-    time, the next the listed one."""
-    make_files(tmp_path / "data", 2)
-    victim = tmp_path / "data" / "s0001.bin"
-    listed = victim.stat()
-
-    def flap(path: str, nth: int) -> None:
-        if path.endswith("s0001.bin") and nth <= 2:
-            os.utime(victim, ns=(listed.st_atime_ns, listed.st_mtime_ns + (nth == 1)))
-
-    with ThrottledServer(str(tmp_path), etags=True, fault=flap) as server:
-        src = FileSource(server.url + "/data/", retries=2, backoff=0)
-        assert src.fetch(1) == victim.read_bytes()
-        assert server.paths["/data/s0001.bin"] == 2
-        os.utime(victim, ns=(listed.st_atime_ns, listed.st_mtime_ns + 5))  # for good
-        with pytest.raises(SourceError, match=r"after 3 attempts: .*ETag is now"):
-            src.fetch(1)
-
-
 def test_range_source_file_missing_or_short(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(random.Random(1).randbytes(1000))
     with pytest.raises(SourceError) as info:  # a missing file is named up front

@@ -95,14 +95,17 @@ def _preset_config(model: str, gpus: int | None, per_node: int) -> TrainingConfi
 
 
 def _nearest_count(config: Any, n: int, step: int) -> int | None:
-    """The GPU count nearest ``n`` in direction ``step`` that ``config`` takes (None: none
-    from 1 to 4 x n + 64, tried by the preset's own rules)."""
-    end = 0 if step < 0 else min(MAX_COUNT["gpus"], 4 * n + 64) + 1
-    for count in range(n + step, end, step):
+    """The GPU count nearest ``n`` in direction ``step`` that ``config`` takes, tried by the
+    preset's own rules among the 1,024 counts that way and the powers of two (each try
+    builds a configuration: all counts up to 4,000,000 took 13 s); None if none."""
+    most = int(MAX_COUNT["gpus"])
+    near = range(n + step, 0 if step < 0 else most + 1, step)[:1024]
+    powers = [1 << k for k in range(most.bit_length())]
+    for count in sorted({*near, *(p for p in powers if (p - n) * step > 0)},
+                        key=lambda c: abs(c - n)):
         try:
             config(count)
-            return count
+            return int(count)
         except ConfigError:
             continue
     return None
-

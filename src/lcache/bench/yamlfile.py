@@ -1,5 +1,4 @@
-"""YAML that users hand to lcache (DLIO workloads, ``--set`` and ``warm -o`` values, model
-files), read safely.
+"""YAML that users hand to lcache (DLIO workloads, ``--set`` values, model files), read safely.
 
 PyYAML's SafeLoader constructs no Python objects, but it still accepts aliases (``*name``: a
 "billion laughs" document of a few lines expands exponentially when it is compared or

@@ -219,15 +219,14 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
                    "(default: sized from the capacity; a small cache may need a smaller one).")
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000; "
-                   "VALUE is read as YAML, as bench's --set reads it (-o anon=false is the "
-                   "boolean, 8 a number, null None; quote it to keep a string: "
-                   "-o 'token=\"0123\"').")
+                   "VALUE true or false (any case) is a boolean, null None, a plain decimal "
+                   "number (8, 1.5; no leading zero) a number, anything else the string "
+                   "as given.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size: str | None,
          options: tuple[str, ...], as_json: bool) -> None:
     """Fetch SOURCE's files (in path order) into the cache until it is full: a cache of
     plain files, as CachedDataset(SOURCE, ...) opens it (docs/cache.md)."""
-    from lcache.bench.yamlfile import load_yaml
     from lcache.data.sizing import cache_capacity
     from lcache.data.warm import warm_cache
 
@@ -247,8 +246,7 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--option")
         if key in storage_options:
             raise click.BadParameter(f"{key!r} is given twice", param_hint="--option")
-        # typed as fsspec's own keyword arguments are: the string "false" is true to s3fs
-        storage_options[key] = load_yaml(value, f"-o {key:.80}", "storage option")
+        storage_options[key] = _option_value(value)
     try:
         with UnwindOnTerminate():  # `timeout` left its staging area in /dev/shm
             figures = warm_cache(source, cache_dir, capacity, threads=threads,
@@ -264,6 +262,22 @@ def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size:
     else:
         console.print(_table(f"lcache warm {source}", figures))
 
+
+
+def _option_value(text: str) -> Any:
+    """A ``-o KEY=VALUE`` value typed as fsspec's keyword arguments are: the string "false"
+    is true to s3fs (-o anon=false signed nothing). Only plain booleans, null and decimal
+    numbers are typed; the rest stays the string given: read as YAML, a secret "0777" became
+    511, "abc #def" lost its end, "12:30" became 750 (attack round 21)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text == "null":
+        return None
+    if re.fullmatch(r"-?(0|[1-9][0-9]*)", text):
+        return int(text)
+    if re.fullmatch(r"-?(0|[1-9][0-9]*)\.[0-9]+", text):
+        return float(text)
+    return text
 
 @cli.command("fsck")
 @click.argument("directory", type=Folder())

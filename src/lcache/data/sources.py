@@ -126,14 +126,12 @@ class FileSource:
                "files": files,
                "suffixes": sorted(suffixes) if suffixes else None,
                "storage_options": storage_options}
-        # where a listing taken from the cache directory is kept (see fetch_many)
-        self._kept: tuple[str, dict[str, Any]] | None = None
+        # where the listing is kept for later opens (see fetch_many)
+        self._kept = None if cache_dir is None else (cache_dir, key)
         with kept_listing(cache_dir, key, listing_ttl) as (listing, keep):
             if listing is None:
                 listing = self._list(files, suffixes, progress, cache_dir)
                 keep(listing)
-            elif cache_dir is not None:
-                self._kept = (cache_dir, key)
         self.paths = listing.paths
         self._sizes = np.maximum(listing.sizes, 0)  # what the plan counts
         self._object_sizes = listing.sizes  # as listed (UNKNOWN_SIZE: not known)
