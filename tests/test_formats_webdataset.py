@@ -354,3 +354,41 @@ def test_ranks_of_one_launch_share_the_shard_listing(tmp_path: Path) -> None:
         for p in procs:  # a failed check leaves none waiting for "go"
             p.kill()
             p.wait()
+
+
+def test_a_shard_rewritten_while_indexed_is_refused_and_its_index_not_kept(
+        tmp_path: Path) -> None:
+    """Attack round 22: a shard rewritten between its listing and its index scan was indexed
+    from the new bytes, kept under the listed version; once the shard was put back (an S3
+    ETag is the content's) every open took that index, and sample s0 came without its txt."""
+    import io
+    import tarfile
+
+    def shard(names: list[str]) -> bytes:
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as t:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size = 4
+                t.addfile(info, io.BytesIO(name[-4:].encode()))
+        return out.getvalue()
+
+    v1 = shard(["s0.cls", "s0.jpg", "s0.txt", "s1.cls", "s1.jpg"])
+    v2 = shard(["s0.cls", "s0.jpg", "zz.txt", "s1.cls", "s1.jpg"])
+    assert len(v1) == len(v2)
+    path = tmp_path / "d" / "shard-000.tar"
+    path.parent.mkdir()
+    path.write_bytes(v1)
+    listed = path.stat()
+
+    def rewrite(url_path: str, nth: int) -> None:
+        if url_path.endswith(".tar") and nth == 1:  # after the listing, as it is indexed
+            path.write_bytes(v2)
+
+    with ThrottledServer(str(tmp_path), etags=True, fault=rewrite) as server:
+        with pytest.raises(SourceError, match="rewritten since the source was opened"):
+            WebDatasetSource(server.url + "/d/", cache_dir=tmp_path / "idx")
+        rewrite_unseen(path, v1, listed)  # put back: its listed version again
+        src = WebDatasetSource(server.url + "/d/", cache_dir=tmp_path / "idx")
+        assert src.keys == ["s0", "s1"]
+        assert sorted(src.decode(src.fetch(0))) == ["__key__", "cls", "jpg", "txt"]

@@ -600,21 +600,23 @@ class Remote:
             close_file(fd)
 
     def get_many(self, parts: Sequence[tuple[str, int | None, int | None]],
-                 what: Callable[[str], str]) -> list[bytes]:
+                 what: Callable[[str], str], listed: Listed | None = None) -> list[bytes]:
         """Whole objects or ranges ``(path, start, end)`` that are not samples (an index, a
         shard's header), concurrently, each retried; errors start with ``what(url)``. The
-        caller checks the lengths."""
+        caller checks the lengths; ``listed``: what each answer's object must be (see
+        ``cat``; one object's parts)."""
         if not self.is_async and len(parts) == 1:
             path, start, end = parts[0]
             try:
-                return [self.read(path, start, end)]
+                return [self.read(path, start, end, listed)]
             except Exception as exc:
                 raise SourceError(f"{what(self.full_url(path))}: {type(exc).__name__}: "
                                   f"{exc}") from exc
 
         def job(path: str, start: int | None, end: int | None
                 ) -> Callable[[], Awaitable[bytes]]:
-            return lambda: self.cat(path, start, end, lambda: what(self.full_url(path)))
+            return lambda: self.cat(path, start, end, lambda: what(self.full_url(path)),
+                                    listed)
 
         return self.run(lambda: self.bounded(job(*part) for part in parts))
 

@@ -31,7 +31,7 @@ from lcache.data.formats import tar
 from lcache.data.formats.kept import KeptIndex
 from lcache.data.formats.shards import checked_infos, make_remote, shard_names
 from lcache.data.listing import Progress
-from lcache.data.remote import Remote, SourceCorruptionError, object_version
+from lcache.data.remote import Listed, Remote, SourceCorruptionError, object_version
 from lcache.data.sources import RangeSource
 
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
@@ -79,8 +79,13 @@ class _Blocks:
     """``read(offset, n)`` over one shard, fetched ``block`` bytes at a time from the
     offset asked, so the data of members larger than a block is skipped."""
 
-    def __init__(self, remote: Remote, path: str, size: int, block: int) -> None:
+    def __init__(self, remote: Remote, path: str, size: int, block: int, version: str
+                 ) -> None:
         self.remote, self.path, self.size, self.block = remote, path, size, block
+        # an index is kept under the shard's listed version: one scanned from a rewrite
+        # after the listing was taken for the listed bytes' once they were put back (an S3
+        # ETag is the content's), and served a sample without a member (attack round 22)
+        self.listed = Listed(size, version)
         self.start = 0
         self.buf = memoryview(b"")
 
@@ -88,7 +93,8 @@ class _Blocks:
         if not (self.start <= offset and offset + n <= self.start + len(self.buf)):
             end = min(self.size, offset + max(n, self.block))
             data = self.remote.get_many([(self.path, offset, end)],
-                                        lambda url: f"cannot index the shard {url}")[0]
+                                        lambda url: f"cannot index the shard {url}",
+                                        self.listed)[0]
             if len(data) != end - offset:
                 raise SourceCorruptionError(
                     f"{self.remote.full_url(self.path)}: ended at byte {offset + len(data)}, "
@@ -149,7 +155,8 @@ class WebDatasetSource(RangeSource):
             def one(j: int) -> list[Entry]:
                 path = remote.path(names[j])
                 url = remote.full_url(path)
-                found = index_shard(_Blocks(remote, path, sizes[j], block), sizes[j],
+                found = index_shard(_Blocks(remote, path, sizes[j], block,
+                                            object_version(infos[j])), sizes[j],
                                     lambda pos: f"{url} at byte {pos}")
                 bar.update(shards=1, samples=len(found))
                 return found
