@@ -445,6 +445,43 @@ def test_two_trainings_of_one_traced_driver_are_two_runs(tmp_path: Path) -> None
     assert (s["count"], s["batch_samples"], ds["samples"]) == (48, 8, 128), (s, ds)
 
 
+_SUBSET = """
+import sys, time
+from torch.utils.data import DataLoader, Subset
+import lcache.trace
+from lcache.data import CachedDataset, FileSource
+data, cache, lo, hi = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ds = CachedDataset(FileSource(data), cache, capacity="100MiB")
+loader = DataLoader(Subset(ds, range(lo, hi)), batch_size=8, num_workers=0, collate_fn=list)
+step = 0
+for epoch in range(3):
+    for batch in loader:
+        t0 = lcache.trace.now_ns(); time.sleep(0.002)
+        lcache.trace.record("step", "train", step, 0, "step", t0, lcache.trace.now_ns() - t0, 0)
+        step += 1
+ds.close()
+"""
+
+
+def test_two_trainings_over_one_folder_are_two_runs(tmp_path: Path) -> None:
+    """Attack round 22: a driver's two trainings over other samples of one folder, with other
+    caches, became one run once groups were joined by any folder they shared (552fc2b)."""
+    (tmp_path / "data").mkdir()
+    for i in range(128):
+        (tmp_path / "data" / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
+    driver = (
+        "import subprocess, sys\n"
+        "import lcache\n"
+        f"for cache, lo, hi in (('cA', '0', '64'), ('cB', '64', '128')):\n"
+        f"    subprocess.run([sys.executable, '-c', {_SUBSET!r}, {str(tmp_path / 'data')!r}, "
+        f"{str(tmp_path)!r} + '/' + cache, lo, hi], check=True)\n")
+    trace = tmp_path / "drv.trace"
+    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", driver], check=True, env=env, timeout=180)
+    runs = advise(trace)["fit"]["runs"]
+    assert runs["count"] == 2, runs
+
+
 _MISSING = "no-such.trace"  # arguments are checked before the trace is read
 
 

@@ -4,10 +4,10 @@ The processes that read samples are grouped by time: processes whose reads overl
 one run (ranks, DataLoader workers, reader threads). Groups that follow each other are one
 run when they read alike (a DataLoader's fresh workers every epoch), or when they are one
 job's (its processes descend from one process of the trace file), the later group uses a
-folder the run used (its source's, its cache's) and reads from the source no sample the run
-already read there: a cached job's main process reads ahead before its workers start, and
-its later epochs read the cache. Else they are different
-runs (other classes, other files, another job, or one job starting over): ``lcache demo``
+folder of the run's cache (a file it read or wrote there, other than the source's) and
+reads from the source no sample the run already read there: a cached job's main process
+reads ahead before its workers start, and its later epochs read the cache. Else they are
+different runs (other classes, other files, another job, or one job starting over): ``lcache demo``
 reads the remote without a cache, then, in the same process, the same samples through
 lcache. Then one run is fitted, and the others are named.
 """
@@ -51,14 +51,17 @@ def split_runs(trace: Trace) -> Runs:
         return Runs([], everything)
     pids = np.unique(trace.pid[reads])
     spans = sorted((float(trace.ts_us[reads & (trace.pid == p)].min()),
-                    float((trace.ts_us + trace.dur_us)[reads & (trace.pid == p)].max()))
+                    float((trace.ts_us + trace.dur_us)[reads & (trace.pid == p)].max()), int(p))
                    for p in pids)
     groups: list[list[float]] = []
-    for a, b in spans:  # merge processes whose reads overlap in time
+    members: list[list[int]] = []  # the processes of each group
+    for a, b, p in spans:  # merge processes whose reads overlap in time
         if groups and a <= groups[-1][1]:
             groups[-1][1] = max(groups[-1][1], b)
+            members[-1].append(p)
         else:
             groups.append([a, b])
+            members.append([p])
     starts = [g[0] for g in groups]
     edges = [-np.inf, *starts[1:], np.inf]
     masks = [(trace.ts_us >= edges[k]) & (trace.ts_us < edges[k + 1])
@@ -70,15 +73,19 @@ def split_runs(trace: Trace) -> Runs:
                                     if "data-source" in trace.classes else -1))
     key = trace.file.astype(np.int64) * (1 << 40) + np.maximum(trace.offset, 0)
     # Consecutive groups that read alike are one run, and so are one job's groups that go
-    # on in folders the run used (the cache it wrote, the source it read: not two trainings
-    # a driver ran one after the other) without starting over (re-reading source samples).
-    # Folders, not files: two workers whose first misses did not overlap in time were
-    # groups of their own, and split the run when they read source files the main
-    # process's read-ahead had not (1 run in 3 of a test's).
+    # on in the folders of the run's cache (not two trainings a driver ran one after the
+    # other, with other caches, over one source folder or two) without starting over
+    # (re-reading source samples). Folders, not files: two workers whose first misses did
+    # not overlap in time were groups of their own, and split the run (1 run in 3 of a
+    # test's); not the source's folder: two trainings over one folder became one run. By
+    # the groups' processes, all their I/O: a time window also held the next training's
+    # opening of its cache.
     moved = np.isin(trace.op, [trace.ops.index(o) for o in ("read", "write") if o in trace.ops])
+    cached = moved & (trace.file >= 0) & ~np.isin(trace.cls, [
+        trace.classes.index("data-source")] if "data-source" in trace.classes else [])
     folder = np.unique([os.path.dirname(f) for f in trace.files] or [""],
                        return_inverse=True)[1]
-    files = [set(folder[trace.file[m & moved & (trace.file >= 0)]].tolist()) for m in masks]
+    files = [set(folder[trace.file[cached & np.isin(trace.pid, m)]].tolist()) for m in members]
     runs: list[int] = [0]
     seen = set(key[source & masks[0]].tolist())  # the run's samples read from the source
     used = set(files[0])  # the files the run read or wrote
