@@ -96,7 +96,10 @@ def test_option_values_are_typed_so_anon_false_signs_its_requests(tmp_path: Path
     ("false", False), ("TRUE", True), ("null", None), ("8", 8), ("-1.5", -1.5),
     # kept as typed (attack round 21: read as YAML they became 511, "abc", 750, a date, True)
     ("0777", "0777"), ("abc #def", "abc #def"), ("12:30", "12:30"), ("2024-01-01", "2024-01-01"),
-    ("yes", "yes"), ("", ""), ("~", "~"), ("1e3", "1e3"), ("&a x", "&a x")])
+    ("yes", "yes"), ("", ""), ("~", "~"), ("1e3", "1e3"), ("&a x", "&a x"),
+    # JSON for a mapping, a list or a string of digits (attack round 22)
+    ('{"Authorization": "Bearer x"}', {"Authorization": "Bearer x"}), ("[1, 2]", [1, 2]),
+    ('"12345678"', "12345678")])
 def test_option_values_are_typed_only_when_plain(text: str, value: object) -> None:
     from lcache.cli.main import _option_value
 

@@ -220,8 +220,9 @@ def _cache_stats(directory: str, source: dict[str, Any], as_json: bool) -> None:
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000; "
                    "VALUE true or false (any case) is a boolean, null None, a plain decimal "
-                   "number (8, 1.5; no leading zero) a number, anything else the string "
-                   "as given.")
+                   "number (8, 1.5; no leading zero) a number, JSON starting with {, [ or \" "
+                   "a mapping, a list or a string (-o 'key=\"123\"'), anything else the "
+                   "string as given.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def warm(source: str, cache_dir: str, capacity: str, threads: int, segment_size: str | None,
          options: tuple[str, ...], as_json: bool) -> None:
@@ -268,7 +269,14 @@ def _option_value(text: str) -> Any:
     """A ``-o KEY=VALUE`` value typed as fsspec's keyword arguments are: the string "false"
     is true to s3fs (-o anon=false signed nothing). Only plain booleans, null and decimal
     numbers are typed; the rest stays the string given: read as YAML, a secret "0777" became
-    511, "abc #def" lost its end, "12:30" became 750 (attack round 21)."""
+    511, "abc #def" lost its end, "12:30" became 750 (attack round 21). JSON for what needs
+    it: a mapping (``headers``, ``client_kwargs``), a list, a string of digits."""
+    if text[:1] in ('{', '[', '"'):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise click.BadParameter(f"{text!r:.80} is not JSON: {exc}",
+                                     param_hint="--option") from None
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     if text == "null":
