@@ -420,6 +420,20 @@ def test_one_process_uncached_then_cached_is_two_runs(tmp_path: Path) -> None:
     assert doc["fit"]["steps"]["count"] == 48 and doc["fit"]["steps"]["batch_samples"] == 8
 
 
+def _driver(tmp_path: Path, script: str, trainings: list[list[str]]
+            ) -> dict:  # type: ignore[type-arg]
+    """advise's document of a traced driver that runs ``script`` with each argument list of
+    ``trainings``, one after the other (lcache imported: their common ancestor)."""
+    driver = ("import subprocess, sys\n"
+              "import lcache\n"
+              f"for args in {trainings!r}:\n"
+              f"    subprocess.run([sys.executable, '-c', {script!r}, *args], check=True)\n")
+    trace = tmp_path / "drv.trace"
+    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", driver], check=True, env=env, timeout=180)
+    return advise(trace)
+
+
 def test_two_trainings_of_one_traced_driver_are_two_runs(tmp_path: Path) -> None:
     """The finding (attack helper 65): a traced Python driver that ran two trainings one
     after the other (other data, other caches) made them one job, and so one run: 44 steps
@@ -429,16 +443,8 @@ def test_two_trainings_of_one_traced_driver_are_two_runs(tmp_path: Path) -> None
         (tmp_path / name).mkdir()
         for i in range(n):
             (tmp_path / name / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
-    driver = (
-        "import subprocess, sys\n"
-        "import lcache  # in the trace: the trainings' common ancestor\n"
-        f"for data, cache in (('data', 'cA'), ('data2', 'cB')):\n"
-        f"    subprocess.run([sys.executable, '-c', {_WORKERS!r}, {str(tmp_path)!r} + '/' + "
-        f"data, {str(tmp_path)!r} + '/' + cache, '1', '0'], check=True)\n")
-    trace = tmp_path / "drv.trace"
-    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
-    subprocess.run([sys.executable, "-c", driver], check=True, env=env, timeout=180)
-    doc = advise(trace)
+    doc = _driver(tmp_path, _WORKERS, [[str(tmp_path / data), str(tmp_path / cache), "1", "0"]
+                                       for data, cache in (("data", "cA"), ("data2", "cB"))])
     runs = doc["fit"]["runs"]
     assert runs["count"] == 2 and runs["fitted"] == 1, runs
     s, ds = doc["fit"]["steps"], doc["fit"]["dataset"]
@@ -469,16 +475,9 @@ def test_two_trainings_over_one_folder_are_two_runs(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     for i in range(128):
         (tmp_path / "data" / f"{i:03d}.bin").write_bytes(bytes([i]) * 4096)
-    driver = (
-        "import subprocess, sys\n"
-        "import lcache\n"
-        f"for cache, lo, hi in (('cA', '0', '64'), ('cB', '64', '128')):\n"
-        f"    subprocess.run([sys.executable, '-c', {_SUBSET!r}, {str(tmp_path / 'data')!r}, "
-        f"{str(tmp_path)!r} + '/' + cache, lo, hi], check=True)\n")
-    trace = tmp_path / "drv.trace"
-    env = {**subprocess_env(), "LCACHE_TRACE": str(trace)}
-    subprocess.run([sys.executable, "-c", driver], check=True, env=env, timeout=180)
-    runs = advise(trace)["fit"]["runs"]
+    runs = _driver(tmp_path, _SUBSET, [[str(tmp_path / "data"), str(tmp_path / cache), lo, hi]
+                                       for cache, lo, hi in (("cA", "0", "64"),
+                                                             ("cB", "64", "128"))])["fit"]["runs"]
     assert runs["count"] == 2, runs
 
 
