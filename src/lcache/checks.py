@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -74,6 +75,27 @@ def flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ConfigError(f"{name}={value!r:.100}: give True or False")
     return bool(value)
+
+
+def lies_within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it: by their real paths (links, '..',
+    relative paths, trailing slashes), and by the directories themselves where they exist (a
+    bind mount shows one directory under two paths)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep):
+        return True
+    try:
+        target = os.stat(folder)
+    except OSError:
+        return False
+    while True:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(path), target):
+                return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
 
 
 def path_argument(value: Any, name: str) -> str:

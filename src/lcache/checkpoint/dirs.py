@@ -32,7 +32,7 @@ from lcache.checkpoint.errors import (
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.manifest import MAX_MANIFEST_BYTES, MAX_ORDER, parse_manifest
 from lcache.checkpoint.persist import IO_CLASS, read_small_file
-from lcache.checks import path_argument, unshowable, whole_number
+from lcache.checks import lies_within, path_argument, unshowable, whole_number
 from lcache.errors import LCacheError, StorePermissionError
 from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 
@@ -73,8 +73,7 @@ def split_path(path: str | os.PathLike[str]) -> tuple[str, str]:
         raise ConfigError(f"checkpoint name {name[:60]!r} holds the control or format "
                           f"character {bad!r}, which a listing cannot show as it is; give a "
                           "name of printable characters, e.g. step-100")
-    here = os.path.realpath(os.getcwd())
-    if here == os.path.realpath(full) or here.startswith(os.path.realpath(full) + os.sep):
+    if lies_within(os.getcwd(), full):
         # publishing renames the checkpoint onto the path: it would replace the directory
         # this process works in
         raise ConfigError(f"checkpoint path {os.fspath(path)!r} is the current directory or "

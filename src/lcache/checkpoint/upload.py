@@ -9,7 +9,6 @@ object store has no rename that could swap a new copy in at once).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -17,6 +16,7 @@ from lcache.checkpoint.errors import CheckpointExistsError, ConfigError
 from lcache.checkpoint.format import MANIFEST
 from lcache.checkpoint.persist import CHUNK, open_member
 from lcache.checkpoint.restore import read_manifest
+from lcache.checks import lies_within
 from lcache.io import close_file, pread_full
 from lcache.io.urls import filesystem_of
 
@@ -73,36 +73,15 @@ def check_upload_target(path: str, url: str, storage_options: dict[str, Any] | N
         return fs, dest
     root = os.path.dirname(path)
     for target in (dest, *(f"{dest}/{name}" for name in names)):  # a file may link into it
-        if _within(target, root):
-            where = "in the checkpoint itself" if _within(target, path) else \
+        if lies_within(target, root):
+            where = "in the checkpoint itself" if lies_within(target, path) else \
                 f"inside its directory {root}"
             raise ConfigError(f"upload_to={url}: the upload of {path} would write {target}, "
                               f"{where}; give upload_to a place outside {root}")
-    if _within(root, dest):
+    if lies_within(root, dest):
         raise ConfigError(f"upload_to={url}: the upload of {path} would go to {dest}, which "
                           f"holds its directory {root}; give upload_to a place outside it")
     return fs, dest
-
-
-def _within(path: str, folder: str) -> bool:
-    """Whether ``path`` is ``folder`` or lies below it: by their real paths (links, '..',
-    relative paths, trailing slashes), and by the directories themselves where they exist (a
-    bind mount shows one directory under two paths)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep):
-        return True
-    try:
-        target = os.stat(folder)
-    except OSError:
-        return False
-    while True:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.stat(path), target):
-                return True
-        parent = os.path.dirname(path)
-        if parent == path:
-            return False
-        path = parent
 
 
 def _copy(fs: Any, path: str, dest: str, names: list[str]) -> None:

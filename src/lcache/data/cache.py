@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from lcache import jsondoc
-from lcache.checks import flag, path_argument, text_argument
+from lcache.checks import flag, lies_within, path_argument, text_argument
 from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
@@ -207,9 +207,7 @@ def check_locations(source: Any, cache_dir: Any) -> None:
     if not listed or not isinstance(url, str) or ("://" in url and
                                                   not url.startswith("file://")):
         return
-    root = os.path.realpath(url.removeprefix("file://"))
-    where = os.path.realpath(os.fspath(cache_dir))
-    if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+    if lies_within(os.fspath(cache_dir), url.removeprefix("file://")):
         raise ConfigError(f"the cache directory {cache_dir} is inside the source {url}: its "
                           "files would be listed as samples; put the cache elsewhere")
 
