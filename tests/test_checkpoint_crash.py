@@ -95,7 +95,12 @@ def test_kill_minus_9_during_saves_never_exposes_a_partial_checkpoint(tmp_path: 
         listed, damaged = ck.list_checkpoints(root)
         assert damaged == []
         names = [c.name for c in listed]
-        assert f"step-{last_saved:06d}" in names, (names, last_saved)
+        steps = [int(name.split("-")[1]) for name in names]
+        assert max(steps, default=-1) <= last_started, (names, last_started)  # none unbegun
+        # the last reported save is there, unless kills that each landed between a publish
+        # and its "saved" line left keep_last newer ones, and retention removed it
+        unreported = [n for n in steps if n > last_saved]
+        assert last_saved in steps or len(unreported) >= 3, (names, last_saved)
         assert len(listed) <= 4  # keep_last=3, plus one if killed before its retention ran
         for info in listed:
             n = int(info.name.split("-")[1])
