@@ -55,7 +55,7 @@ from lcache.errors import (
     StorePermissionError,
 )
 from lcache.forksafe import fork_safe_lock
-from lcache.io import atomic_write, close_file, private_dir
+from lcache.io import atomic_write, close_file, fsync_dir, private_dir
 from lcache.io.files import open_owned, open_regular
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
@@ -258,6 +258,7 @@ def _drop_unknown_store(store_dir: str, described: bool) -> None:
             "lost")
     log.warning("lcache: dropping the samples cached in %s: their source is unknown", store_dir)
     shutil.rmtree(store_dir)
+    fsync_dir(os.path.dirname(store_dir))  # gone before the new cache.json says so
 
 
 class SampleCache:
@@ -354,6 +355,9 @@ class SampleCache:
         main = self.store()
         dropped = [int(i) for i in changed if int(i) in main and main.delete(int(i))]
         if dropped:
+            # the store writes with sync="never": without this, a power loss after the new
+            # listing is published could bring the old copies back under it
+            main.flush_deletes()
             names = getattr(self.source, "paths", None)
             shown = [names[i] if names is not None and i < len(names) else str(i)
                      for i in dropped[:5]]

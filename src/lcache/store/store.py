@@ -544,8 +544,16 @@ class Store(Space, Reader):
             self._flush_indexes()
             self._persist_counters()
 
-    def _flush_indexes(self) -> None:
-        if self.sync is SyncPolicy.NEVER:
+    def flush_deletes(self) -> None:
+        """Make the deletes so far durable whatever the sync policy: for a caller about to
+        publish something that relies on them (a cache's new listing, which says the old
+        copies are gone, must not reach the disk before their deletes)."""
+        self._check_process()
+        with self._tlock:
+            self._flush_indexes(force=True)
+
+    def _flush_indexes(self, force: bool = False) -> None:
+        if self.sync is SyncPolicy.NEVER and not force:
             return
         for index in (self._int_index, self._hash_index):
             if index is not None:
