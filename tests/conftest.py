@@ -44,12 +44,22 @@ def subprocess_env() -> dict[str, str]:
 
 def rewrite_unseen(path: Path, data: bytes, listed: os.stat_result | None = None) -> None:
     """Write ``data`` over ``path`` in place, then set its modification time back (to
-    ``listed``'s, default: the one it had): a change its listed version cannot tell (bit
-    rot, a server that sends no version), so the checks of the bytes themselves must
-    refuse it."""
+    ``listed``'s, default: the one it had): over HTTP (``served``), a change its listed
+    version cannot tell (bit rot, a server whose versions are modification times), so the
+    checks of the bytes themselves must refuse it. Read locally, the file's inode change
+    time tells it."""
     st = listed or path.stat()
     path.write_bytes(data)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@contextmanager
+def served(folder: Path) -> Iterator[str]:
+    """The URL of ``folder`` on an HTTP server on loopback (for ``rewrite_unseen``)."""
+    from lcache.testing.remote import ThrottledServer
+
+    with ThrottledServer(str(folder.parent)) as server:
+        yield f"{server.url}/{folder.name}/"
 
 
 #: The repository's root: README.md and docs/ live there.

@@ -20,7 +20,7 @@ from lcache.data.formats.litdata import _leaf
 from lcache.errors import ConfigError, CorruptionError
 from lcache.testing.remote import ThrottledServer
 
-from .conftest import rewrite_unseen
+from .conftest import rewrite_unseen, served
 from .data.make_fixtures import payload
 
 FIXTURE = Path(__file__).parent / "data" / "litdata"
@@ -149,12 +149,13 @@ def test_a_data_spec_that_cannot_be_its_items_is_refused(chunks: Path, spec: Any
 
 
 def test_an_item_whose_sizes_do_not_add_up_is_refused(chunks: Path) -> None:
-    src = LitDataSource(str(chunks))
-    raw = bytearray((chunks / "chunk-0-1.bin").read_bytes())
-    start = int(src.offsets[4])  # item 4: the second of chunk 1
-    assert src._file_of[4] == 1
-    raw[start:start + 4] = (7).to_bytes(4, "little")  # its first leaf's size
-    rewrite_unseen(chunks / "chunk-0-1.bin", bytes(raw))
-    with pytest.raises(SourceError, match=r"^item 4 \(.*chunk-0-1.bin#bytes=.*\): its leaves "
-                                          "add up to"):
-        src.fetch_many([3, 4, 5])
+    with served(chunks) as url:
+        src = LitDataSource(url)
+        raw = bytearray((chunks / "chunk-0-1.bin").read_bytes())
+        start = int(src.offsets[4])  # item 4: the second of chunk 1
+        assert src._file_of[4] == 1
+        raw[start:start + 4] = (7).to_bytes(4, "little")  # its first leaf's size
+        rewrite_unseen(chunks / "chunk-0-1.bin", bytes(raw))
+        with pytest.raises(SourceError, match=r"^item 4 \(.*chunk-0-1.bin#bytes=.*\): its "
+                                              "leaves add up to"):
+            src.fetch_many([3, 4, 5])

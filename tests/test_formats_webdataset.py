@@ -22,7 +22,7 @@ from lcache.data.formats.webdataset import split_name
 from lcache.errors import ConfigError, CorruptionError
 from lcache.testing.remote import ThrottledServer
 
-from .conftest import rewrite_unseen
+from .conftest import rewrite_unseen, served
 from .data.make_fixtures import LONG_KEY, payload
 
 FIXTURE = Path(__file__).parent / "data" / "webdataset"
@@ -124,17 +124,18 @@ def test_truncated_shard_is_named(shards: Path) -> None:
 
 
 def test_corrupt_header_of_a_fetched_sample_is_refused(shards: Path) -> None:
-    src = WebDatasetSource(str(shards))
-    start = int(src.offsets[3])
-    raw = bytearray((shards / SHARDS[0]).read_bytes())
-    raw[start + 88] ^= 0x01  # in the first header of sample 3 (its first member's pax header)
-    rewrite_unseen(shards / SHARDS[0], bytes(raw))
-    with pytest.raises(SourceError) as info:
-        src.fetch_many([2, 3, 4])
-    message = str(info.value)
-    assert f"sample 3 ({shards / SHARDS[0]} at byte" in message and "checksum" in message, \
-        message
-    assert src.fetch_many([0, 1]) == [src.fetch(0), src.fetch(1)]  # the others still serve
+    with served(shards) as url:
+        src = WebDatasetSource(url)
+        start = int(src.offsets[3])
+        raw = bytearray((shards / SHARDS[0]).read_bytes())
+        raw[start + 88] ^= 0x01  # in the first header of sample 3 (its first member's pax)
+        rewrite_unseen(shards / SHARDS[0], bytes(raw))
+        with pytest.raises(SourceError) as info:
+            src.fetch_many([2, 3, 4])
+        message = str(info.value)
+        assert f"sample 3 ({url}{SHARDS[0]} at byte" in message and "checksum" in message, \
+            message
+        assert src.fetch_many([0, 1]) == [src.fetch(0), src.fetch(1)]  # the others serve
 
 
 def test_shard_rewritten_under_a_sample_is_refused(shards: Path) -> None:
@@ -143,19 +144,23 @@ def test_shard_rewritten_under_a_sample_is_refused(shards: Path) -> None:
     # Swap two shards of the same size: each sample's range now holds another key.
     a, b = (shards / SHARDS[0]).read_bytes(), (shards / SHARDS[1]).read_bytes()
     assert len(a) == len(b)
-    listed = (shards / SHARDS[0]).stat()
     (shards / SHARDS[0]).write_bytes(b)
     (shards / SHARDS[1]).write_bytes(a)
     for i in range(5):  # the shard's version tells
         with pytest.raises(SourceError, match=rf"^cannot read sample {i} .*rewritten since "):
             src.fetch(i)
     assert other.keys == src.keys
-    # and where it cannot, each sample's tar key does
-    rewrite_unseen(shards / SHARDS[0], b, listed)
-    for i in range(5):
-        with pytest.raises(SourceError, match=rf"^sample {i} .*shard changed since it was "
-                                              "indexed"):
-            src.fetch(i)
+    # and where it cannot (over HTTP, its modification time set back), each sample's tar
+    # key does
+    (shards / SHARDS[0]).write_bytes(a)
+    (shards / SHARDS[1]).write_bytes(b)
+    with served(shards) as url:
+        src = WebDatasetSource(url)
+        rewrite_unseen(shards / SHARDS[0], b)
+        for i in range(5):
+            with pytest.raises(SourceError, match=rf"^sample {i} .*shard changed since it "
+                                                  "was indexed"):
+                src.fetch(i)
 
 
 def test_unreachable_or_missing_shard_is_named(shards: Path, tmp_path: Path) -> None:
@@ -187,7 +192,6 @@ def test_a_sample_under_another_key_is_refused(shards: Path) -> None:
     import io
     import tarfile
 
-    src = WebDatasetSource(str(shards))
     out = io.BytesIO()
     with tarfile.open(shards / SHARDS[0]) as old, tarfile.open(fileobj=out, mode="w") as new:
         for info in old.getmembers():
@@ -196,10 +200,12 @@ def test_a_sample_under_another_key_is_refused(shards: Path) -> None:
             info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "path"}
             new.addfile(info, io.BytesIO(data))
     assert len(out.getvalue()) == (shards / SHARDS[0]).stat().st_size  # the same layout
-    rewrite_unseen(shards / SHARDS[0], out.getvalue())
-    assert src.fetch_many([0, 2]) == [src.fetch(0), src.fetch(2)]  # unchanged samples serve
-    with pytest.raises(SourceError, match=r"^sample 1 .* holds key 'x0001', not 's0001'"):
-        src.fetch(1)
+    with served(shards) as url:
+        src = WebDatasetSource(url)
+        rewrite_unseen(shards / SHARDS[0], out.getvalue())
+        assert src.fetch_many([0, 2]) == [src.fetch(0), src.fetch(2)]  # unchanged ones serve
+        with pytest.raises(SourceError, match=r"^sample 1 .* holds key 'x0001', not 's0001'"):
+            src.fetch(1)
 
 
 def test_progress_while_indexing(capfd: pytest.CaptureFixture[str],

@@ -337,6 +337,8 @@ class SampleCache:
         self._warned_large = False
         self._warn_skip = RateLimitedWarning()
         self._decode_copies = isinstance(self.source, _DECODE_COPIES)
+        known = getattr(self.source, "known_sizes", None)  # optional in a Source
+        self._known_sizes: np.ndarray | None = None if known is None else known()
         self._on_ssd = on_ssd
         with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
             if opened.reset and os.path.lexists(store_dir):
@@ -630,6 +632,8 @@ class SampleCache:
                         store.delete(wanted[j])
                         tally["corrupt_refetches"] += 1
                     views[j] = view
+            if self._known_sizes is not None:
+                self._refuse_other_lengths(store, wanted, views, tally)
             for j, i in enumerate(todo):
                 if views[j] is not None:
                     data[i], where[i] = views[j], at
@@ -644,6 +648,20 @@ class SampleCache:
                     self._put_many(main, [k for k, _ in kept], [b for _, b in kept])
             todo = [i for i in todo if data[i] is None]
         return data, where
+
+    def _refuse_other_lengths(self, store: Store, keys: list[int],
+                              views: list[memoryview | None],
+                              tally: dict[str, int]) -> None:
+        """Drop cached copies whose length is not the one the listing gives their sample:
+        a copy of another version (or another range) that its fingerprint did not tell
+        apart. Each is counted as a corrupt copy and fetched again."""
+        sizes = self._known_sizes
+        assert sizes is not None
+        for j, view in enumerate(views):
+            if view is not None and len(view) != sizes[keys[j]] >= 0:
+                store.delete(keys[j])
+                views[j] = None
+                tally["corrupt_refetches"] += 1
 
     def _fill(self, wanted: dict[int, bool | None], tally: dict[str, int]
               ) -> dict[int, tuple[bytes | memoryview | None, int]]:

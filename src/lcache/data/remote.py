@@ -81,6 +81,12 @@ class Listed:
                     "rewritten since the source was opened (open it again)")
 
 
+def _check_local(listed: Listed, st: os.stat_result) -> None:
+    """``listed.check`` of a local file's ``fstat``, with the fields as fsspec's
+    LocalFileSystem.info gives them (``created`` is the inode change time)."""
+    listed.check(st.st_size, {"mtime": st.st_mtime, "created": st.st_ctime, "ino": st.st_ino})
+
+
 @dataclass(frozen=True)
 class FetchOptions:
     """How a source talks to its remote.
@@ -577,7 +583,10 @@ class Remote:
         """``path[start:end]`` on a non-async filesystem, in this thread. A local path is
         opened as a regular file only (without blocking, then checked): a FIFO or a device
         put under a sample's or an index's name would block the read forever or never end.
-        A local file's size, modification time and inode are checked against ``listed``."""
+        A local file's size, modification time, inode change time and inode are checked
+        against ``listed``, before the read and after it (a rewrite in place with its
+        modification time set back changes the inode change time; one during the read
+        would mix two versions)."""
         fs, _ = self.fs()
         if "file" not in _protocols(fs):
             return bytes(fs.cat_file(path, start=start, end=end))
@@ -585,8 +594,8 @@ class Remote:
         try:
             st = os.fstat(fd)
             size = st.st_size
-            if listed is not None:  # as fsspec's LocalFileSystem.info says them
-                listed.check(size, {"mtime": st.st_mtime, "ino": st.st_ino})
+            if listed is not None:
+                _check_local(listed, st)
             lo, hi, _ = slice(start, end).indices(size)
             chunks = []
             while lo < hi:
@@ -595,6 +604,8 @@ class Remote:
                     break
                 chunks.append(piece)
                 lo += len(piece)
+            if listed is not None:
+                _check_local(listed, os.fstat(fd))
             return b"".join(chunks)
         finally:
             close_file(fd)

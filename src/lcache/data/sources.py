@@ -61,6 +61,8 @@ class Source(Protocol):
       identified by the contents of a probe of its items (``lcache.data.identity``);
     - ``versioned()``: whether its fingerprints see an object rewritten with the same size
       (a warning says so when they do not);
+    - ``known_sizes()``: per sample, the exact length ``fetch`` returns (-1 where not
+      known before the fetch); a cached copy of another length is not served;
     - ``path_of(index)``: where the sample lives (a URL, or a shard URL and key), for
       transforms and error messages;
     - ``location``: what besides ``url`` says where the data is (an S3 endpoint): part of
@@ -185,6 +187,9 @@ class FileSource:
         finer than a second)."""
         return all(tells_rewrites(v) for v in self._versions)
 
+    def known_sizes(self) -> npt.NDArray[np.int64]:
+        return np.where(self._object_sizes < 0, -1, self._sizes)
+
     def __len__(self) -> int:
         return len(self.paths)
 
@@ -280,6 +285,16 @@ class ImageFolderSource(FileSource):
 _LABEL = np.dtype("<u4")
 
 
+def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """MurmurHash3's 64-bit finalizer, on an array: a bijection that spreads every bit of
+    the input over the output (no two inputs share an output)."""
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xFF51AFD7ED558CCD)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xC4CEB9FE1A85EC53)
+    return x ^ (x >> np.uint64(33))
+
+
 def _column(values: Any, name: str) -> npt.NDArray[np.int64]:
     """A RangeSource's ``offsets`` or ``lengths`` as int64: whole numbers below 2**62 (a
     float was cut to an int, a string was a bare ValueError, 2**63 an OverflowError)."""
@@ -365,13 +380,20 @@ class RangeSource:
     def fingerprints(self, versions: bool = True) -> npt.NDArray[np.uint64]:
         """Per sample: its file's path, size and version (unless ``versions`` is False),
         mixed with its offset and length."""
-        mix = (self.offsets.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-               ^ self.lengths.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
         files = self._file_fps if versions else np.array(
             [fingerprint(f, n, "") for f, n in zip(self._files, self._file_sizes, strict=True)],
             np.uint64)
-        fps: npt.NDArray[np.uint64] = files[self._file_of] ^ mix
-        return fps
+        # Why nested mixing, not a sum or xor of products: an edited table found (offset,
+        # length) pairs with the old sample's fingerprint in a second. For a file and a length
+        # this is a bijection of the offset (and the other way round), so a row moved within
+        # its file always changes; a hit whose length is not the row's is refused anyway.
+        with np.errstate(over="ignore"):
+            inner = _mix64(files[self._file_of] ^ _mix64(self.offsets.astype(np.uint64)
+                                                         + np.uint64(0x9E3779B97F4A7C15)))
+            return _mix64(inner ^ self.lengths.astype(np.uint64))
+
+    def known_sizes(self) -> npt.NDArray[np.int64]:
+        return self.lengths
 
     def versioned(self) -> bool:
         return all(tells_rewrites(v) for v in self._versions)

@@ -1,0 +1,134 @@
+"""A cached copy of another version of a sample is never served: a table row moved to other
+bytes, a copy of another length, a file rewritten in place while the run reads it."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lcache.data import CachedDataset, RangeSource
+from lcache.data.remote import SourceError
+
+CAPACITY = "16MiB"
+
+
+def test_a_table_row_moved_to_another_range_is_fetched_again(tmp_path: Path) -> None:
+    """The finding: fingerprints mixed offset and length linearly, and this row edit (found
+    by solving for it) kept the row's fingerprint: 2,048 old bytes were served for a row of
+    114,449 new ones. The file is sparse, 12.6 GiB long, as token files are."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    moved_to, moved_length = 13564371203, 114449
+    with open(data / "tokens.bin", "wb") as f:
+        f.write(b"OLD!" * 512)
+        f.seek(moved_to)
+        f.write(b"NEW!" * (moved_length // 4) + b"N")
+    first = CachedDataset(RangeSource(str(data), "tokens.bin", [0], [2048]), cache, "64MiB")
+    assert first[0] == b"OLD!" * 512
+    first.cache.close()
+
+    source = RangeSource(str(data), "tokens.bin", [moved_to], [moved_length])
+    again = CachedDataset(source, cache, "64MiB")
+    assert again.cache.invalidated == 1
+    assert again[0] == b"NEW!" * (moved_length // 4) + b"N"
+    again.cache.close()
+
+
+def test_row_fingerprints_differ_for_every_moved_offset_and_length(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "f.bin").write_bytes(bytes(1 << 16))
+    rng = np.random.default_rng(0)
+    offsets = rng.integers(0, 1 << 15, 20000)
+    lengths = rng.integers(1, 1 << 15, 20000)
+    rows = set(zip(offsets.tolist(), lengths.tolist(), strict=True))
+    source = RangeSource(str(data), "f.bin", [o for o, _ in rows], [n for _, n in rows])
+    fps = source.fingerprints()
+    assert len(set(fps.tolist())) == len(rows)
+    # and the same row in another file, or in the same file at another version, differs
+    (data / "g.bin").write_bytes(bytes(1 << 16))
+    other = RangeSource(str(data), "g.bin", [100], [50])
+    same = RangeSource(str(data), "f.bin", [100], [50])
+    assert other.fingerprints()[0] != same.fingerprints()[0]
+
+
+def test_a_cached_copy_of_another_length_is_refused_and_fetched_again(tmp_path: Path) -> None:
+    """A copy whose length is not its row's (a version the fingerprint did not tell apart,
+    written here straight into the store) is dropped, counted and fetched again."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    payload = random.Random(1).randbytes(3000)
+    (data / "f.bin").write_bytes(payload)
+    ds = CachedDataset(RangeSource(str(data), "f.bin", [0, 1000], [1000, 2000]), cache,
+                       CAPACITY)
+    ds.cache.store().put(1, b"x" * 1500)
+    assert ds[1] == payload[1000:]
+    assert ds.stats()["corrupt_refetches"] == 1
+    assert ds[1] == payload[1000:]  # the fetched copy is the one kept
+    assert ds.stats()["corrupt_refetches"] == 1
+    ds.cache.close()
+
+
+def test_a_file_of_a_known_size_is_checked_the_same_way(tmp_path: Path) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    for i in range(3):
+        (data / f"s{i}.bin").write_bytes(bytes([i]) * 100)
+    ds = CachedDataset(str(data), cache, CAPACITY)
+    ds.cache.store().put(2, b"\x07" * 99)
+    assert ds[2] == b"\x02" * 100
+    assert ds.stats()["corrupt_refetches"] == 1
+    ds.cache.close()
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_refused(tmp_path: Path) -> None:
+    """The finding: only the size, mtime and inode were compared at the fetch, so a file
+    rewritten in place between the listing and the fetch, its mtime set back with utime,
+    was fetched and cached as the listed version in this run (the next open saw it)."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    for i in range(2):
+        (data / f"s{i}.bin").write_bytes(b"A" * 100)
+    ds = CachedDataset(str(data), cache, CAPACITY)
+    victim = data / "s1.bin"
+    st = victim.stat()
+    with open(victim, "r+b") as f:  # in place: same inode, same size
+        f.write(b"Y" * 100)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(SourceError, match=r"created is now .*rewritten since the source"):
+        ds[1]
+    assert ds[0] == b"A" * 100
+    ds.close()
+    again = CachedDataset(str(data), cache, CAPACITY)
+    assert again[1] == b"Y" * 100
+    again.close()
+
+
+def test_a_file_rewritten_during_its_read_is_refused(tmp_path: Path) -> None:
+    """The fields are checked again after the read: a rewrite while it ran mixed two
+    versions (12 MiB of one and 20 MiB of the other passed). Here the rewrite is made
+    between the read and the check, from inside the read (os.pread is wrapped)."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    (data / "big.bin").write_bytes(b"A" * (64 << 10))
+    ds = CachedDataset(str(data), cache, "64MiB")
+    real_pread = os.pread
+
+    def pread_then_rewrite(fd: int, n: int, offset: int) -> bytes:
+        piece = real_pread(fd, n, offset)
+        with open(data / "big.bin", "r+b") as f:
+            f.write(b"B" * 100)
+        return piece
+
+    os.pread = pread_then_rewrite  # type: ignore[assignment]
+    try:
+        with pytest.raises(SourceError, match="rewritten since the source"):
+            ds[0]
+    finally:
+        os.pread = real_pread
+    assert 0 not in ds.cache.store()
+    ds.close()
