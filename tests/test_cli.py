@@ -64,7 +64,7 @@ def test_a_path_that_looks_like_markup_is_printed_as_given(tmp_path: Path, name:
 def test_ctrl_c_ends_a_command_with_130(tmp_path: Path) -> None:
     """Regression: Ctrl-C ended with status 1, which a script reads as a failure; a shell
     reports 128 + SIGINT."""
-    proc = subprocess.Popen([*LCACHE, "store-demo", "--samples", "5000000", "--dir",
+    proc = subprocess.Popen([*LCACHE, "store-demo", "--samples", "200000", "--dir",
                              str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -213,6 +213,16 @@ def test_bad_capacity_is_refused_with_what_to_change(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "raise capacity" in out.stderr
+
+
+def test_store_demo_larger_than_the_free_space_is_refused_up_front(tmp_path: Path) -> None:
+    """The finding (attack helper 98): --samples 10000000 --sample-size 2MiB, a 19 TiB
+    dataset, was taken: every sample was made in memory first (5.5 GB after 10 s)."""
+    out = run("store-demo", "--dir", str(tmp_path / "d"), "--samples", "10000000",
+              "--sample-size", "2MiB")
+    assert_one_line_error(out, "is a 19.1 TiB dataset", f"in {tmp_path}, which has",
+                          "lower --samples or --sample-size")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_demo_json(tmp_path: Path) -> None:

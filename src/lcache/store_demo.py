@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import numpy as np
 from rich.progress import Progress
 
 from lcache.errors import ConfigError
-from lcache.store import Store, StoreConfig, fsck, parse_size
+from lcache.store import Store, StoreConfig, format_size, fsck, parse_size
 
 SEGMENT_SIZE = 8 << 20
 MAX_WRITERS = 2
@@ -43,11 +44,20 @@ def _progress(show: bool, label: str, total: int) -> Iterator[Any]:
         yield lambda n: progress.advance(task, n)
 
 
-def _put_values(store: Store, values: list[bytes], advance: Any) -> None:
-    for lo in range(0, len(values), BATCH):
-        batch = values[lo : lo + BATCH]
-        store.put_many(range(lo, lo + len(batch)), batch)
+def _put_samples(store: Store, samples: int, size: int, advance: Any) -> float:
+    """Put samples 0..samples-1, made a batch at a time (the dataset may not fit in memory);
+    returns the seconds spent in the store."""
+    spent = 0.0
+    for lo in range(0, samples, BATCH):
+        keys = range(lo, min(lo + BATCH, samples))
+        batch = [sample_value(key, size) for key in keys]
+        t0 = time.perf_counter()
+        store.put_many(keys, batch)
+        spent += time.perf_counter() - t0
         advance(len(batch))
+    t0 = time.perf_counter()
+    store.flush()
+    return spent + time.perf_counter() - t0
 
 
 def crash_writer(root: str, first_key: int, size: int, progress_file: str,
@@ -113,17 +123,23 @@ def _kill_mid_write(root: str, first_key: int, size: int, batches: int, marks: s
     return _flushed_up_to(marks)[0]
 
 
-def _read_all(store: Store, keys: list[int], expected: Any, advance: Any) -> tuple[int, int]:
-    """(hits, wrong) over ``keys`` in the given order, checking every byte."""
+def _read_all(store: Store, keys: list[int], size: int, advance: Any
+              ) -> tuple[int, int, float]:
+    """(hits, wrong, seconds spent in the store) over ``keys`` in the given order, checking
+    every byte."""
     hits = wrong = 0
+    spent = 0.0
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
-        for key, view in zip(batch, store.get_many(batch), strict=True):
+        t0 = time.perf_counter()
+        views = store.get_many(batch)
+        spent += time.perf_counter() - t0
+        for key, view in zip(batch, views, strict=True):
             if view is not None:
                 hits += 1
-                wrong += view != expected(key)
+                wrong += view != sample_value(key, size)
         advance(len(batch))
-    return hits, wrong
+    return hits, wrong, spent
 
 
 def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
@@ -133,33 +149,32 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
     if not 16 <= size <= SEGMENT_SIZE // 4:
         raise ConfigError(f"--sample-size {sample_size}: the demo writes samples of 16 B to "
                           f"{SEGMENT_SIZE // 4 >> 20} MiB (a quarter of its segments)")
+    dataset = samples * size
+    capacity = int(dataset * 0.75)
+    capacity = max(capacity, StoreConfig(capacity=capacity, segment_size=SEGMENT_SIZE,
+                                         max_writers=MAX_WRITERS).minimum_capacity())
+    where = os.path.abspath(directory or tempfile.gettempdir())
+    while not os.path.isdir(where):  # --dir is made if need be: its nearest existing folder
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if capacity > free:
+        raise ConfigError(f"--samples {samples} x --sample-size {format_size(size)} is a "
+                          f"{format_size(dataset)} dataset; the demo's store (3/4 of it) needs "
+                          f"{format_size(capacity)} in {where}, which has {format_size(free)} "
+                          "free: lower --samples or --sample-size, or choose another --dir")
     with tempfile.TemporaryDirectory(prefix="lcache-demo-") as tmp:
         root = os.path.join(directory or tmp, "store")
         os.makedirs(os.path.dirname(root), exist_ok=True)
-        dataset = samples * size
-        capacity = int(dataset * 0.75)
-        capacity = max(capacity, StoreConfig(capacity=capacity, segment_size=SEGMENT_SIZE,
-                                             max_writers=MAX_WRITERS).minimum_capacity())
         store = Store.open(root, capacity=capacity, segment_size=SEGMENT_SIZE,
                            max_writers=MAX_WRITERS)
-        with _progress(show_progress, "making samples", samples) as advance:
-            values = []
-            for key in range(samples):
-                values.append(sample_value(key, size))
-                advance(1)
-        t0 = time.perf_counter()
         with _progress(show_progress, "put", samples) as advance:
-            _put_values(store, values, advance)
-            store.flush()
-        put_s = time.perf_counter() - t0
+            put_s = _put_samples(store, samples, size, advance)
 
         store.drop_page_cache()
         order = list(range(samples))
         random.shuffle(order)
-        t0 = time.perf_counter()
         with _progress(show_progress, "get (random order)", samples) as advance:
-            hits, wrong = _read_all(store, order, values.__getitem__, advance)
-        get_s = time.perf_counter() - t0
+            hits, wrong, get_s = _read_all(store, order, size, advance)
         stats = store.stats()
         store.close()
 
@@ -177,8 +192,7 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
         recovery_s = time.perf_counter() - t0
         recovered = store.counters.recovered_segments
         flushed = list(range(samples, flushed_to))
-        found, wrong_after = _read_all(store, flushed, lambda k: sample_value(k, size),
-                                       lambda n: None)
+        found, wrong_after, _ = _read_all(store, flushed, size, lambda n: None)
         store.close()
         report = fsck(root)
         return {
