@@ -123,6 +123,20 @@ def test_counters_and_stats(open_store: Any, store_dir: Path) -> None:
     assert read_totals(str(store_dir)).hits == 4  # summed over processes
 
 
+@pytest.mark.parametrize("text", ['{"puts": 1e400}', '{"puts": NaN}', '{"puts": "x"}', "[1]"])
+def test_a_damaged_stats_file_reads_as_zero(open_store: Any, store_dir: Path,
+                                            text: str) -> None:
+    """stats.json is advisory. The finding (attack helper 98): a count beyond a float's
+    range (1e400, read as infinity) was an OverflowError at every close."""
+    open_store().close()
+    (store_dir / "stats.json").write_text(text)
+    assert read_totals(str(store_dir)).puts == 0
+    store = Store.open(store_dir)
+    store.put(1, b"x")
+    store.close()
+    assert read_totals(str(store_dir)).puts == 1
+
+
 @pytest.mark.parametrize("sync", ["never", "flush", "always"])
 def test_sync_policies(open_store: Any, store_dir: Path, sync: str) -> None:
     store = open_store(sync=sync)

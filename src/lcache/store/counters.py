@@ -48,7 +48,8 @@ def read_totals(root: str) -> Counters:
         raw = jsondoc.loads(read_and_close(open_in_store(os.path.join(root, STATS_NAME),
                                                       os.O_RDONLY), 1 << 20))
         return Counters(**{f.name: int(raw.get(f.name, 0)) for f in fields(Counters)})
-    except (OSError, ValueError, TypeError, AttributeError):  # advisory: a bad one reads as 0
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError):
+        # advisory: a bad one reads as 0 (1e400 is infinity, which no int holds)
         return Counters()
 
 
