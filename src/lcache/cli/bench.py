@@ -13,6 +13,7 @@ from rich.table import Table
 from lcache.checks import launch_rank_world, printable
 from lcache.cli.checks import Folder
 from lcache.errors import ConfigError
+from lcache.terminate import UnwindOnTerminate
 
 console = Console()
 
@@ -151,7 +152,8 @@ def run_cmd(config: str, data_dir: str | None, output: str | None,
         opts.step_io, offload = offload_step_io(pred, w.computation_time, world,
                                                 parse_size(max_step_bytes))
         offload["preset"] = offload_preset
-    summary = run_workload(w, opts)
+    with UnwindOnTerminate():  # `timeout` left a partial checkpoint file behind
+        summary = run_workload(w, opts)
     if offload is not None and "metric" in summary:
         summary["offload"] = offload
         capped = [c for c, v in offload["classes"].items() if v["capped"]]
@@ -200,11 +202,12 @@ def from_model_cmd(preset: str, duration: float, steps: int, directory: str,
     from lcache.bench.from_model import run_from_model
     from lcache.store import parse_size
 
-    summary = run_from_model(
-        preset, duration, steps=steps, data_dir=os.path.join(directory, "data"),
-        output=output or os.path.join(directory, "output"),
-        max_step_bytes=parse_size(max_step_bytes), restart=restart,
-        show_progress=not as_json, trace=trace, **_parse_settings(settings))
+    with UnwindOnTerminate():
+        summary = run_from_model(
+            preset, duration, steps=steps, data_dir=os.path.join(directory, "data"),
+            output=output or os.path.join(directory, "output"),
+            max_step_bytes=parse_size(max_step_bytes), restart=restart,
+            show_progress=not as_json, trace=trace, **_parse_settings(settings))
     if as_json or "from_model" not in summary:
         _print(summary, as_json)
         return
