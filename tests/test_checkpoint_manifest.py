@@ -228,3 +228,21 @@ def test_the_depth_scan_is_linear_on_unterminated_escaped_quotes(tmp_path: Path)
     t0 = time.perf_counter()
     assert_only_step1_listed(root)
     assert time.perf_counter() - t0 < 5
+
+
+def test_ls_json_of_a_meta_holding_nan_is_strict_json(tmp_path: Path) -> None:
+    """The finding (attack helper 98): meta={"loss": nan, "best": inf} was printed as
+    ``NaN`` and ``Infinity`` by `ckpt ls --json`, which strict parsers (JavaScript's
+    JSON.parse) refuse. They print as null; the checkpoint keeps them."""
+    ck.save({"w": np.zeros(3)}, tmp_path / "step-1", meta={"loss": float("nan"),
+                                                          "best": float("inf"), "lr": 0.1})
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    out = CliRunner().invoke(cli, ["ckpt", "ls", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output, parse_constant=refuse)["checkpoints"][0]
+    assert listed["meta"] == {"loss": None, "best": None, "lr": 0.1}
+    meta = ck.list_checkpoints(tmp_path)[0][0].meta
+    assert meta["lr"] == 0.1 and meta["best"] == float("inf") and meta["loss"] != meta["loss"]

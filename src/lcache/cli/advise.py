@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 from rich.console import Console
 
+from lcache import jsondoc
 from lcache.checks import printable
 from lcache.cli.checks import STDOUT, check_outputs, check_replaceable, number, output_option
 from lcache.errors import ConfigError
@@ -109,7 +109,7 @@ def advise_cmd(traces: tuple[str, ...], scale_gpus: str | None, model: str | Non
     if emit_path not in (None, STDOUT):
         atomic_write(emit_path, yaml.encode(), mode=0o644)
     if as_json:
-        click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+        click.echo(jsondoc.dumps(doc, indent=2, sort_keys=True, default=str))
     elif emit_path == STDOUT:  # stdout holds the YAML alone; the advice goes to stderr
         _print(doc, emit_path, html_path, Console(stderr=True))
         click.echo(yaml, nl=not yaml.endswith("\n"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -10,6 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from lcache import jsondoc
 from lcache.checks import launch_rank_world, printable
 from lcache.cli.checks import Folder
 from lcache.errors import ConfigError
@@ -19,7 +19,7 @@ console = Console()
 
 
 def _emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+    click.echo(jsondoc.dumps(doc, indent=2, sort_keys=True, default=str))
 
 
 def _figures_table(summary: dict[str, Any]) -> Table:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
+from lcache import jsondoc
 from lcache.checks import printable, shown
 from lcache.cli.checks import Folder
 
@@ -49,7 +50,7 @@ def ls_cmd(directory: str, as_json: bool) -> None:
     good, bad = list_checkpoints(directory)  # a missing directory: one line, exit status 2
     left = [os.path.basename(p) for p in leftovers(directory)]
     if as_json:
-        click.echo(json.dumps({"checkpoints": [c.to_dict() for c in good], "damaged": bad,
+        click.echo(jsondoc.dumps({"checkpoints": [c.to_dict() for c in good], "damaged": bad,
                                "leftovers": left}, indent=2, sort_keys=True))
         return
     table = Table(title=f"checkpoints in {printable(directory)}")
@@ -101,7 +102,7 @@ def verify_cmd(directory: str, as_json: bool) -> None:
             reports.append(verify(path, progress=lambda n: bar.advance(task, n)).to_dict())
     ok = all(r["ok"] for r in reports)
     if as_json:
-        click.echo(json.dumps({"ok": ok, "checkpoints": reports}, indent=2, sort_keys=True))
+        click.echo(jsondoc.dumps({"ok": ok, "checkpoints": reports}, indent=2, sort_keys=True))
     else:
         for r in reports:
             mark = "[green]ok[/]" if r["ok"] else "[bold red]DAMAGED[/]"

@@ -36,7 +36,7 @@ _SIZE_KEYS = {"capacity", "segment_size", "bytes_on_disk", "index_bytes", "bytes
 
 
 def _emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    click.echo(jsondoc.dumps(doc, indent=2, sort_keys=True))
 
 
 def _table(title: str, rows: dict[str, Any]) -> Table:

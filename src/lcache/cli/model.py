@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -11,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from lcache import jsondoc
 from lcache.checks import printable
 from lcache.errors import ConfigError
 from lcache.model import PRESETS, config_from_preset, get_preset, load_model_file, predict
@@ -220,7 +220,7 @@ def model_cmd(preset: str | None, model_file: str | None, peak_tflops: float | N
         rows = {name: {k: v for k, v in shape.to_dict().items() if k != "name"}
                 for name, shape in PRESETS.items()}
         if as_json:
-            click.echo(json.dumps(rows, indent=2, sort_keys=True))
+            click.echo(jsondoc.dumps(rows, indent=2, sort_keys=True))
         else:
             for name, shape in PRESETS.items():
                 console.print(f"[bold]{name}[/]: {shape.layers} layers, hidden {shape.hidden}, "
@@ -252,6 +252,6 @@ def model_cmd(preset: str | None, model_file: str | None, peak_tflops: float | N
                       if v is not None})
         raise _name_options(exc, given) from None
     if as_json:
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        click.echo(jsondoc.dumps(doc, indent=2, sort_keys=True))
     else:
         _print_tables(doc)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shlex
 import shutil
@@ -17,6 +16,7 @@ from typing import Any
 
 import click
 
+from lcache import jsondoc
 from lcache.cli.checks import (
     STDOUT,
     check_outputs,
@@ -168,7 +168,7 @@ def trace_cmd(output: str, interval: float, syscalls: bool, no_lib: bool,
     if "error" in result:
         _fail(result["error"], result["exit_code"])
     if as_json:
-        click.echo(json.dumps(result), err=True)
+        click.echo(jsondoc.dumps(result), err=True)
     else:
         click.echo(f"lcache trace: {result['trace']} ({result['seconds']:.1f} s, "
                    f"{result['samples']} samples, {result['syscall_events']} syscall events); "
@@ -232,7 +232,7 @@ def report_cmd(traces: tuple[str, ...], html_path: str, json_path: str | None,
         else:
             atomic_write(jsonl, text.encode())
     if json_path == STDOUT:
-        printed = json.dumps(summary, indent=2) + "\n"
+        printed = jsondoc.dumps(summary, indent=2) + "\n"
     if printed is not None:
         click.echo(printed, nl=False)
     else:
