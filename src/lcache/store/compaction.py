@@ -110,8 +110,9 @@ def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest:
     pos = start
     for (kind, key64, length), old in zip(entries, olds, strict=True):
         index: IntIndex | HashIndex = ints if kind == record.KIND_INT else hashes
-        current = index.lookup(key64)
-        if current is not None and current[0] == old:
-            index.set(key64, pack_loc(dest.segment, pos), length)
+        # Why move, not lookup then set: set empties the entry before it writes the new
+        # location (a kill between left a flushed record lost), and a put between our look
+        # and our write was undone by the older copy.
+        index.move(key64, old, pack_loc(dest.segment, pos))
         pos += length
     return pos - start

@@ -352,6 +352,16 @@ class HashIndex:
             t.loc[i] = loc
             t.state[i] = USED
 
+    def move(self, h: int, old: int, new: int) -> bool:
+        """``IntIndex.move`` for a byte key's hash ``h``."""
+        with self._locked() as t:
+            i = t.find(h)
+            if i < 0 or int(t.loc[i]) != old:
+                return False
+            t.loc[i] = new
+            t.ref[i] = 0
+            return True
+
     def remove(self, h: int, expected_loc: int | None = None) -> bool:
         with self._locked() as t:
             return self._remove(t, h, expected_loc)

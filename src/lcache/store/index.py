@@ -380,6 +380,22 @@ class IntIndex:
             self._dirty = True
             return True
 
+    def move(self, key: int, old: int, new: int) -> bool:
+        """Point ``key`` from its record at ``old`` to a copy of it at ``new`` (same length),
+        clearing its reference bit; False, and nothing done, if it no longer points at
+        ``old`` (put or removed meanwhile). One 8-byte store: a reader, or a kill, sees the
+        old location or the new one, never an empty entry (``set`` empties it first)."""
+        t = self._map()
+        if key >= t.capacity or not t.page_ok(key):
+            return False
+        with file_locked(t.fd, self._tlock):
+            if int(t.loc[key]) != old:
+                return False
+            t.loc[key] = new
+            t.ref[key] = 0
+            self._dirty = True
+            return True
+
     def remove_many(self, keys: U64Array, expected_locs: U64Array) -> U64Array:
         """Remove the entries of ``keys`` that still hold ``expected_locs``; returns their
         keys."""
