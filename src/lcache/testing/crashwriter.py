@@ -11,6 +11,9 @@ The journal tells the parent what may be in the store, with two kinds of JSON li
 * ``{"i": [op, key, version]}`` before every put/delete (plain ``write``, no fsync: a page-cache
   write survives ``kill -9``, and the parent only needs it to know which keys an unfinished
   operation may have touched);
+* ``{"g": 1}`` before every ``gc()`` (no fsync, as intents): a gc copies live records of
+  many segments, and the parent cannot bound those appends if the kill lands before the
+  next flush line;
 * ``{"f": appended}`` after ``flush()`` returned, ``fsync``'d: every intent line before it is
   durable. ``appended`` counts the bytes this store has appended in total (records put, records
   copied by GC or CLOCK, their summary entries), starting from ``--appended-base``; the parent
@@ -86,6 +89,9 @@ class _Journal:
     def intent(self, op: str, key: Key, version: int) -> None:
         os.write(self.fd, json.dumps({"i": [op, key_repr(key), version]}).encode() + b"\n")
 
+    def gc(self) -> None:
+        os.write(self.fd, b'{"g": 1}\n')
+
     def flushed(self, appended: int) -> None:
         os.write(self.fd, json.dumps({"f": appended}).encode() + b"\n")
         os.fsync(self.fd)
@@ -146,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         if unflushed >= args.flush_bytes:
             flushes += 1
             if args.gc_every and flushes % args.gc_every == 0:
+                journal.gc()
                 store.gc(rng.choice([0.3, 0.5, 0.8]))
             store.flush()
             journal.flushed(appended_bytes(store, args.appended_base))
@@ -185,11 +192,13 @@ class CrashModel:
     durable: dict[Key, Durable] = field(default_factory=dict)
     appended: int = 0  # at the last flush the parent knows of (upper bound after a kill)
     version: int = 0  # highest version any writer may have used
+    gc_unflushed: bool = False  # the last round's writer began a gc after its last flush
 
     def read_round(self, journal: str) -> dict[Key, list[tuple[str, int]]]:
         """Apply one round's journal; returns the unflushed intents (key -> [(op, version)])."""
         pending: dict[Key, list[tuple[str, int]]] = {}
         base = self.appended
+        self.gc_unflushed = False
         try:
             with open(journal, "rb") as f:
                 lines = f.read().split(b"\n")
@@ -204,11 +213,14 @@ class CrashModel:
                 op, text, version = entry["i"]
                 pending.setdefault(key_from_repr(text), []).append((op, int(version)))
                 self.version = max(self.version, int(version))
+            elif "g" in entry:
+                self.gc_unflushed = True
             elif "f" in entry:
                 for key, ops in pending.items():
                     op, version = ops[-1]
                     self.durable[key] = Durable(op == "put", version, base)
                 pending = {}
+                self.gc_unflushed = False
                 base = self.appended = int(entry["f"])
         return pending
 
@@ -228,7 +240,9 @@ class CrashModel:
                         for key, ops in pending.items() for op, version in ops if op == "put")
         allocations = put_bytes // self.segment_size + 2  # each may copy a segment forward
         per_copy = self.segment_size * 2  # summary entries of tiny records: < 2x
-        return put_bytes + allocations * per_copy
+        # a gc cut short copied at most every live record, with its summary entry
+        gc_copies = 2 * self.capacity if self.gc_unflushed else 0
+        return put_bytes + allocations * per_copy + gc_copies
 
     def verify(self, store: Store, all_keys: Sequence[Key],
                pending: dict[Key, list[tuple[str, int]]], index_bytes: int) -> Verdict:
