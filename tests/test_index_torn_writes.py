@@ -1,9 +1,10 @@
 """A process killed between any two stores of an index update leaves every entry whole or a miss.
 
 An entry is several words (loc, length, ...), written one at a time into a shared mmap; kill -9
-can land between any two. A record moved by compaction keeps its entry at every moment. Each store is checked here as it happens: at every point, each entry
+can land between any two. Each store is checked here as it happens: at every point, each entry
 that has a location must be one that existed before or after the update, never the old location
-with the new length (fsck reported that as "points past the end" after a kill in CI).
+with the new length (fsck reported that as "points past the end" after a kill in CI). A record
+moved by compaction keeps its entry at every moment.
 """
 
 from __future__ import annotations
