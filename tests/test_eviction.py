@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from lcache.store import EvictionPolicy, make_policy, register_policy
+from lcache.store import EvictionPolicy, Store, make_policy, register_policy
 from lcache.store import policy as policy_module
 from lcache.testing import disk_usage, largest_segment, pattern_bytes
 
@@ -169,3 +170,25 @@ def test_evicting_an_old_segment_keeps_a_key_rewritten_since(open_store: Any) ->
     fill(store, range(PER_SEG, 5 * PER_SEG))  # push the oldest segment out
     assert store.get(1) is None  # the oldest segment was evicted...
     assert store.get(0) == b"rewritten"  # ...but not the newer record of key 0
+
+
+def test_a_new_segment_has_the_room_asked_for_after_clock_copies(tmp_path: Path) -> None:
+    """A writer asked for ``need`` bytes gets them even when making its segment copied
+    referenced records forward into it (what gc and large puts rely on). The finding (the
+    kill -9 torture test): copies ending mid-block took up to a block of the reserve, and a
+    gc, left 40,960 bytes for a segment's 43,247 live ones, evicted a live record."""
+    store = Store.open(tmp_path / "s", capacity=1 << 20, segment_size=64 << 10, policy="lru",
+                       max_writers=2)
+    short = []
+    for i in range(3000):
+        store.put(i % 900, bytes(1000 + (i * 37) % 900))  # sizes off block boundaries
+        if i % 50 == 0:
+            store.get_many(list(range(900)))  # every CLOCK bit set: cleaning copies
+        if i % 97 == 0:
+            need = 20000 + (i * 7919) % 30000
+            writer = store._writer_with_room(need)
+            if writer.room < need:
+                short.append((need, writer.room))
+    assert store.counters.gc_bytes_copied > 0
+    assert short == []
+    store.close()

@@ -93,7 +93,11 @@ def copy_forward(root: str, summary: Summary, keep: npt.NDArray[np.bool_], dest:
     parts: list[memoryview] = []
     entries: list[tuple[int, int, int]] = []
     olds: list[int] = []
-    room = dest.room - reserve
+    # Why not dest.room - reserve: the next append starts on a block boundary, so copies
+    # ending mid-block took up to a block of the reserve. A gc that had a new segment made
+    # with room for a segment's 43,247 live bytes then found 40,960, and evicted a live
+    # record (the kill -9 torture test)
+    room = dest.room_leaving(reserve)
     for i in np.flatnonzero(keep):
         off, length = int(summary.offsets[i]), int(summary.lengths[i])
         rec = view[off : off + length]

@@ -349,6 +349,11 @@ class SegmentWriter:
         # a large direct batch starts on the next block boundary (see stage)
         return self.segment_size - align_up(self.offset, self._block)
 
+    def room_leaving(self, reserve: int) -> int:
+        """Bytes that may be appended while ``room`` stays at least ``reserve``: appends may
+        start on a block boundary, so the reserve counts in whole blocks."""
+        return self.room - align_up(reserve, self._block)
+
     def append(self, parts: Sequence[Buffer], entries: list[tuple[int, int, int]],
                io_class: str = "cache-write") -> int:
         """Write ``parts`` (whole records) at the end and wait; returns their offset."""
