@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import lcache
@@ -422,12 +423,19 @@ def test_value_larger_than_a_segment(open_store: Any) -> None:
 
 def test_values_that_are_not_buffers(open_store: Any) -> None:
     store = open_store()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="not str"):
         store.put(1, "text")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="not int"):
         store.put(1, 12345)
     with pytest.raises(ValueError, match="2 keys but 1 values"):
         store.put_many([1, 2], [b"a"])
+    # strided views: a raw BufferError and numpy's "casts are restricted" (attack helper 98)
+    for strided in (memoryview(b"abcdef")[::2], np.arange(10, dtype=np.int64)[::2]):
+        with pytest.raises(TypeError, match="C-contiguous buffer, not a strided view"):
+            store.put(2, strided)
+    assert 2 not in store
+    store.put(2, np.ascontiguousarray(np.arange(10, dtype=np.int64)[::2]))
+    assert store.get(2) == np.arange(0, 10, 2, dtype=np.int64).tobytes()
 
 
 def test_use_after_close(open_store: Any) -> None:

@@ -611,7 +611,14 @@ class Store(Space, Reader):
 def _as_bytes_view(value: Any) -> bytes | memoryview:
     if type(value) is bytes:
         return value
-    view = value if isinstance(value, memoryview) else memoryview(value)
+    try:
+        view = value if isinstance(value, memoryview) else memoryview(value)
+    except TypeError:
+        raise TypeError(f"a value must be bytes or a buffer (bytearray, memoryview, numpy "
+                        f"array), not {type(value).__name__}") from None
+    if not view.c_contiguous:  # a strided view: casting it was a raw BufferError
+        raise TypeError("a value must be a C-contiguous buffer, not a strided view; pass "
+                        "a contiguous copy (bytes(view), numpy.ascontiguousarray(a))")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
