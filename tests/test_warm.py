@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lcache.data.warm import warm_cache
+from lcache.errors import ConfigError
 
 from .conftest import bounded_memory, make_files, moto_s3, mounted_tmpfs, subprocess_env
 
@@ -146,3 +147,15 @@ def test_a_warm_stopped_by_sigterm_leaves_no_staging_and_stops_at_once(tmp_path:
         assert proc.returncode == -signal.SIGTERM
         assert sum(server.paths.values()) < 200  # not the 400 queued
     assert _staging_of(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, 10**9, True, "4"])
+def test_threads_out_of_range_are_refused_as_the_cli_refuses_them(tmp_path: Path,
+                                                                  threads: object) -> None:
+    """The finding (attack helper 98): warm_cache(threads=0, -1, 1.5 or 10**9) was taken;
+    `lcache warm --threads` takes 1 to 1024."""
+    make_files(tmp_path / "data", 3)
+    with pytest.raises(ConfigError, match=r"threads=.*: give a whole number from 1 to 1,024"):
+        warm_cache(str(tmp_path / "data"), str(tmp_path / "cache"), "16MiB",
+                   threads=threads, show_progress=False)  # type: ignore[arg-type]
+    assert not (tmp_path / "cache").exists()

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from lcache.checks import whole_number
 from lcache.data.cache import SampleCache, check_locations
 from lcache.data.sources import FileSource, Source
 from lcache.errors import ConfigError
@@ -31,6 +32,8 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
     ``CachedDataset`` takes it). Samples already cached are skipped. The sampler's plan
     decides later which of them stay; warming only spares the first epoch those fetches.
     """
+    # threads=0, -1, 1.5 or 10**9 were taken (as 1, or as a billion threads to ask for)
+    threads = whole_number(threads, "threads", 1, 1024)
     check_locations(source, cache_dir)  # before listing the source
     if isinstance(source, str):
         source = FileSource(source, storage_options=storage_options)
@@ -59,7 +62,7 @@ def _warm(cache: SampleCache, threads: int, show_progress: bool) -> dict[str, An
                   disable=not (show_progress and sys.stdout.isatty())) as bar:
         task = bar.add_task("warming", total=int(sizes[todo].sum()) if todo else 0)
         groups = [todo[lo : lo + GROUP] for lo in range(0, len(todo), GROUP)]
-        pool = ThreadPoolExecutor(max(1, threads))
+        pool = ThreadPoolExecutor(threads)
         try:
             for n in pool.map(lambda g: cache.prefetch_many(g, [True] * len(g), done=done),
                               groups):
