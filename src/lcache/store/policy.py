@@ -92,10 +92,15 @@ def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
     _REGISTRY[name] = factory
 
 
+def known_policies() -> list[str]:
+    """The policy names this process knows, sorted."""
+    return sorted(_REGISTRY)
+
+
 def make_policy(name: str) -> EvictionPolicy:
     try:
         return _REGISTRY[name]()
     except KeyError:
         raise ConfigError(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
+            f"unknown eviction policy {name!r}; choose one of {', '.join(known_policies())}"
         ) from None

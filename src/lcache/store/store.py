@@ -27,7 +27,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lcache.errors import CorruptionError, DiskFullError, IndexFullError, StoreFullError
+from lcache.errors import (
+    ConfigError,
+    CorruptionError,
+    DiskFullError,
+    IndexFullError,
+    StoreFullError,
+)
 from lcache.forksafe import fork_safe_lock
 from lcache.io import (
     BufferPool,
@@ -61,7 +67,7 @@ from lcache.store.layout import (
     prepare_dir,
     save_config,
 )
-from lcache.store.policy import EvictionPolicy, make_policy
+from lcache.store.policy import EvictionPolicy, known_policies, make_policy
 from lcache.store.reading import Reader
 from lcache.store.segment import (
     SegmentWriter,
@@ -176,6 +182,8 @@ class Store(Space, Reader):
                 {"capacity": capacity, "segment_size": segment_size, "max_writers": max_writers,
                  "policy": policy, "max_byte_keys": max_byte_keys},
             )
+            if policy is None and stored is not None:
+                _stored_policy(root, stored.policy)
             make_policy(config.policy)  # unknown names fail before anything is written
             if config != stored:
                 save_config(root, config)
@@ -606,6 +614,19 @@ class Store(Space, Reader):
             "index_bytes": index_bytes,
             **self.counters.as_dict(),
         }
+
+
+def _stored_policy(root: str, name: str) -> None:
+    """Refuse a policy named by store.json that this process does not know, saying where
+    the name comes from (the message of a policy= typo read as if the caller chose it)."""
+    try:
+        make_policy(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{os.path.join(root, 'store.json')} names the eviction policy "
+                          f"{name!r}, which this process does not know (it knows "
+                          f"{', '.join(known_policies())}): register it first, open the store "
+                          f"with another policy, or run `lcache fsck --repair {root}`, which "
+                          "sets the default") from exc
 
 
 def _as_bytes_view(value: Any) -> bytes | memoryview:
