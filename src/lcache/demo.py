@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -260,7 +261,9 @@ def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction:
         write_dataset(os.path.join(remote_root, "train"), samples, sample_bytes, seed)
         dataset_bytes = samples * sample_bytes
         capacity = int(dataset_bytes * cache_fraction)
-        with ThrottledServer(remote_root, latency=latency, bandwidth=bandwidth) as server:
+        # with ETags, as object stores send them: versions that tell rewrites (no warning)
+        with ThrottledServer(remote_root, latency=latency, bandwidth=bandwidth,
+                             etags=True) as server:
             url = f"{server.url}/train/"
             source = FileSource(url)
             # made first, so a capacity below the minimum is said before the uncached run
@@ -293,6 +296,16 @@ def _run(directory: str | None, samples: int, sample_bytes: int, cache_fraction:
     }
 
 
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM: sent to the whole process group (a
+    terminal's Ctrl-C, systemd stopping a service) they killed the workers under the main
+    process, whose DataLoader then raised "worker (pid N) is killed by signal" with a
+    traceback. The main process unwinds and stops its workers itself (they also exit when
+    it dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _compare(cached: CachedDataset, source: FileSource, sample_bytes: int, capacity: int,
              epochs: int, workers: int, batch_size: int, seed: int,
              server: ThrottledServer, progress: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -302,12 +315,14 @@ def _compare(cached: CachedDataset, source: FileSource, sample_bytes: int, capac
     plain = RemoteDataset(source)
     order = FixedOrder(len(plain), seed)
     loader = DataLoader(cast(Any, plain), batch_size=batch_size, sampler=order,
-                        num_workers=workers, persistent_workers=workers > 0)
+                        num_workers=workers, persistent_workers=workers > 0,
+                        worker_init_fn=_leave_signals_to_the_main_process)
     rows = _train(loader, order, epochs, server, lambda: (1, 0), "no cache", progress)
 
     sampler = SeedAwareSampler(cached, seed=seed)
     loader = DataLoader(cast(Any, cached), batch_size=batch_size, sampler=sampler,
-                        num_workers=workers, persistent_workers=workers > 0)
+                        num_workers=workers, persistent_workers=workers > 0,
+                        worker_init_fn=_leave_signals_to_the_main_process)
 
     def counts() -> tuple[int, int]:
         totals = cached.cache.counters.totals()
