@@ -44,10 +44,10 @@ def subprocess_env() -> dict[str, str]:
 
 def rewrite_unseen(path: Path, data: bytes, listed: os.stat_result | None = None) -> None:
     """Write ``data`` over ``path`` in place, then set its modification time back (to
-    ``listed``'s, default: the one it had): over HTTP (``served``), a change its listed
-    version cannot tell (bit rot, a server whose versions are modification times), so the
-    checks of the bytes themselves must refuse it. Read locally, the file's inode change
-    time tells it."""
+    ``listed``'s, default: the one it had): a change its listed version cannot tell at the
+    fetch (bit rot, a server whose versions are modification times; ``served`` gives the
+    folder over HTTP), so the checks of the bytes themselves must refuse it. A local
+    source's next open tells it by the inode change time."""
     st = listed or path.stat()
     path.write_bytes(data)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -46,6 +46,7 @@ from lcache.data.sources import (
     SourceError,
     as_source,
     fetch_many,
+    known_sizes,
 )
 from lcache.errors import (
     ConfigError,
@@ -337,8 +338,7 @@ class SampleCache:
         self._warned_large = False
         self._warn_skip = RateLimitedWarning()
         self._decode_copies = isinstance(self.source, _DECODE_COPIES)
-        known = getattr(self.source, "known_sizes", None)  # optional in a Source
-        self._known_sizes: np.ndarray | None = None if known is None else known()
+        self._known_sizes = known_sizes(self.source)
         self._on_ssd = on_ssd
         with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
             if opened.reset and os.path.lexists(store_dir):

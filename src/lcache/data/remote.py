@@ -81,10 +81,10 @@ class Listed:
                     "rewritten since the source was opened (open it again)")
 
 
-def _check_local(listed: Listed, st: os.stat_result) -> None:
-    """``listed.check`` of a local file's ``fstat``, with the fields as fsspec's
-    LocalFileSystem.info gives them (``created`` is the inode change time)."""
-    listed.check(st.st_size, {"mtime": st.st_mtime, "created": st.st_ctime, "ino": st.st_ino})
+def _changed(before: os.stat_result, after: os.stat_result) -> bool:
+    """Whether a file's ``fstat`` moved between two calls (a write in between)."""
+    return (before.st_size, before.st_mtime_ns, before.st_ctime_ns) != \
+        (after.st_size, after.st_mtime_ns, after.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -583,10 +583,11 @@ class Remote:
         """``path[start:end]`` on a non-async filesystem, in this thread. A local path is
         opened as a regular file only (without blocking, then checked): a FIFO or a device
         put under a sample's or an index's name would block the read forever or never end.
-        A local file's size, modification time, inode change time and inode are checked
-        against ``listed``, before the read and after it (a rewrite in place with its
-        modification time set back changes the inode change time; one during the read
-        would mix two versions)."""
+        A local file's size, modification time and inode are checked against ``listed``
+        before the read, and compared again after it, with its inode change time: a rewrite
+        during the read mixed two versions. (The inode change time is not compared with the
+        listing's: a chmod, a hard link or a backup tool setting the access time back
+        changes it, and failed the read; the next open drops what it changed.)"""
         fs, _ = self.fs()
         if "file" not in _protocols(fs):
             return bytes(fs.cat_file(path, start=start, end=end))
@@ -594,8 +595,8 @@ class Remote:
         try:
             st = os.fstat(fd)
             size = st.st_size
-            if listed is not None:
-                _check_local(listed, st)
+            if listed is not None:  # as fsspec's LocalFileSystem.info says them
+                listed.check(size, {"mtime": st.st_mtime, "ino": st.st_ino})
             lo, hi, _ = slice(start, end).indices(size)
             chunks = []
             while lo < hi:
@@ -604,8 +605,10 @@ class Remote:
                     break
                 chunks.append(piece)
                 lo += len(piece)
-            if listed is not None:
-                _check_local(listed, os.fstat(fd))
+            if listed is not None and _changed(st, os.fstat(fd)):
+                raise SourceChangedError("it changed while it was read (its size, modification "
+                                         "or inode change time moved): it was rewritten "
+                                         "since the source was opened (open it again)")
             return b"".join(chunks)
         finally:
             close_file(fd)

@@ -276,6 +276,9 @@ class ImageFolderSource(FileSource):
         return [d + int(self.labels[int(i)]).to_bytes(_LABEL.itemsize, "little")
                 for i, d in zip(indices, datas, strict=True)]
 
+    def known_sizes(self) -> npt.NDArray[np.int64]:
+        return super().known_sizes()  # the labels are counted: said here, below fetch_many
+
     def decode(self, data: bytes | memoryview) -> tuple[bytes, int]:
         view = memoryview(data)
         cut = len(view) - _LABEL.itemsize
@@ -491,6 +494,19 @@ def fetch_many(source: Source, indices: Sequence[int]) -> list[bytes]:
     if batch is not None and _defined_below(type(source), "fetch_many", "fetch"):
         return list(batch(indices))
     return [source.fetch(int(i)) for i in indices]
+
+
+def known_sizes(source: Source) -> npt.NDArray[np.int64] | None:
+    """The source's ``known_sizes()`` (the exact length of each sample's fetched bytes, -1
+    where not known), or None: it has none, or a subclass changed what ``fetch`` or
+    ``fetch_many`` return below the class that knows the sizes (a source that decompresses
+    what it fetched: each hit had another length and was dropped)."""
+    sizes = getattr(source, "known_sizes", None)
+    if sizes is None or not all(_defined_below(type(source), "known_sizes", name)
+                                for name in ("fetch", "fetch_many")):
+        return None
+    known: npt.NDArray[np.int64] = sizes()
+    return known
 
 
 def _defined_below(cls: type, name: str, other: str) -> bool:
