@@ -23,7 +23,7 @@ import os
 import re
 import stat
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -53,7 +53,6 @@ from lcache.store.layout import (
     save_config,
     temp_leftovers,
 )
-from lcache.store.policy import known_policies
 from lcache.store.segment import (
     Summary,
     list_segments,
@@ -238,14 +237,6 @@ class _Checker:
             largest = max((os.lstat(log_path(self.root, s)).st_size for s in logs), default=0)
             config = salvage_config(self.root, largest)
             if self.fix:
-                save_config(self.root, config)
-        elif config.policy not in known_policies():
-            # every open fails on it (a policy given to register_policy by a program is
-            # unknown here too: that program sets it again as it opens the store)
-            self.problem(f"{cfg_path} names the eviction policy {config.policy!r}, which is "
-                         f"not one of {', '.join(known_policies())}")
-            if self.fix:
-                config = replace(config, policy=StoreConfig().policy)
                 save_config(self.root, config)
         self.config = config
 

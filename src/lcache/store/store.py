@@ -622,11 +622,13 @@ def _stored_policy(root: str, name: str) -> None:
     try:
         make_policy(name)
     except ConfigError as exc:
+        # Why not damage (fsck says nothing): a program's register_policy makes names
+        # that no other process knows, the CLI's included
         raise ConfigError(f"{os.path.join(root, 'store.json')} names the eviction policy "
                           f"{name!r}, which this process does not know (it knows "
-                          f"{', '.join(known_policies())}): register it first, open the store "
-                          f"with another policy, or run `lcache fsck --repair {root}`, which "
-                          "sets the default") from exc
+                          f"{', '.join(known_policies())}): register it first (register_policy), "
+                          "open the store with policy= one it knows, or set \"policy\" in "
+                          "store.json to one") from exc
 
 
 def _as_bytes_view(value: Any) -> bytes | memoryview:
