@@ -157,3 +157,48 @@ def test_a_source_whose_fetch_changes_the_bytes_still_hits(tmp_path: Path) -> No
         assert [ds[i] for i in range(8)] == [bytes([i]) * 5000 for i in range(8)]
     assert ds.stats()["fetches"] == 8 and ds.stats()["corrupt_refetches"] == 0
     ds.close()
+
+
+def test_a_table_cache_of_the_older_fingerprints_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cache made before the fingerprints of rows changed (its cache.json has no
+    "fingerprints"): its samples are fetched again once, said as such, not as samples
+    "changed at the source" (attack helper 99)."""
+    import json
+    import logging
+
+    import xxhash
+
+    from lcache.data.sources import fingerprint
+
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    (data / "f.bin").write_bytes(random.Random(3).randbytes(4000))
+    rows = ([0, 1000, 2000], [1000, 1000, 2000])
+    first = CachedDataset(RangeSource(str(data), "f.bin", *rows), cache, CAPACITY)
+    assert [len(first[i]) for i in range(3)] == [1000, 1000, 2000]
+    first.close()
+    # what an older lcache wrote: the linear mix, no "fingerprints" in cache.json
+    src = RangeSource(str(data), "f.bin", *rows)
+    offsets, lengths = (np.array(c, np.uint64) for c in rows)
+
+    def old(files: np.ndarray) -> np.ndarray:
+        return files[src._file_of] ^ (offsets * np.uint64(0x9E3779B97F4A7C15)
+                                      ^ lengths * np.uint64(0xC2B2AE3D27D4EB4F))
+
+    raw = old(src._file_fps).astype("<u8").tobytes()
+    (cache / "listing.bin").write_bytes(raw)
+    doc = json.loads((cache / "cache.json").read_text())
+    unversioned = np.array([fingerprint("f.bin", 4000, "")], np.uint64)
+    doc["layout"] = xxhash.xxh3_128_hexdigest(old(unversioned).astype("<u8").tobytes())
+    doc["listing"] = xxhash.xxh3_128_hexdigest(raw)
+    del doc["fingerprints"]
+    (cache / "cache.json").write_text(json.dumps(doc))
+
+    with caplog.at_level(logging.WARNING, logger="lcache"):
+        again = CachedDataset(src, cache, CAPACITY)
+    assert again.cache.invalidated == 3
+    assert "fingerprinted by an older lcache" in caplog.text
+    assert "changed at the source" not in caplog.text
+    assert [len(again[i]) for i in range(3)] == [1000, 1000, 2000]
+    again.close()

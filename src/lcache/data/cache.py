@@ -350,16 +350,23 @@ class SampleCache:
             except DiskFullError as exc:  # its message names no file
                 raise DiskFullError(f"cannot open the cache in {self.cache_dir}: {exc}; free "
                                     "space there or choose another directory") from exc
-            self.invalidated = self._drop(opened.changed)
+            self.invalidated = self._drop(opened.changed, opened.rescheme)
 
-    def _drop(self, changed: np.ndarray) -> int:
-        """Delete the cached copies of samples whose object changed at the source."""
+    def _drop(self, changed: np.ndarray, rescheme: bool = False) -> int:
+        """Delete the cached copies of samples whose object changed at the source (or whose
+        fingerprints an older lcache made: ``rescheme``)."""
         main = self.store()
         dropped = [int(i) for i in changed if int(i) in main and main.delete(int(i))]
         if dropped:
             # the store writes with sync="never": without this, a power loss after the new
             # listing is published could bring the old copies back under it
             main.flush_deletes()
+            if rescheme:
+                log.warning("lcache: the %d samples cached of %s were fingerprinted by an "
+                            "older lcache, whose fingerprints could not tell every edit of a "
+                            "table; they are fetched again, once", len(dropped),
+                            self.source.url)
+                return len(dropped)
             names = getattr(self.source, "paths", None)
             shown = [names[i] if names is not None and i < len(names) else str(i)
                      for i in dropped[:5]]

@@ -97,6 +97,9 @@ def identify(source: Any, name: str | None, fingerprint: str | None) -> Identity
     if getattr(source, "location", ""):  # an endpoint: absent from caches made without one
         doc["location"] = source.location
     listing = source.fingerprints() if hasattr(source, "fingerprints") else None
+    scheme = getattr(source, "fingerprint_scheme", None)
+    if scheme is not None:  # absent from caches made before the scheme changed
+        doc["fingerprints"] = scheme
     if listing is None:
         content = getattr(source, "content", None)
         doc["content"] = content if isinstance(content, str) else probe_contents(source)[0]
@@ -168,6 +171,9 @@ class Opened:
     # reset with no cache.json at all (not a damaged one or an older lcache's): a store with
     # records there is not this cache's, which writes cache.json before caching a sample
     described: bool = True
+    # the stored fingerprints were made by an older scheme (an upgrade of lcache): every
+    # cached sample reads as changed, though its object may not be
+    rescheme: bool = False
 
 
 class DirectoryIdentity:
@@ -203,7 +209,8 @@ class DirectoryIdentity:
                 appended = bool(len(changed)) and bool((changed >= known).all())
                 cache_id = os.urandom(8).hex() if len(changed) and not appended \
                     else str(stored["id"])
-                opened = Opened(cache_id, False, changed)
+                opened = Opened(cache_id, False, changed, rescheme=bool(len(changed)) and
+                                stored.get("fingerprints") != ident.doc.get("fingerprints"))
             users = open_owned(os.path.join(self.cache_dir, "users.lock"),
                                os.O_RDWR | os.O_CREAT)
             # Samples appended to the listing are safe from open handles: they never ask for

@@ -325,6 +325,10 @@ class RangeSource:
     each other into one request (``lcache.data.fetch``).
     """
 
+    #: 2: a row's file, offset and length mixed non-linearly (1, unnamed: linearly, which
+    #: an edited table could solve for); caches of another scheme fetch their samples again
+    fingerprint_scheme = 2
+
     def __init__(self, url: str, paths: Sequence[str] | str,
                  offsets: Sequence[int] | npt.NDArray[np.int64],
                  lengths: Sequence[int] | npt.NDArray[np.int64], *,
