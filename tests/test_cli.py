@@ -14,7 +14,7 @@ import pytest
 
 from lcache.store import Store
 
-from .conftest import assert_one_line_error, run_lcache
+from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache
 
 LCACHE = [sys.executable, "-m", "lcache"]
 
@@ -223,6 +223,17 @@ def test_store_demo_larger_than_the_free_space_is_refused_up_front(tmp_path: Pat
     assert_one_line_error(out, "is a 19.1 TiB dataset", f"in {tmp_path}, which has",
                           "lower --samples or --sample-size")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_store_demo_run_again_in_its_dir_counts_the_store_it_reuses(tmp_path: Path) -> None:
+    """The finding (attack helper 99): the free-space check did not count the store an
+    earlier run left in --dir, which the run reuses: the second run was refused."""
+    with mounted_tmpfs(tmp_path / "small", "48m") as mnt:
+        for _ in range(2):  # a 36 MiB store (3/4 of 48 MiB of samples) fits only once
+            out = run("store-demo", "--dir", str(mnt / "d"), "--samples", "3000",
+                      "--sample-size", "16KiB", "--json")
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["fsck_clean"] is True
 
 
 def test_demo_json(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ it reads without keeping a copy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -142,6 +143,16 @@ def _read_all(store: Store, keys: list[int], size: int, advance: Any
     return hits, wrong, spent
 
 
+def _bytes_under(folder: str) -> int:
+    """Bytes the files under ``folder`` take on disk (0 if it is not there)."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
+    return total
+
+
 def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
                    show_progress: bool = True) -> dict[str, Any]:
     """Run the demo; returns its figures (MB = 1e6 bytes)."""
@@ -157,6 +168,8 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
     while not os.path.isdir(where):  # --dir is made if need be: its nearest existing folder
         where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
+    if directory is not None:  # a store left there by an earlier run is reused: its space too
+        free += _bytes_under(os.path.join(directory, "store"))
     if capacity > free:
         raise ConfigError(f"--samples {samples} x --sample-size {format_size(size)} is a "
                           f"{format_size(dataset)} dataset; the demo's store (3/4 of it) needs "
