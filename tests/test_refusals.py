@@ -436,6 +436,8 @@ def test_values_that_are_not_buffers(open_store: Any) -> None:
     assert 2 not in store
     store.put(2, np.ascontiguousarray(np.arange(10, dtype=np.int64)[::2]))
     assert store.get(2) == np.arange(0, 10, 2, dtype=np.int64).tobytes()
+    store.put(3, np.zeros((0, 4))[:, ::2])  # empty: a value of 0 bytes (attack helper 99)
+    assert store.get(3) == b""
 
 
 def test_use_after_close(open_store: Any) -> None:

@@ -642,6 +642,8 @@ def _as_bytes_view(value: Any) -> bytes | memoryview:
     if not view.c_contiguous:  # a strided view: casting it was a raw BufferError
         raise TypeError("a value must be a C-contiguous buffer, not a strided view; pass "
                         "a contiguous copy (bytes(view), numpy.ascontiguousarray(a))")
+    if view.nbytes == 0:  # an empty array of any shape (casting one with a 0 in it fails)
+        return b""
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
