@@ -95,6 +95,23 @@ def test_record_is_a_no_op_when_off_and_checks_names(tmp_path: Path,
     assert set(_files(events).values()) == {"/on/y"}
 
 
+@pytest.mark.parametrize("file", [None, "", "x" * (2 << 20), "a\0b", 5])
+def test_a_file_name_a_report_could_not_read_back_is_refused(tmp_path: Path,
+                                                             file: object) -> None:
+    """The finding (attack helper 98): one record with a 2 MiB name made `lcache report`
+    refuse the whole trace ("line 6: longer than 1048576 characters"); None was kept as a
+    file named "None"."""
+    trace = tmp_path / "t.trace"
+    lcache.trace.enable(str(trace))
+    try:
+        with pytest.raises(ValueError, match="must be a path or URL of 1 to 16,384"):
+            lcache.trace.record("read", file, 0, 1, "other", 0, 1, 1)  # type: ignore[arg-type]
+        lcache.trace.record("read", tmp_path / "p", 0, 1, "other", 0, 1, 1)  # a PathLike
+    finally:
+        lcache.trace.disable()
+    assert set(_files(_events(trace)).values()) == {str(tmp_path / "p")}
+
+
 def test_compressed_trace_from_two_flushes(tmp_path: Path) -> None:
     import gzip
 

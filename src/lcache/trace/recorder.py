@@ -341,13 +341,16 @@ def flush() -> None:
         rec.flush()
 
 
+MAX_FILE_NAME = 16384  # characters: a URL with a long query string fits
+
+
 def record(op: str, file: str, offset: int, size: int, io_class: str, start_ns: int,
            duration_ns: int, result: int) -> None:
     """Record one I/O operation that did not go through ``lcache.io``; no-op when off.
 
     Args:
         op: ``"read"`` or ``"write"`` (bytes moved) or another verb (``"fsync"``, ``"open"``).
-        file: path or URL of what was read or written.
+        file: path or URL of what was read or written (1 to 16,384 characters).
         offset: byte offset in the file.
         size: bytes requested.
         io_class: one of ``lcache.trace.CLASSES``.
@@ -365,6 +368,13 @@ def record(op: str, file: str, offset: int, size: int, io_class: str, start_ns: 
         return
     _check_name("op", op)
     _check_name("class", io_class)
+    if isinstance(file, os.PathLike):
+        file = os.fspath(file)
+    if not isinstance(file, str) or not 0 < len(file) <= MAX_FILE_NAME or "\0" in file:
+        # a report reads names back one line each, and refused the whole trace for a name
+        # of 2 MiB; None was kept as the file "None"
+        raise ConfigError(f"trace record: file {file!r:.80} must be a path or URL of 1 to "
+                          f"{MAX_FILE_NAME:,} characters, without NUL")
     try:
         offset, size, result = int(offset), int(size), int(result)
         start_ns, duration_ns = int(start_ns), int(duration_ns)
@@ -385,7 +395,7 @@ def record(op: str, file: str, offset: int, size: int, io_class: str, start_ns: 
         raise ConfigError(f"trace record of {file!r:.80}: size {size}, offset {offset} and "
                           f"result {result} must be byte counts below 2**62 (offset -1: none; "
                           "result: -errno on failure)")
-    rec.record(op, str(file), offset, size, io_class, start_ns, duration_ns, result)
+    rec.record(op, file, offset, size, io_class, start_ns, duration_ns, result)
 
 
 def now_ns() -> int:
