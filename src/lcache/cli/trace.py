@@ -30,7 +30,9 @@ from lcache.trace.recorder import ENV, flush_interval
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"lcache trace: {message}", err=True)
+    # bad input (2) is said as every lcache command says it; a command that cannot run
+    # (126, 127) as a shell, or `env` and `timeout`, say it
+    click.echo(f"{'error' if code == 2 else 'lcache trace'}: {message}", err=True)
     sys.exit(code)
 
 
