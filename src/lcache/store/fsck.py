@@ -117,7 +117,8 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
             return _Checker(root, meta, fix=False).run()
         first = _Checker(root, meta, fix=True).run()
         final = _Checker(root, meta, fix=False).run()
-        final.repaired = fixed_lock + first.problems
+        # what the repair left (a file lcache did not write) is a problem, not repaired
+        final.repaired = fixed_lock + [p for p in first.problems if p not in final.problems]
         return final
     finally:
         meta.close()
