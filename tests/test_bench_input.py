@@ -5,6 +5,7 @@ files). The ranges still hold every published DLIO and MLPerf Storage workload."
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -300,6 +301,23 @@ def test_a_file_larger_than_memory_is_not_generated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"generating a npz file of 1048576 samples of "
                                           r"68719476736 bytes needs about .* of memory"):
         datagen.generate(w, str(tmp_path / "data"))
+
+
+def test_files_of_another_workload_are_not_said_to_be_made_again_before_a_refusal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The finding (attack helper 98): a refused run warned "generating the train files
+    again" first, though nothing was written."""
+    small = parse_workload(tiny(tmp_path, dataset={"num_files_train": 2}))
+    datagen.generate(small, str(tmp_path / "data"))
+    before = sorted(p.name for p in (tmp_path / "data" / "train").iterdir())
+    huge = parse_workload(tiny(tmp_path, dataset={"num_files_train": 2,
+                                                  "num_samples_per_file": 1 << 20,
+                                                  "record_length_bytes": 1 << 36}))
+    with caplog.at_level(logging.WARNING, logger="lcache"), \
+            pytest.raises(ConfigError, match="of memory"):
+        datagen.generate(huge, str(tmp_path / "data"))
+    assert "again" not in caplog.text, caplog.text
+    assert sorted(p.name for p in (tmp_path / "data" / "train").iterdir()) == before
 
 
 def test_dataset_or_checkpoints_larger_than_the_disk_are_refused(tmp_path: Path) -> None:

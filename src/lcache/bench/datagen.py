@@ -107,13 +107,19 @@ def _payload(rng: np.random.Generator, nbytes: int) -> np.ndarray:
     return np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)
 
 
-def _encode(w: Workload, index: int, size: int) -> list[bytes | memoryview]:
-    """The bytes of data file ``index`` (and, for indexed formats, its index files)."""
+def _check_memory(w: Workload, size: int) -> None:
+    """Refuse a file of samples of ``size`` bytes that memory cannot hold as it is made."""
     n = w.num_samples_per_file
     if size * n >= _CHECK_MEMORY_FROM:
         # A file is built in memory (about three copies of its bytes on the way to disk).
         need_memory(3 * size * n, f"generating a {w.format} file of {n} samples of {size} bytes",
                     "dataset.num_samples_per_file or record_length")
+
+
+def _encode(w: Workload, index: int, size: int) -> list[bytes | memoryview]:
+    """The bytes of data file ``index`` (and, for indexed formats, its index files)."""
+    _check_memory(w, size)
+    n = w.num_samples_per_file
     rng = np.random.default_rng([w.seed, index, 1])
     x = _payload(rng, size * n).reshape(n, size)
     if w.format in ("npz", "npy"):
@@ -162,6 +168,8 @@ def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
     if w.on_s3 and rank == 0:
         storage.make_bucket(w)
     sizes = sample_sizes(w)
+    if len(sizes):  # before anything is said or done about the files already there
+        _check_memory(w, int(sizes.max()))
     files = written = 0
     for split in _splits(w):
         n, b = _generate_split(w, data_dir, split, rank, world, sizes, progress)
