@@ -144,6 +144,26 @@ def assert_one_line_error(run: subprocess.CompletedProcess[str], *words: str) ->
     return err
 
 
+def signal_when(proc: subprocess.Popen[str], ready: Any, sig: int,
+                timeout: float = 60) -> str:
+    """Send ``sig`` to ``proc`` once ``ready()`` is true (failing if it ends first or
+    ``timeout`` passes), wait for it to end and return its stderr; it is killed if
+    anything fails on the way."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the moment to signal never came"
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        return err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def gloo_env() -> dict[str, str]:
     """The environment of a process that joins a gloo group on loopback, one thread."""
     env = subprocess_env()

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from lcache.store import Store
 
-from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache
+from .conftest import assert_one_line_error, mounted_tmpfs, run_lcache, signal_when
 
 LCACHE = [sys.executable, "-m", "lcache"]
 
@@ -67,18 +66,9 @@ def test_ctrl_c_ends_a_command_with_130(tmp_path: Path) -> None:
     proc = subprocess.Popen([*LCACHE, "store-demo", "--samples", "200000", "--dir",
                              str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "store").exists():  # writing samples
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    segments = tmp_path / "store" / "segments"
+    err = signal_when(proc, lambda: segments.is_dir() and len(os.listdir(segments)) > 2,
+                      signal.SIGINT)  # writing samples
     assert proc.returncode == 130 and err.strip().endswith("Aborted!"), (proc.returncode, err)
 
 
