@@ -96,7 +96,7 @@ def test_an_interrupted_demo_leaves_nothing_behind(tmp_path: Path, sig: int,
     its folders stayed. It now unwinds, then dies of the signal. Sent to the whole process
     group (a terminal's Ctrl-C, systemd stopping a service), SIGTERM killed the workers too
     and the DataLoader printed a traceback (attack helper 98)."""
-    proc = _demo(tmp_path, "--epochs", "40" if group else "1000", "--workers", "2")
+    proc = _demo(tmp_path, "--epochs", "6" if group else "1000", "--workers", "2")
     assert proc.stderr is not None
     try:
         for line in proc.stderr:  # the group: when the cached epochs run
