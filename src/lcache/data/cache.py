@@ -16,8 +16,6 @@ import fcntl
 import logging
 import multiprocessing.util
 import os
-import shutil
-import stat
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -25,9 +23,17 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from lcache import jsondoc
 from lcache.checks import flag, lies_within, path_argument, text_argument
-from lcache.data.identity import DirectoryIdentity, identify, read_cache_json
+from lcache.data.cachedir import (
+    SHM,
+    drop_unknown_store,
+    remove_if_unused,
+    remove_orphaned_staging,
+    remove_stale_staging,
+    shm_has_room,
+    stored_segment_size,
+)
+from lcache.data.identity import DirectoryIdentity, identify
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
 from lcache.data.sizing import (
@@ -56,20 +62,18 @@ from lcache.errors import (
     StorePermissionError,
 )
 from lcache.forksafe import fork_safe_lock
-from lcache.io import atomic_write, close_file, fsync_dir, private_dir
-from lcache.io.files import open_owned, open_regular
+from lcache.io import atomic_write, close_file, private_dir
+from lcache.io.files import open_owned
 from lcache.store import Store, format_size, parse_size
 from lcache.store.counters import RateLimitedWarning
-from lcache.store.layout import foreign_entries, index_floor, load_config
+from lcache.store.layout import index_floor
 from lcache.store.record import HEADER_SIZE
-from lcache.store.segment import list_segments
 from lcache.trace import recorder as _recorder
 
 log = logging.getLogger("lcache")
 
 # Writers: main store = prefetchers and readers admitting on demand; staging = prefetchers.
 MAX_WRITERS = 128  # at most: fewer when the capacity holds fewer segments
-SHM = "/dev/shm"
 ON_ERROR = ("raise", "skip")
 # Where an access's bytes came from.
 NOWHERE, SSD, RAM, FETCHED = range(4)
@@ -79,64 +83,6 @@ _DECODE_COPIES = (FileSource, RangeSource)
 _OPENING = fork_safe_lock()  # prefetch threads race to open the stores of a new process
 _REFUSING = fork_safe_lock()
 _OPEN_CACHES: weakref.WeakSet[SampleCache] = weakref.WeakSet()
-
-
-def _remove_orphaned_staging() -> None:
-    """Remove staging dirs in /dev/shm that no process uses and whose cache is gone or was
-    recreated (left by a killed job): they hold memory until deleted."""
-    for name in os.listdir(SHM):
-        path = os.path.join(SHM, name)
-        if not name.startswith("lcache-"):
-            continue
-        try:
-            st = os.lstat(path)
-            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
-                continue  # another user's (or a plant): never read, never removed
-            fd = open_regular(os.path.join(path, "origin"), os.O_RDONLY)
-            try:
-                origin, _, cache_id = os.read(fd, 1 << 16).decode().partition("\n")
-            finally:
-                close_file(fd)
-            if _cache_id(origin) == cache_id:
-                continue  # its cache still exists
-        except (OSError, UnicodeDecodeError):
-            continue
-        _remove_if_unused(path)
-
-
-def _remove_stale_staging(cache_dir: str, keep: str) -> None:
-    """Remove the staging dirs in the cache dir of other cache ids that no process uses."""
-    for name in os.listdir(cache_dir):
-        path = os.path.join(cache_dir, name)
-        with contextlib.suppress(FileNotFoundError):
-            if name.partition("-")[0] == "staging" and path != keep and \
-                    stat.S_ISDIR(os.lstat(path).st_mode):
-                _remove_if_unused(path)
-
-
-def _remove_if_unused(path: str) -> None:
-    """Remove staging dir ``path`` unless a process holds its users lock, or it holds what
-    a staging area does not write (a user's ``staging-notes`` folder in the cache dir, or
-    a ``/dev/shm/lcache-x`` of their own): never removed."""
-    try:
-        if foreign_entries(path):
-            return
-    except OSError:  # gone meanwhile, or not ours to read
-        return
-    try:
-        fd = open_regular(os.path.join(path, "users"), os.O_RDWR)
-    except FileNotFoundError:  # left by a killed process before it made the lock
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        shutil.rmtree(path, ignore_errors=True)
-    except OSError:
-        pass
-    finally:
-        close_file(fd)
 
 
 @atexit.register
@@ -166,23 +112,6 @@ class _ForkedChild:
 
 _FORKED_CHILD = _ForkedChild()
 multiprocessing.util.register_after_fork(_FORKED_CHILD, _ForkedChild.started)
-
-
-def _shm_has_room(need: int) -> bool:
-    """Whether /dev/shm can hold a staging area of ``need`` bytes (with room to spare)."""
-    try:
-        st = os.statvfs(SHM)
-        return st.f_bavail * st.f_frsize >= 2 * need and os.access(SHM, os.W_OK)
-    except OSError:
-        return False
-
-
-def _cache_id(cache_dir: str) -> str | None:
-    try:
-        raw = read_cache_json(cache_dir)
-        return None if raw is None else str(jsondoc.loads(raw).get("id"))
-    except (OSError, ValueError, AttributeError):  # ConfigError is a ValueError
-        return None
 
 
 class _Skipped:
@@ -221,47 +150,6 @@ class Access(NamedTuple):
     keep: bool | None = None
 
 
-def _stored_segment_size(store_dir: str, largest: int) -> int | None:
-    """The segment size of the store in ``store_dir``, if there is one that holds the
-    largest sample."""
-    try:
-        config = None if os.path.islink(store_dir) else load_config(store_dir)
-    except (OSError, LCacheError):
-        return None  # damaged or unreadable: the store's own open says so
-    if config is None or largest + HEADER_SIZE > config.segment_size:
-        return None
-    return config.segment_size
-
-
-def _drop_unknown_store(store_dir: str, described: bool) -> None:
-    """Remove the store of a cache directory whose cache.json is damaged, of an older lcache
-    or absent: its samples are of an unknown source. Never anything lcache did not write.
-
-    Raises:
-        ConfigError: ``store_dir`` holds files a store does not write, or (``described``
-            false: no cache.json) segments of records, so it is not this cache's store.
-    """
-    foreign = foreign_entries(store_dir) if os.path.isdir(store_dir) else [store_dir]
-    if foreign:
-        raise ConfigError(
-            f"{store_dir} holds what no lcache store writes ({', '.join(foreign[:3])}"
-            f"{', ...' if len(foreign) > 3 else ''}), and the cache would remove it as a store "
-            "of unknown origin; move it elsewhere, or choose another cache directory")
-    has_segments = os.path.isdir(os.path.join(store_dir, "segments")) and \
-        any(list_segments(store_dir))  # (logs, sealed): either non-empty
-    if not described and has_segments:
-        # A cache writes cache.json before it caches a sample: this store is another's (a
-        # Store.open or `lcache store-demo` there), or its cache.json was deleted.
-        raise ConfigError(
-            f"{store_dir} is a store that holds records, but {os.path.dirname(store_dir)} has "
-            "no cache.json, so the store is not this cache's; choose another cache "
-            "directory, or delete the store yourself if it is a cache whose cache.json was "
-            "lost")
-    log.warning("lcache: dropping the samples cached in %s: their source is unknown", store_dir)
-    shutil.rmtree(store_dir)
-    fsync_dir(os.path.dirname(store_dir))  # gone before the new cache.json says so
-
-
 class SampleCache:
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
                  capacity: int | float | str, *, segment_size: int | str | None = None,
@@ -291,7 +179,7 @@ class SampleCache:
         # (0 and "" were taken as left out).
         self.segment_size = parse_size(segment_size, "segment_size") \
             if segment_size is not None else \
-            _stored_segment_size(os.path.join(self.cache_dir, "store"), largest) or \
+            stored_segment_size(os.path.join(self.cache_dir, "store"), largest) or \
             choose_segment_size(self.capacity, 512, largest)
         if largest + HEADER_SIZE > self.segment_size:
             raise ConfigError(
@@ -301,7 +189,7 @@ class SampleCache:
         # Prefetched samples are staged in memory (/dev/shm) when it has room, so staging
         # costs no cache capacity; else in a slice of the cache dir.
         requested = parse_size(staging_bytes, "staging_bytes")
-        on_ssd = not _shm_has_room(staging_area(requested, self.capacity, largest, False)[0])
+        on_ssd = not shm_has_room(staging_area(requested, self.capacity, largest, False)[0])
         self.staging_bytes, self.staging_segment_size = staging_area(
             requested, self.capacity, largest, on_ssd)
         self.main_capacity = self.capacity - (self.staging_bytes if on_ssd else 0)
@@ -342,7 +230,7 @@ class SampleCache:
         self._on_ssd = on_ssd
         with DirectoryIdentity(self.cache_dir).check(identity, check) as opened:
             if opened.reset and os.path.lexists(store_dir):
-                _drop_unknown_store(store_dir, opened.described)
+                drop_unknown_store(store_dir, opened.described)
             self.cache_id = opened.cache_id
             self._open_lock = opened.users  # closed by check() if this block fails
             try:
@@ -419,9 +307,9 @@ class SampleCache:
             if self._open_lock < 0:  # unpickled in a spawned process: hold it as the parent
                 self._open_lock = DirectoryIdentity(self.cache_dir).join(self.cache_id)
             if self._on_ssd:
-                _remove_stale_staging(self.cache_dir, self.staging_dir)
+                remove_stale_staging(self.cache_dir, self.staging_dir)
             else:
-                _remove_orphaned_staging()
+                remove_orphaned_staging()
             if os.path.islink(self.staging_dir):
                 raise StorePermissionError(f"{self.staging_dir} is a symbolic link; a staging "
                                            "directory never follows one: remove it")
@@ -454,7 +342,7 @@ class SampleCache:
                 # as close() would remove it (one in /dev/shm was left holding memory)
                 _OPEN_CACHES.discard(self)
                 close_file(self._users)
-                _remove_if_unused(self.staging_dir)
+                remove_if_unused(self.staging_dir)
                 raise
             self._staging, self._store = staging, store
 
@@ -483,10 +371,10 @@ class SampleCache:
     def _staging_as_stored(self) -> None:
         """A staging area left with other segments (by a killed run, or a process with
         other settings): removed if unused (it is throw-away), else shared as it is."""
-        stored = _stored_segment_size(self.staging_dir, self._largest)
+        stored = stored_segment_size(self.staging_dir, self._largest)
         if stored in (None, self.staging_segment_size):
             return
-        _remove_if_unused(self.staging_dir)
+        remove_if_unused(self.staging_dir)
         if os.path.isdir(self.staging_dir):
             self.staging_segment_size = stored
             self.staging_bytes = max(self.staging_bytes, (STAGING_WRITERS + 4) * stored)
@@ -525,7 +413,7 @@ class SampleCache:
         # a descriptor of our own, once ours is closed, tells whether any of them still uses
         # the staging area.
         close_file(self._users)
-        _remove_if_unused(self.staging_dir)
+        remove_if_unused(self.staging_dir)
 
     def close_stores_in_child(self) -> None:
         """At a forked child's exit: close the stores it used (sealing the segments it
@@ -536,7 +424,7 @@ class SampleCache:
                 store.close()
         if self._store is not None and self._pid == os.getpid():
             close_file(self._users)
-            _remove_if_unused(self.staging_dir)
+            remove_if_unused(self.staging_dir)
 
     def plan_capacity(self, writers: int) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
