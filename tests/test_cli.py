@@ -210,7 +210,7 @@ def test_store_demo_larger_than_the_free_space_is_refused_up_front(tmp_path: Pat
     dataset, was taken: every sample was made in memory first (5.5 GB after 10 s)."""
     out = run("store-demo", "--dir", str(tmp_path / "d"), "--samples", "10000000",
               "--sample-size", "2MiB")
-    assert_one_line_error(out, "is a 19.1 TiB dataset", f"in {tmp_path}, which has",
+    assert_one_line_error(out, "a 19.1 TiB dataset", f"in {tmp_path / 'd'}, which has",
                           "lower --samples or --sample-size")
     assert list(tmp_path.iterdir()) == []
 

@@ -6,10 +6,8 @@ it reads without keeping a copy.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +20,7 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
+from lcache.bench.resources import bytes_under, need_space
 from lcache.errors import ConfigError
 from lcache.store import Store, StoreConfig, format_size, fsck, parse_size
 
@@ -143,16 +142,6 @@ def _read_all(store: Store, keys: list[int], size: int, advance: Any
     return hits, wrong, spent
 
 
-def _bytes_under(folder: str) -> int:
-    """Bytes the files under ``folder`` take on disk (0 if it is not there)."""
-    total = 0
-    for parent, _, names in os.walk(folder):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
-    return total
-
-
 def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
                    show_progress: bool = True) -> dict[str, Any]:
     """Run the demo; returns its figures (MB = 1e6 bytes)."""
@@ -164,17 +153,12 @@ def run_store_demo(directory: str | None, samples: int, sample_size: str | int,
     capacity = int(dataset * 0.75)
     capacity = max(capacity, StoreConfig(capacity=capacity, segment_size=SEGMENT_SIZE,
                                          max_writers=MAX_WRITERS).minimum_capacity())
-    where = os.path.abspath(directory or tempfile.gettempdir())
-    while not os.path.isdir(where):  # --dir is made if need be: its nearest existing folder
-        where = os.path.dirname(where)
-    free = shutil.disk_usage(where).free
-    if directory is not None:  # a store left there by an earlier run is reused: its space too
-        free += _bytes_under(os.path.join(directory, "store"))
-    if capacity > free:
-        raise ConfigError(f"--samples {samples} x --sample-size {format_size(size)} is a "
-                          f"{format_size(dataset)} dataset; the demo's store (3/4 of it) needs "
-                          f"{format_size(capacity)} in {where}, which has {format_size(free)} "
-                          "free: lower --samples or --sample-size, or choose another --dir")
+    # a store an earlier run left in --dir is reused: its space counts as free
+    need_space(directory or tempfile.gettempdir(), capacity,
+               f"--samples {samples} x --sample-size {format_size(size)}, a "
+               f"{format_size(dataset)} dataset: the demo's store (3/4 of it)",
+               "--samples or --sample-size (or choose another --dir)",
+               reusable=bytes_under(os.path.join(directory, "store")) if directory else 0)
     with tempfile.TemporaryDirectory(prefix="lcache-demo-") as tmp:
         root = os.path.join(directory or tmp, "store")
         os.makedirs(os.path.dirname(root), exist_ok=True)
