@@ -192,3 +192,31 @@ def test_a_new_segment_has_the_room_asked_for_after_clock_copies(tmp_path: Path)
     assert store.counters.gc_bytes_copied > 0
     assert short == []
     store.close()
+
+
+def test_planned_cleaning_finds_dead_records_past_the_oldest_segments(tmp_path: Path) -> None:
+    """A full "planned" store (every live record wanted) whose owner deletes one record for
+    each it adds, anywhere in the store, evicts nothing: cleaning finds the segment with the
+    dead record. The finding: it compared only the 64 oldest segments, and in a cache of
+    the whole dataset (a few deletes an epoch, spread over hundreds of segments) cleaned a
+    wholly live one instead, evicting a sample the plan kept: 45 an epoch, fetched again."""
+    value = 8 * KIB - 32  # record header included, 8 whole records fill a 64 KiB segment
+    store = Store.open(tmp_path / "s", capacity=200 * SEG, segment_size=SEG,
+                       policy="planned", max_writers=1)
+    key = 0
+    while store.counters.evictions == 0:  # filled to the capacity bound
+        store.put(key, pattern_bytes(value, key))
+        key += 1
+    assert len(store._list().sealed) > 2 * 64  # more segments than one window compares
+    full = store.counters.evictions
+    live = [k for k in range(key) if k in store]
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        gone = live.pop(int(rng.integers(len(live))))  # mostly past the oldest segments
+        store.delete(gone)
+        store.put(key, pattern_bytes(value, key))
+        live.append(key)
+        key += 1
+    assert store.counters.gc_segments > 100
+    assert store.counters.evictions == full
+    store.close()

@@ -11,8 +11,8 @@ forward instead of evicted.
 
 * ``planned``: every live record is copied forward; its owner deletes what it no longer
   wants (the sample cache follows its Belady plan this way), so cleaning reclaims dead space,
-  deadest segment first, and evicts live records only when copies would exceed half a
-  segment.
+  deadest segment first, and evicts live records only when no segment it compares has the
+  dead space the writer needs.
 
 Other policies can be added with ``register_policy``.
 """

@@ -42,6 +42,7 @@ from lcache.store.segment import (
 
 log = logging.getLogger("lcache")
 GREEDY_WINDOW = 64  # segments a greedy policy compares when it must free space
+GREEDY_RECORDS = 1 << 16  # records it may look up to find one with room, past the window
 RELIST = 64  # surveys between listings of the directory even when nobody else changed it
 
 
@@ -172,11 +173,8 @@ class Space(StoreParts):
         budget = self.config.capacity - size
         if used + size * segments > budget:
             victims = self.policy.victim_order(sealed)
-            if self.policy.greedy:  # the deadest of the oldest (bounded work per allocation)
-                window = victims[:GREEDY_WINDOW]
-                live = live_bytes([self._summary(s) for s in window], self._ints(),
-                                  self._hashes())
-                victims[:GREEDY_WINDOW] = [window[i] for i in np.argsort(live, kind="stable")]
+            if self.policy.greedy:
+                victims = self._deadest_first(victims, dest.room_leaving(need) if dest else 0)
             for victim in victims:
                 used -= self._clean_segment(victim, dest, need=need)
                 used -= self._compact_journal()  # older segments gone: entries may go too
@@ -188,6 +186,27 @@ class Space(StoreParts):
                     f"{format_size(self.config.capacity)}; raise the capacity"
                 )
         self._compact_journal()
+
+    def _deadest_first(self, victims: list[int], room: int) -> list[int]:
+        """``victims`` with the deadest of the oldest first: those of the first window, or
+        of as many windows as it takes (up to ``GREEDY_RECORDS`` records looked up) to find
+        one whose live records fit in ``room``. Why look past the oldest: in a nearly full
+        cache the few dead records lie anywhere, and a victim with none evicted a live
+        record the plan keeps (a cache of the whole dataset lost 45 samples an epoch)."""
+        ints, hashes = self._ints(), self._hashes()
+        seen: list[int] = []
+        live: list[int] = []
+        records = 0
+        while len(seen) < len(victims):
+            window = victims[len(seen):len(seen) + GREEDY_WINDOW]
+            summaries = [self._summary(s) for s in window]
+            seen += window
+            live += live_bytes(summaries, ints, hashes)
+            records += sum(len(s.keys) for s in summaries)
+            if min(live) <= room or records >= GREEDY_RECORDS:
+                break
+        order = np.argsort(live, kind="stable")
+        return [seen[i] for i in order] + victims[len(seen):]
 
     def _compact_journal(self) -> int:
         """Drop the delete entries no segment still needs, when the journal has grown;
