@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lcache.store import Store, space
-from lcache.store.segment import list_segments, log_path, sum_path
+from lcache.store.segment import list_segments, log_path, segment_file, sum_path
 
 CONFIG: dict[str, Any] = {"capacity": 1 << 20, "segment_size": 64 << 10, "max_writers": 4,
                           "sync": "never", "direct_writes": False}
@@ -120,3 +120,19 @@ def test_a_segment_file_id_past_32_bits_is_not_taken_for_a_segment(tmp_path: Pat
     assert any(f"{(1 << 32) + sealed[-1]}.log is not a file a store writes" in p
                for p in problems), problems
     assert os.path.exists(log_path(str(root), (1 << 32) + sealed[-1]))
+
+
+@pytest.mark.parametrize("name, parsed", [
+    ("0000000001.log", (1, "log", False)),
+    ("4294967295.sum", (4294967295, "sum", False)),
+    ("0000000001.sum.tmp3", (1, "sum", True)),
+    ("4294967296.log", None),  # ids of 2**32 and beyond are not a store's
+    ("1.sum", None),  # unpadded
+    ("000000000\u0661.log", None),  # an Arabic-Indic digit: isdigit() takes it
+    ("+000000001.log", None),
+    ("0000000001.LOG", None),
+    ("0000000001.log\n", None),
+])
+def test_segment_file_names(name: str, parsed: tuple[int, str, bool] | None) -> None:
+    """What a segment's name says, on the fast path of common names as on the others."""
+    assert segment_file(name) == parsed

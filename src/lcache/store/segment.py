@@ -86,6 +86,12 @@ def segment_file(name: str) -> tuple[int, str, bool] | None:
     the segment id in 32 bits, so lcache never writes them, and one would have been read as
     another segment's. Nor is an unpadded ``1.sum``, which was read as ``0000000001.sum``
     (and its removal as a summary without a log failed)."""
+    # Why the first test: a listing of a full cache passes hundreds of names each time a
+    # process makes a segment, and the regular expression was most of its cost.
+    digits, suffix = name[:10], name[10:]
+    if (suffix == ".log" or suffix == ".sum") and digits.isascii() and digits.isdigit():
+        seg = int(digits)
+        return (seg, suffix[1:], False) if seg < 1 << 32 else None
     m = _SEGMENT_FILE.match(name)
     if m is None or int(m.group(1)) >= 1 << 32:
         return None
