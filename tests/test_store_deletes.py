@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from lcache.store import Store, fsck
 from lcache.store.compaction import live_bytes, live_records
-from lcache.store.deletes import decode, encode, encode_few
+from lcache.store.deletes import COMPACT_ABOVE, ENTRY, decode, encode, encode_few
 from lcache.store.files import existing_generations
 from lcache.store.segment import list_segments
 from lcache.testing import faults, flip_bit, locate, pattern_bytes
@@ -143,3 +143,54 @@ def test_a_full_planned_store_cleans_the_deadest_segment_first(open_store: Any,
         store.put_many([key], [pattern_bytes(VALUE, key)])
         key += 1
     assert set(sealed) - {dead} <= set(list_segments(str(store_dir))[0])
+
+
+def test_journal_compaction_drops_entries_whose_records_are_gone(open_store: Any,
+                                                                 store_dir: Path) -> None:
+    """An entry goes once no segment below its floor holds a record of its key, though an
+    older segment, wholly live, stays. The finding: entries stayed while any segment below
+    their floor did, and in a nearly full cache (its oldest segments never cleaned) the
+    journal grew by every delete, counted against the capacity."""
+    store = open_store(policy="planned", capacity=256 * SEG, max_writers=1)
+    kept = list(range(PER_SEG))  # the first segment: never deleted from, never cleaned
+    store.put_many(kept, [pattern_bytes(VALUE, k) for k in kept])
+    for rnd in range(1, 17):
+        keys = list(range(rnd * 1000, rnd * 1000 + 4 * PER_SEG))
+        store.put_many(keys, [pattern_bytes(VALUE, k) for k in keys])
+        for k in keys[: -PER_SEG // 2]:
+            assert store.delete(k)
+        store.gc(0.5)  # the dead segments are cleaned; their keys' entries need nothing
+    assert faults.segment_ids(store_dir)[0][0] == 1  # the oldest is still there
+    entries = store._journal().size() // ENTRY.itemsize
+    # what grows between compactions and the last round's deletes, of 16 rounds' 848
+    assert entries <= COMPACT_ABOVE // ENTRY.itemsize + 4 * PER_SEG, entries
+    store.close()
+    rebuild_indexes(store_dir)
+    with Store.open(store_dir) as again:
+        assert all(again.get(k) == pattern_bytes(VALUE, k) for k in kept)
+        assert again.get(16000) is None and again.get(1000) is None
+
+
+def test_deletes_alone_evict_no_live_record_of_a_planned_store(open_store: Any,
+                                                               store_dir: Path) -> None:
+    """Deletes grow the journal, which counts against the capacity. In a full "planned"
+    store (every live record wanted) a handle that only deletes leaves the cleaning to the
+    next segment a writer makes, whose copies have a home. The finding: it cleaned with
+    nowhere to copy, evicting every live record of what it cleaned; a nearly full cache's
+    reads (its plan's deletes) lost samples the plan kept."""
+    store = open_store(policy="planned", capacity=64 * SEG, max_writers=2)
+    key = 0
+    while store.counters.evictions == 0:  # filled to the capacity bound
+        store.put_many(list(range(key, key + 100)), [pattern_bytes(200, k)
+                                                     for k in range(key, key + 100)])
+        key += 100
+    present = [k for k in range(key) if k in store]
+    rng = np.random.default_rng(0)
+    gone = set(rng.choice(present, len(present) // 3, replace=False).tolist())
+    with Store.open(store_dir) as reader:  # another handle, with no segment of its own
+        for k in sorted(gone):
+            assert reader.delete(k)
+        assert reader._journal().size() > SEG  # grown past what the capacity left free
+        lost = [k for k in present if k not in gone and reader.get(k) is None]
+    assert lost == []
+    store.close()

@@ -30,6 +30,7 @@ import fcntl
 import os
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +52,9 @@ ENTRY = np.dtype([("key", "<u8"), ("floor", "<u4"), ("kind", "u1"), ("version", 
 COMPACT_ABOVE = 4096  # bytes of entries, and twice what the last compaction kept
 
 U64Array = npt.NDArray[np.uint64]
+# (kinds, keys, floors) of entries -> whether each may still hide a record (see compact)
+Needed = Callable[[npt.NDArray[np.uint8], U64Array, npt.NDArray[np.uint32]],
+                  npt.NDArray[np.bool_]]
 
 
 def _check(keys: U64Array, floors: npt.NDArray[np.uint32],
@@ -195,21 +199,27 @@ class DeleteJournal:
         with self._tlock:
             return os.fstat(self._follow()).st_size
 
-    def wants_compaction(self) -> bool:
+    def wants_compaction(self, at_least: int = 0) -> bool:
+        """Whether the entries grew past ``COMPACT_ABOVE``, twice what the last compaction
+        kept, and ``at_least`` bytes."""
         with self._tlock:
             fd = self._follow()
             kept = int(_HEAD.unpack(os.pread(fd, _HEAD.size, 0))[2])
-            return os.fstat(fd).st_size - _HEAD.size > max(COMPACT_ABOVE, 2 * kept)
+            return os.fstat(fd).st_size - _HEAD.size > max(COMPACT_ABOVE, 2 * kept, at_least)
 
-    def compact(self, floor: int) -> None:
+    def compact(self, floor: int, needed: Needed | None = None) -> None:
         """Keep only the entries some segment below their floor may still need: those above
-        ``floor``, the lowest segment id that exists. The caller holds the meta lock."""
+        ``floor``, the lowest segment id that exists, and of those, where given, the ones
+        ``needed(kinds, keys, floors)`` says a segment below their floor may hold a record
+        of. The caller holds the meta lock."""
         with self._tlock:
             fd = self._follow()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 kinds, keys, floors, _ = decode(_body(fd))
                 keep = floors > floor
+                if needed is not None and keep.any():
+                    keep[keep] = needed(kinds[keep], keys[keep], floors[keep])
                 self._write(self._gen + 1, encode(kinds[keep], keys[keep], floors[keep]))
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from lcache.errors import CorruptionError, StoreFullError
 from lcache.io import BufferPool, SyncPolicy, close_file
@@ -26,6 +27,7 @@ from lcache.store.compaction import (
     live_records,
     referenced_records,
 )
+from lcache.store.deletes import Needed
 from lcache.store.files import open_in_store, stale_generation_files
 from lcache.store.layout import StoreConfig, format_size
 from lcache.store.parts import StoreParts
@@ -169,16 +171,14 @@ class Space(StoreParts):
         Raises:
             StoreFullError: nothing is left to clean and it still does not fit.
         """
-        size = self.config.segment_size
-        budget = self.config.capacity - size
-        if used + size * segments > budget:
+        if self._over_capacity(used, segments):
             victims = self.policy.victim_order(sealed)
             if self.policy.greedy:
                 victims = self._deadest_first(victims, dest.room_leaving(need) if dest else 0)
             for victim in victims:
                 used -= self._clean_segment(victim, dest, need=need)
                 used -= self._compact_journal()  # older segments gone: entries may go too
-                if used + size * segments <= budget:
+                if not self._over_capacity(used, segments):
                     break
             else:
                 raise StoreFullError(
@@ -186,6 +186,12 @@ class Space(StoreParts):
                     f"{format_size(self.config.capacity)}; raise the capacity"
                 )
         self._compact_journal()
+
+    def _over_capacity(self, used: int, segments: int) -> bool:
+        """Whether ``used`` bytes and ``segments`` whole active segments leave less than one
+        free segment of the capacity (kept for compaction)."""
+        size = self.config.segment_size
+        return used + size * segments > self.config.capacity - size
 
     def _deadest_first(self, victims: list[int], room: int) -> list[int]:
         """``victims`` with the deadest of the oldest first: those of the first window, or
@@ -209,15 +215,48 @@ class Space(StoreParts):
         return [seen[i] for i in order] + victims[len(seen):]
 
     def _compact_journal(self) -> int:
-        """Drop the delete entries no segment still needs, when the journal has grown;
+        """Drop the delete entries no segment still needs, when the journal has grown (past
+        a 512th of the sealed segments' bytes too: each compaction reads every summary);
         returns the bytes freed."""
         journal = self._journal()
-        if not journal.wants_compaction():
+        if not journal.wants_compaction(self._list().sealed_bytes // 512):
             return 0
         before = journal.size()
-        logs, _ = list_segments(self.root)
-        journal.compact(min(logs, default=self._meta.next_segment))
+        logs, sums = list_segments(self.root)
+        journal.compact(min(logs, default=self._meta.next_segment),
+                        self._entries_needed(logs, sums))
         return before - journal.size()
+
+    def _entries_needed(self, logs: list[int], sums: set[int]) -> Needed:
+        """Whether a segment below each entry's floor may hold a record of its key: a sealed
+        one whose summary lists the key, or any unsealed one (no summary yet). Why: an entry
+        otherwise stayed while any segment below its floor did, and in a nearly full cache
+        the oldest segments, wholly live, are never cleaned; the journal grew by every
+        delete, counted against the capacity, and the store evicted samples the plan kept."""
+        unsealed = min((seg for seg in logs if seg not in sums), default=1 << 32)
+        summaries = [self._summary(seg) for seg in logs if seg in sums]
+        held_kinds = np.concatenate([s.kinds for s in summaries] or [np.zeros(0, np.uint8)])
+        held_keys = np.concatenate([s.keys for s in summaries] or [np.zeros(0, np.uint64)])
+        held_in = np.repeat(np.array([s.segment for s in summaries], np.int64),
+                            [len(s.keys) for s in summaries])
+
+        def needed(kinds: npt.NDArray[np.uint8], keys: npt.NDArray[np.uint64],
+                   floors: npt.NDArray[np.uint32]) -> npt.NDArray[np.bool_]:
+            out = floors > unsealed
+            for kind in np.unique(kinds):
+                mine, theirs = kinds == kind, held_kinds == kind
+                if not theirs.any():
+                    continue
+                k, seg = held_keys[theirs], held_in[theirs]
+                order = np.lexsort((seg, k))  # by key, then segment: the lowest first
+                k, seg = k[order], seg[order]
+                first = np.r_[True, k[1:] != k[:-1]]
+                k, lowest = k[first], seg[first]
+                at = np.minimum(np.searchsorted(k, keys[mine]), len(k) - 1)
+                out[mine] |= (k[at] == keys[mine]) & (lowest[at] < floors[mine])
+            return out
+
+        return needed
 
     # ----------------------------------------------------------------------- recovery
     def _recover_orphans(self) -> None:

@@ -537,7 +537,17 @@ class Store(Space, Reader):
                 self._compact_journal()
                 sealed, used, actives = self._survey()
                 try:
-                    self._evict_to_fit(sealed, used, actives, None)
+                    # A policy that wants every live record (the cache's plan deletes what
+                    # it does not) has cleaning copy them into this handle's segment, or
+                    # leaves the cleaning to the next new segment, whose writer gives the
+                    # copies a home: the journal is over the capacity until then. Why: with
+                    # nowhere to copy, cleaning evicted every live record it met, and a
+                    # nearly full cache's reads (its plan's deletes) lost samples it kept.
+                    writer = self._writer
+                    if not self.policy.greedy:
+                        self._evict_to_fit(sealed, used, actives, None)
+                    elif writer is not None and writer.room >= self.config.segment_size // 2:
+                        self._evict_to_fit(sealed, used, actives, writer)
                 except StoreFullError:  # the delete itself is done: do not fail it
                     log.warning("the delete journal of %s (%s) does not fit the capacity; "
                                 "raise the capacity", self.root,
