@@ -77,7 +77,7 @@ def cache_capacity(fitted: dict[str, Any], t: Targets) -> dict[str, Any]:
     cap = capacity_for(need, n, largest, writers, staging_on_ssd=False)
     on_ssd = capacity_for(need, n, largest, writers, staging_on_ssd=True)
     segment = choose_segment_size(cap, 512, largest)
-    held = plan_overhead(segment, n, writers)
+    held = plan_overhead(segment, n, writers, cap)
     total = (f"capacity = {need:,} + {held:,} = {cap:,} B" if cap == need + held else
              f"{need + held:,} B is below a cache's minimum of {MIN_SEGMENTS} segments: "
              f"capacity = {MIN_SEGMENTS} x {segment:,} = {cap:,} B")

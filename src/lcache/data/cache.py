@@ -429,7 +429,8 @@ class SampleCache:
     def plan_capacity(self, writers: int) -> int:
         """Sample bytes the plan may keep: the main store's capacity less one free segment,
         an active segment per writer, and the index."""
-        overhead = plan_overhead(self.segment_size, len(self.source), writers)
+        overhead = plan_overhead(self.segment_size, len(self.source), writers,
+                                 self.main_capacity)
         return max(0, self.main_capacity - overhead)
 
     def staging_window(self, ranks: int) -> int:

@@ -10,7 +10,9 @@ import re
 
 from lcache.errors import ConfigError
 from lcache.store import parse_size
+from lcache.store.deletes import COMPACT_ABOVE
 from lcache.store.record import HEADER_SIZE
+from lcache.store.segment import SUMMARY_ENTRY, SUMMARY_HEAD
 
 STAGING_WRITERS = 8
 MIN_SEGMENTS = 40
@@ -67,10 +69,16 @@ def staging_area(requested: int, capacity: int, largest: int, on_ssd: bool
     return sized(min(size, capacity // 50)) if on_ssd else (size, segment)
 
 
-def plan_overhead(segment_size: int, samples: int, writers: int) -> int:
-    """What ``plan_capacity`` holds back: one free segment, an active one per writer and
-    the index (16 bytes a sample, and 64 KiB)."""
-    return segment_size * (2 + writers) + 16 * samples + (64 << 10)
+def plan_overhead(segment_size: int, samples: int, writers: int, capacity: int) -> int:
+    """What ``plan_capacity`` holds back of ``capacity``: one free segment and an active one
+    per writer; the index (16 bytes a sample, and 64 KiB); the segments' summaries (17 bytes
+    a sample and 40 a segment); and the delete journal between compactions (8 KiB). The
+    store counts all of them against its capacity: without the summaries, a nearly full
+    cache of small samples evicted samples the plan kept."""
+    segments = capacity // segment_size + writers
+    return segment_size * (2 + writers) + (16 + SUMMARY_ENTRY) * samples + (64 << 10) + \
+        SUMMARY_HEAD * segments + 2 * COMPACT_ABOVE
+
 
 def capacity_for(record_bytes: int, samples: int, largest: int, writers: int,
                  staging_on_ssd: bool = True) -> int:
@@ -89,8 +97,8 @@ def capacity_for(record_bytes: int, samples: int, largest: int, writers: int,
     capacity = max(1, record_bytes)
     while True:
         segment = choose_segment_size(capacity, 512, largest)
-        room = capacity - staging(capacity) - plan_overhead(segment, samples,
-                                                                        writers)
+        room = capacity - staging(capacity) - plan_overhead(segment, samples, writers,
+                                                            capacity)
         short = max(record_bytes - room, MIN_SEGMENTS * segment + staging(capacity)
                     - capacity)
         if short <= 0:

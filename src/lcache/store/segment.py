@@ -48,6 +48,8 @@ from lcache.store import record
 from lcache.store.files import open_in_store
 
 _SUM_HDR = struct.Struct("<4sIQQQQ")  # magic, version, segment, count, data_len, checksum
+SUMMARY_HEAD = _SUM_HDR.size
+SUMMARY_ENTRY = 17  # a record's key (8 bytes), offset (4), length (4) and kind (1)
 _SUM_MAGIC = b"LCSM"
 SCAN_CHUNK = 4 << 20
 BATCH_HINT = 16 << 20
@@ -197,7 +199,7 @@ class Summary:
             raise CorruptionError(f"{path}: truncated segment summary")
         magic, version, seg, count, data_len, csum = _SUM_HDR.unpack_from(raw)
         body = raw[_SUM_HDR.size :]
-        if magic != _SUM_MAGIC or version != 1 or len(body) != count * 17:
+        if magic != _SUM_MAGIC or version != 1 or len(body) != count * SUMMARY_ENTRY:
             raise CorruptionError(f"{path}: not a valid segment summary")
         if xxhash.xxh3_64_intdigest(body) != csum:
             raise CorruptionError(f"{path}: segment summary checksum mismatch")
