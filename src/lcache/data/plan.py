@@ -11,6 +11,13 @@ another sample's miss, which is what lets many processes follow the plan without
 With every sample read once per epoch, a hit in epoch e+1 must be cached at the epoch
 boundary, so no policy beats C/N; Belady reaches it (see docs/cache.md). Variable sizes make
 exact OPT NP-hard; Belady by next use is the standard heuristic and what we call "opt".
+
+So does a cache that holds a fixed set of samples (``admit``): when the node reads every
+sample once an epoch, each one it holds is a hit, C/N, and a warm epoch writes nothing.
+Belady instead admits nearly every miss, evicting what is needed furthest: the same hits,
+but (1 - f) of the dataset written again each epoch, and the store's cleaning copies. (Where
+a node reads a different part of the dataset each epoch, Belady caches the part it reads
+next and beats a fixed set.)
 """
 
 from __future__ import annotations
@@ -64,12 +71,14 @@ class PlanResult:
 
 def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capacity: int, *,
            horizon: npt.NDArray[np.int64] | None = None,
-           carried: dict[int, int] | None = None) -> PlanResult:
+           carried: dict[int, int] | None = None,
+           admit: npt.NDArray[np.bool_] | None = None) -> PlanResult:
     """Run Belady's rule over ``seq`` with a cache of ``capacity`` bytes.
 
     ``sizes`` is bytes per sample (an array indexed by sample, or one size for all).
     ``carried`` maps samples cached at the start to their next-use position in ``seq``
-    (from the previous epoch's result).
+    (from the previous epoch's result). ``admit``: the samples a miss may be cached for
+    (indexed by sample; None: any), e.g. ``fixed_set``'s.
     """
     nu = next_uses(seq, horizon)
     n = len(seq)
@@ -101,7 +110,7 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
         if t_next == NEVER:
             continue
         size = size_of(x)
-        if size > capacity:
+        if size > capacity or (admit is not None and not admit[x]):
             continue
         resident[x] = (t_next, t)
         heapq.heappush(heap, (-t_next, x, t))
@@ -117,6 +126,14 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
                 keep[opened] = False
     out = {x: t_next - n for x, (t_next, _) in resident.items() if t_next != NEVER}
     return PlanResult(keep, hits, out)
+
+
+def fixed_set(sizes: npt.NDArray[np.int64], capacity: int) -> npt.NDArray[np.bool_]:
+    """The samples a cache of ``capacity`` bytes holds for good: the first ones, by index,
+    that fit. By index, not by the order of an epoch: the same set whichever epoch a plan
+    starts from (a resumed job plans from two epochs back), and a shard's samples stay
+    together (its misses come whole, as one ranged request)."""
+    return np.cumsum(sizes) <= capacity
 
 
 def simulate_opt(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int,

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from lcache.checks import env_number, flag, launch_rank_world, whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
-from lcache.data.plan import PlanResult, belady
+from lcache.data.plan import PlanResult, belady, fixed_set
 from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
 from lcache.store import format_size
@@ -200,13 +200,19 @@ class SeedAwareSampler:
             if done < epoch - PLAN_FROM - 1:
                 done = epoch - PLAN_FROM - 1
             sizes = self.cache.record_sizes()
+            held = fixed_set(sizes, self.plan_capacity)
             while done < epoch:
                 done += 1
                 before = self._plans.get(done - 1)
                 carried = before.carried if before is not None else {}
-                self._plans[done] = belady(self.node_sequence(done), sizes, self.plan_capacity,
+                seq = self.node_sequence(done)
+                # A node that reads every sample each epoch gets every hit there is from a
+                # fixed set, with no writes once it is cached (see plan.py); one that reads
+                # a part, Belady's caching of the next part.
+                whole = len(np.unique(seq)) >= 0.99 * self.n
+                self._plans[done] = belady(seq, sizes, self.plan_capacity,
                                            horizon=self.node_sequence(done + 1),
-                                           carried=carried)
+                                           carried=carried, admit=held if whole else None)
                 self._plans.pop(done - 2, None)
             return self._plans[epoch]
 
