@@ -157,6 +157,7 @@ def test_object_rewritten_after_listing_is_refused_not_cached(tmp_path: Path) ->
     with ThrottledServer(str(tmp_path)) as server:
         url = server.url + "/data/"
         ds = CachedDataset(url, tmp_path / "cache", CAPACITY)
+        listed = {i: (tmp_path / "data" / f"s000{i}.bin").stat() for i in (2, 3)}
         (tmp_path / "data" / "s0002.bin").write_bytes(files[2] + b"grown")
         (tmp_path / "data" / "s0003.bin").write_bytes(files[3][:-1])
         for i in (2, 3):
@@ -169,7 +170,10 @@ def test_object_rewritten_after_listing_is_refused_not_cached(tmp_path: Path) ->
                 message
         assert ds[1] == files[1]
         for i in (2, 3):  # nothing of the rewritten objects was kept
-            (tmp_path / "data" / f"s000{i}.bin").write_bytes(files[i])
+            path = tmp_path / "data" / f"s000{i}.bin"
+            path.write_bytes(files[i])
+            # as listed again (its Last-Modified too, when a second has passed since)
+            os.utime(path, ns=(listed[i].st_atime_ns, listed[i].st_mtime_ns))
             assert ds[i] == files[i]
 
 
