@@ -200,19 +200,18 @@ class SeedAwareSampler:
             if done < epoch - PLAN_FROM - 1:
                 done = epoch - PLAN_FROM - 1
             sizes = self.cache.record_sizes()
-            held = fixed_set(sizes, self.plan_capacity)
+            # A node with every rank reads every sample each epoch, and gets every hit there
+            # is from a fixed set, with no writes once it is cached (see plan.py); a node of
+            # several reads a part, and Belady caches the part it reads next.
+            held = fixed_set(sizes, self.plan_capacity) \
+                if len(self.node_ranks) == self.world else None
             while done < epoch:
                 done += 1
                 before = self._plans.get(done - 1)
                 carried = before.carried if before is not None else {}
-                seq = self.node_sequence(done)
-                # A node that reads every sample each epoch gets every hit there is from a
-                # fixed set, with no writes once it is cached (see plan.py); one that reads
-                # a part, Belady's caching of the next part.
-                whole = len(np.unique(seq)) >= 0.99 * self.n
-                self._plans[done] = belady(seq, sizes, self.plan_capacity,
+                self._plans[done] = belady(self.node_sequence(done), sizes, self.plan_capacity,
                                            horizon=self.node_sequence(done + 1),
-                                           carried=carried, admit=held if whole else None)
+                                           carried=carried, admit=held)
                 self._plans.pop(done - 2, None)
             return self._plans[epoch]
 

@@ -219,7 +219,8 @@ class Space(StoreParts):
         a 512th of the sealed segments' bytes too: each compaction reads every summary);
         returns the bytes freed."""
         journal = self._journal()
-        if not journal.wants_compaction(self._list().sealed_bytes // 512):
+        listing = self._listing  # as last listed: a survey here would list again
+        if not journal.wants_compaction(listing.sealed_bytes // 512 if listing else 0):
             return 0
         before = journal.size()
         logs, sums = list_segments(self.root)
@@ -233,15 +234,14 @@ class Space(StoreParts):
         otherwise stayed while any segment below its floor did, and in a nearly full cache
         the oldest segments, wholly live, are never cleaned; the journal grew by every
         delete, counted against the capacity, and the store evicted samples the plan kept."""
-        unsealed = min((seg for seg in logs if seg not in sums), default=1 << 32)
-        summaries = [self._summary(seg) for seg in logs if seg in sums]
-        held_kinds = np.concatenate([s.kinds for s in summaries] or [np.zeros(0, np.uint8)])
-        held_keys = np.concatenate([s.keys for s in summaries] or [np.zeros(0, np.uint64)])
-        held_in = np.repeat(np.array([s.segment for s in summaries], np.int64),
-                            [len(s.keys) for s in summaries])
-
         def needed(kinds: npt.NDArray[np.uint8], keys: npt.NDArray[np.uint64],
                    floors: npt.NDArray[np.uint32]) -> npt.NDArray[np.bool_]:
+            unsealed = min((seg for seg in logs if seg not in sums), default=1 << 32)
+            summaries = [self._summary(seg) for seg in logs if seg in sums]
+            held_kinds = np.concatenate([s.kinds for s in summaries] or [np.zeros(0, np.uint8)])
+            held_keys = np.concatenate([s.keys for s in summaries] or [np.zeros(0, np.uint64)])
+            held_in = np.repeat(np.array([s.segment for s in summaries], np.int64),
+                                [len(s.keys) for s in summaries])
             out = floors > unsealed
             for kind in np.unique(kinds):
                 mine, theirs = kinds == kind, held_kinds == kind

@@ -535,19 +535,21 @@ class Store(Space, Reader):
         if self._journal().size() - self._journal_checked > self.config.segment_size // 2:
             with self._meta_lock():
                 self._compact_journal()
+                # A policy that wants every live record (the cache's plan deletes what it
+                # does not) has cleaning copy them into this handle's segment, or leaves the
+                # cleaning to the next new segment, whose writer gives the copies a home:
+                # the journal is over the capacity until then. Why: with nowhere to copy,
+                # cleaning evicted every live record it met, and a nearly full cache's reads
+                # (its plan's deletes) lost samples it kept.
+                writer = self._writer
+                if self.policy.greedy and (writer is None or
+                                           writer.room < self.config.segment_size // 2):
+                    self._journal_checked = self._journal().size()
+                    return
                 sealed, used, actives = self._survey()
                 try:
-                    # A policy that wants every live record (the cache's plan deletes what
-                    # it does not) has cleaning copy them into this handle's segment, or
-                    # leaves the cleaning to the next new segment, whose writer gives the
-                    # copies a home: the journal is over the capacity until then. Why: with
-                    # nowhere to copy, cleaning evicted every live record it met, and a
-                    # nearly full cache's reads (its plan's deletes) lost samples it kept.
-                    writer = self._writer
-                    if not self.policy.greedy:
-                        self._evict_to_fit(sealed, used, actives, None)
-                    elif writer is not None and writer.room >= self.config.segment_size // 2:
-                        self._evict_to_fit(sealed, used, actives, writer)
+                    self._evict_to_fit(sealed, used, actives,
+                                       writer if self.policy.greedy else None)
                 except StoreFullError:  # the delete itself is done: do not fail it
                     log.warning("the delete journal of %s (%s) does not fit the capacity; "
                                 "raise the capacity", self.root,
