@@ -27,7 +27,7 @@ system-deps:
 		(apt-get update -qq && apt-get install -y -qq chromium strace >/dev/null)
 
 test: lint system-deps
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)
 	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio)
