@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lcache.data import CachedDataset, FileSource, SeedAwareSampler  # noqa: E402
+from lcache.data import CachedDataset, FileSource, RangeSource, SeedAwareSampler  # noqa: E402
 from lcache.data import sampler as sampler_module  # noqa: E402
 from lcache.data.order import node_order, rank_order  # noqa: E402
 from lcache.data.plan import belady, fixed_set, simulate_lru, simulate_opt  # noqa: E402
@@ -336,6 +336,49 @@ def test_a_nearly_full_cache_fetches_its_plans_misses_and_writes_nothing_when_wa
             assert plan.hit_ratio == pytest.approx(
                 sampler.plan_capacity // (size + HEADER) / n, abs=1 / n)
             assert ds.cache.store().counters.puts == puts, epoch
+    assert ds.cache.store().counters.evictions == 0
+
+
+@pytest.mark.parametrize("shards", [False, True], ids=["objects", "one-shard"])
+def test_a_fixed_set_holds_the_smallest_samples(tmp_path: Path, shards: bool) -> None:
+    """The finding (attack helper 101): with sizes falling from the first sample to the
+    last, the fixed set, the first samples by index that fit, held 0.20 of the samples at
+    0.34 of the bytes (Belady's plan: 0.31). It now holds the smallest that fit: the most
+    samples, each a hit every warm epoch. Samples of one shard keep the first by index, so
+    that their misses stay one ranged request."""
+    n = 1200
+    sizes = np.linspace(8_000, 500, n).astype(np.int64)
+    blobs = [sample_bytes(i, int(sizes[i])) for i in range(n)]
+    root = tmp_path / "remote"
+    root.mkdir()
+    if shards:
+        (root / "shard.bin").write_bytes(b"".join(blobs))
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        source: Any = RangeSource(str(root), ["shard.bin"] * n, offsets, sizes)
+    else:
+        for i, blob in enumerate(blobs):
+            (root / f"{i:06d}.bin").write_bytes(blob)
+        source = str(root)
+    ds = open_dataset(source, tmp_path / "cache", 0.4, segment_size="32KiB")
+    sampler = SeedAwareSampler(ds, seed=2, prefetch=False)
+    records = sizes + HEADER
+    if shards:  # the first by index
+        held = set(range(int(np.searchsorted(np.cumsum(records), sampler.plan_capacity,
+                                             "right"))))
+    else:  # the smallest, here the last
+        most = int(np.searchsorted(np.cumsum(records[::-1]), sampler.plan_capacity, "right"))
+        held = set(range(n - most, n))
+    assert len(held) > 0.1 * n
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        mark, puts = ds.stats(), ds.cache.store().counters.puts
+        for access in sampler:
+            assert ds[access] == blobs[access.sample]
+        plan = sampler.plan(epoch)
+        assert ds.stats(since=mark)["fetches"] == n - int(plan.hits.sum())
+        if epoch:
+            assert set(sampler.node_sequence(epoch)[plan.hits].tolist()) == held
+            assert ds.cache.store().counters.puts == puts
     assert ds.cache.store().counters.evictions == 0
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from lcache.checks import flag, lies_within, path_argument, text_argument
@@ -34,6 +35,7 @@ from lcache.data.cachedir import (
     stored_segment_size,
 )
 from lcache.data.identity import DirectoryIdentity, identify
+from lcache.data.plan import fixed_set
 from lcache.data.remote import SourceCorruptionError
 from lcache.data.shared import COUNTER_NAMES, FetchClaims, SharedCounters
 from lcache.data.sizing import (
@@ -441,6 +443,13 @@ class SampleCache:
 
     def record_sizes(self) -> np.ndarray:
         return self.source.sizes() + HEADER_SIZE
+
+    def fixed_set(self, room: int) -> npt.NDArray[np.bool_]:
+        """The samples a plan of ``room`` bytes holds for good (``plan.fixed_set``), what
+        the sampler keeps where its node reads every sample and what ``lcache warm`` fills:
+        whole shards first for a source of shards."""
+        return fixed_set(self.record_sizes(), room,
+                         whole_shards=hasattr(self.source, "shards"))
 
     # ------------------------------------------------------------------- serving
     def get(self, index: int, keep: bool | None = None) -> Any:

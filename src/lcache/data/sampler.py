@@ -20,7 +20,7 @@ import numpy.typing as npt
 from lcache.checks import env_number, flag, launch_rank_world, whole_number
 from lcache.data.cache import Access, SampleCache
 from lcache.data.order import ShardWindow, node_order, rank_order, samples_per_rank
-from lcache.data.plan import PlanResult, belady, fixed_set
+from lcache.data.plan import PlanResult, belady
 from lcache.data.prefetch import Prefetcher
 from lcache.errors import ConfigError
 from lcache.store import format_size
@@ -203,7 +203,7 @@ class SeedAwareSampler:
             # A node with every rank reads every sample each epoch, and gets every hit there
             # is from a fixed set, with no writes once it is cached (see plan.py); a node of
             # several reads a part, and Belady caches the part it reads next.
-            held = fixed_set(sizes, self.plan_capacity) \
+            held = self.cache.fixed_set(self.plan_capacity) \
                 if len(self.node_ranks) == self.world else None
             while done < epoch:
                 done += 1

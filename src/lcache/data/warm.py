@@ -23,7 +23,8 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
                show_progress: bool = True, name: str | None = None,
                fingerprint: str | None = None,
                segment_size: int | str | None = None) -> dict[str, Any]:
-    """Fetch samples in order until the cache's plannable capacity is used.
+    """Fetch the samples a sampler's plan holds for good where its node reads every sample
+    (``SampleCache.fixed_set``, with one writer's room), in index order.
 
     ``source`` is a URL or directory (its files are the samples: a ``FileSource``, which is
     what ``lcache warm`` makes) or a source object such as ``ImageFolderSource(url)``: the
@@ -50,8 +51,8 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
 
 def _warm(cache: SampleCache, threads: int, show_progress: bool) -> dict[str, Any]:
     sizes = cache.record_sizes()
-    fits = int(np.searchsorted(np.cumsum(sizes), cache.plan_capacity(writers=1), "right"))
-    todo = [i for i in range(fits) if i not in cache.store()]
+    held = np.flatnonzero(cache.fixed_set(cache.plan_capacity(writers=1))).tolist()
+    todo = [i for i in held if i not in cache.store()]
     fetched = 0
     done: list[int] = []  # what this run fetched; another warm of this cache may fetch the rest
     start = time.perf_counter()
