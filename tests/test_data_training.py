@@ -382,6 +382,32 @@ def test_a_fixed_set_holds_the_smallest_samples(tmp_path: Path, shards: bool) ->
     assert ds.cache.store().counters.evictions == 0
 
 
+def test_a_held_sample_drop_last_leaves_out_of_an_epoch_stays_cached(tmp_path: Path) -> None:
+    """The finding (attack helper 101): four ranks of one node with ``drop_last`` and 2,003
+    samples read 2,000 an epoch; a sample of the fixed set left out of the next epoch was
+    deleted at its read (no next use in the plan's horizon), then fetched and written again
+    in the epoch after: 1-2 writes a warm epoch, where a fixed set writes none."""
+    n, size, world = 2003, 4096, 4
+    root = write_samples(tmp_path / "remote", n, size)
+    ds = open_dataset(str(root), tmp_path / "cache", 0.5)
+    samplers = [SeedAwareSampler(ds, seed=3, prefetch=False, num_replicas=world, rank=r,
+                                 local_world_size=world, drop_last=True) for r in range(world)]
+    for epoch in range(6):
+        mark, puts = ds.stats(), ds.cache.store().counters.puts
+        ranks = []
+        for s in samplers:
+            s.set_epoch(epoch)
+            ranks.append(list(s))
+        for step in zip(*ranks, strict=True):  # the ranks in turn, as the plan has them
+            batch = list(step)
+            assert [sample_index(item, size) for item in ds.__getitems__(batch)] == \
+                [a.sample for a in batch]
+        plan = samplers[0].plan(epoch)
+        assert ds.stats(since=mark)["fetches"] == len(plan.hits) - int(plan.hits.sum())
+        if epoch:
+            assert ds.cache.store().counters.puts == puts, epoch
+
+
 def test_a_loader_reading_far_behind_the_sampler_loses_no_staged_sample(tmp_path: Path) -> None:
     """The finding: a small staging area (1 byte, rounded up to its minimum) and a loader
     holding 2 x 2 x 200 samples between the sampler and its reads: FIFO cleaning dropped

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from lcache.store import parse_size
 
 NEVER = np.iinfo(np.int64).max
+FOR_GOOD = NEVER - 1  # the next use of a sample ``admit`` holds that no epoch ahead reads
 
 
 def next_uses(seq: npt.NDArray[np.int64], horizon: npt.NDArray[np.int64] | None = None
@@ -78,7 +79,9 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
     ``sizes`` is bytes per sample (an array indexed by sample, or one size for all).
     ``carried`` maps samples cached at the start to their next-use position in ``seq``
     (from the previous epoch's result). ``admit``: the samples a miss may be cached for
-    (indexed by sample; None: any), e.g. ``fixed_set``'s.
+    (indexed by sample; None: any), e.g. ``fixed_set``'s, kept whether or not the horizon
+    reads them: a sample ``drop_last`` left out of the next epoch was deleted, then fetched
+    and written again in the epoch after.
     """
     nu = next_uses(seq, horizon)
     n = len(seq)
@@ -100,6 +103,7 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
     heapq.heapify(heap)
     seq_list = seq.tolist()
     nu_list = nu.tolist()
+    admits = None if admit is None else admit.tolist()
     for t in range(n):
         x = seq_list[t]
         if x in resident:
@@ -107,11 +111,14 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
             del resident[x]
             used -= size_of(x)
         t_next = nu_list[t]
-        if t_next == NEVER:
+        held = admits is not None and admits[x]
+        if t_next == NEVER and not held:
             continue
         size = size_of(x)
-        if size > capacity or (admit is not None and not admit[x]):
+        if size > capacity or (admits is not None and not held):
             continue
+        if t_next == NEVER:  # held for good, even where drop_last leaves it out of the horizon
+            t_next = FOR_GOOD
         resident[x] = (t_next, t)
         heapq.heappush(heap, (-t_next, x, t))
         keep[t] = True
@@ -124,7 +131,8 @@ def belady(seq: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64] | int, capac
             used -= size_of(y)
             if opened >= 0:
                 keep[opened] = False
-    out = {x: t_next - n for x, (t_next, _) in resident.items() if t_next != NEVER}
+    out = {x: t_next if t_next == FOR_GOOD else t_next - n
+           for x, (t_next, _) in resident.items() if t_next != NEVER}
     return PlanResult(keep, hits, out)
 
 
