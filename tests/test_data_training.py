@@ -33,6 +33,7 @@ from lcache.data.plan import belady, fixed_set, simulate_lru, simulate_opt  # no
 from lcache.data.shared import SharedCounters  # noqa: E402
 from lcache.errors import ConfigError  # noqa: E402
 from lcache.store import Store, fsck  # noqa: E402
+from lcache.testing import disk_usage  # noqa: E402
 from lcache.testing.remote import ThrottledServer  # noqa: E402
 
 from ._torchrun_cache import sample_bytes, sample_index  # noqa: E402
@@ -406,6 +407,29 @@ def test_a_held_sample_drop_last_leaves_out_of_an_epoch_stays_cached(tmp_path: P
         assert ds.stats(since=mark)["fetches"] == len(plan.hits) - int(plan.hits.sum())
         if epoch:
             assert ds.cache.store().counters.puts == puts, epoch
+
+
+def test_a_cache_reopened_smaller_fits_its_new_capacity(tmp_path: Path) -> None:
+    """The finding (attack helper 101): a cache filled at 0.8 and reopened at 0.3 kept 2.8
+    times its new capacity on disk for good, since a warm fixed set writes nothing and only
+    a new segment enforced the bound. It now fits at the open; the plan's misses are what
+    it fetches again from the second epoch on."""
+    n, size = 4000, 4096
+    root = write_samples(tmp_path / "remote", n, size)
+    for fraction, epochs in ((0.8, 2), (0.3, 3)):
+        ds = open_dataset(str(root), tmp_path / "cache", fraction)
+        assert disk_usage(tmp_path / "cache" / "store") <= ds.cache.main_capacity
+        sampler = SeedAwareSampler(ds, seed=1, prefetch=False)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            mark = ds.stats()
+            for access in sampler:
+                assert sample_index(ds[access], size) == access.sample
+            plan = sampler.plan(epoch)
+            if epoch == epochs - 1:
+                assert ds.stats(since=mark)["fetches"] == n - int(plan.hits.sum())
+        ds.cache.close()
+        assert disk_usage(tmp_path / "cache" / "store") <= ds.cache.main_capacity
 
 
 def test_a_loader_reading_far_behind_the_sampler_loses_no_staged_sample(tmp_path: Path) -> None:

@@ -220,3 +220,28 @@ def test_planned_cleaning_finds_dead_records_past_the_oldest_segments(tmp_path: 
     assert store.counters.gc_segments > 100
     assert store.counters.evictions == full
     store.close()
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru", "planned"])
+def test_a_capacity_lowered_on_reopen_is_kept_at_once(open_store: Any, store_dir: Path,
+                                                      policy: str) -> None:
+    """The finding (attack helper 101): reopened with a lower capacity, the store held 2.8
+    times it for good when nothing more was written (a warm cache reads only), since only a
+    new segment enforced the bound. It now evicts at the open, in the policy's order; what
+    stays reads back as written."""
+    store = open_store(policy=policy, capacity=16 * SEG, max_writers=1)
+    n = 12 * PER_SEG
+    fill(store, range(n))
+    if policy == "planned":  # dead records among the live
+        for k in range(0, n, 2):
+            store.delete(k)
+    store.close()
+    assert disk_usage(store_dir) > 6 * SEG
+    store = open_store(policy=policy, capacity=6 * SEG, max_writers=1)
+    assert disk_usage(store_dir) <= 6 * SEG
+    alive = present(store, range(n))
+    assert alive and store.counters.evictions > 0
+    if policy == "fifo":
+        assert alive == list(range(alive[0], n))  # the oldest went first
+    store.close()
+    assert Store.open(store_dir).config.capacity == 6 * SEG  # and stays the capacity

@@ -122,7 +122,7 @@ class StoreConfig:
 
     Attributes:
         capacity: hard bound on bytes on disk (segments, summaries, indexes, delete journal);
-            may change on reopen.
+            may change on reopen (lowered, the open evicts in the policy's order to fit it).
         segment_size: bytes per segment file before it is sealed.
         max_writers: processes that may hold an active segment at once; may change on reopen.
         policy: eviction policy name (``fifo``, ``lru`` or ``planned``); may change on reopen.

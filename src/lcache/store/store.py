@@ -189,8 +189,25 @@ class Store(Space, Reader):
                 save_config(root, config)
         finally:
             lock.close()
-        return cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
-                   direct_writes=direct_writes, queue_depth=queue_depth)
+        store = cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
+                    direct_writes=direct_writes, queue_depth=queue_depth)
+        if stored is not None and config.capacity < stored.capacity:
+            try:
+                store._fit_capacity()
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    def _fit_capacity(self) -> None:
+        """Evict, in the policy's order, what a capacity lowered on reopen no longer holds.
+        Why now: the bound was enforced only when a segment was made, and a cache that writes
+        nothing (a warm fixed set) stayed at 2.8 times its new capacity for good. Active
+        segments of other writers that leave no room are left to their next segment."""
+        with self._tlock, self._meta_lock():
+            sealed, used, actives = self._survey()
+            with suppress(StoreFullError):
+                self._evict_to_fit(sealed, used, actives, None)
 
     def _start_process(self) -> None:
         """Per-process state: opened at start and again in a forked child (the pid is set
