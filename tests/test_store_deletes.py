@@ -171,6 +171,30 @@ def test_journal_compaction_drops_entries_whose_records_are_gone(open_store: Any
         assert again.get(16000) is None and again.get(1000) is None
 
 
+def test_a_key_deleted_over_and_over_keeps_one_journal_entry(open_store: Any,
+                                                             store_dir: Path) -> None:
+    """The finding (attack helper 100): a key put and deleted again and again, its first
+    record in a wholly live old segment, kept a journal entry per delete (20,000 for one
+    key, still growing), and a planned store of 9 segments evicted live records for the
+    journal's room. The highest floor hides whatever a lower one does: one entry stays."""
+    store = open_store(policy="planned", capacity=9 * SEG, max_writers=1)
+    store.put(b"hot", b"v0")
+    live = list(range(200))
+    store.put_many(live, [pattern_bytes(1000, k) for k in live])
+    for _ in range(6000):
+        store.put(b"hot", b"x" * 3000)
+        assert store.delete(b"hot")
+    entries = store._journal().size() // ENTRY.itemsize
+    assert entries <= 2 * COMPACT_ABOVE // ENTRY.itemsize, entries  # 6,000 before
+    assert all(store.get(k) == pattern_bytes(1000, k) for k in live)
+    assert store.counters.evictions == 0
+    store.close()
+    rebuild_indexes(store_dir)  # and the one entry still hides every old record
+    with Store.open(store_dir) as again:
+        assert again.get(b"hot") is None
+        assert all(again.get(k) == pattern_bytes(1000, k) for k in live)
+
+
 def test_deletes_alone_evict_no_live_record_of_a_planned_store(open_store: Any,
                                                                store_dir: Path) -> None:
     """Deletes grow the journal, which counts against the capacity. In a full "planned"

@@ -120,6 +120,16 @@ def journal_body(path: str) -> bytes:
         close_file(fd)
 
 
+def _highest_floor_per_key(kinds: npt.NDArray[np.uint8], keys: U64Array,
+                           floors: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
+    """Positions of the entries with the highest floor of their (kind, key)."""
+    order = np.lexsort((floors, keys, kinds))
+    k, key = kinds[order], keys[order]
+    last = np.r_[(k[1:] != k[:-1]) | (key[1:] != key[:-1]), True] if len(order) else \
+        np.zeros(0, bool)
+    return np.sort(order[last])
+
+
 class DeleteJournal:
     """``deletes-G.bin``, followed across generations (the store opens one per process)."""
 
@@ -209,17 +219,20 @@ class DeleteJournal:
 
     def compact(self, floor: int, needed: Needed | None = None) -> None:
         """Keep only the entries some segment below their floor may still need: those above
-        ``floor``, the lowest segment id that exists, and of those, where given, the ones
-        ``needed(kinds, keys, floors)`` says a segment below their floor may hold a record
-        of. The caller holds the meta lock."""
+        ``floor``, the lowest segment id that exists, one per key (the highest floor hides
+        whatever a lower one does: a key put and deleted over and over kept an entry per
+        delete, 20,000 for one key, and a planned store evicted live records for the room),
+        and of those, where given, the ones ``needed(kinds, keys, floors)`` says a segment
+        below their floor may hold a record of. The caller holds the meta lock."""
         with self._tlock:
             fd = self._follow()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 kinds, keys, floors, _ = decode(_body(fd))
-                keep = floors > floor
-                if needed is not None and keep.any():
-                    keep[keep] = needed(kinds[keep], keys[keep], floors[keep])
+                keep = np.flatnonzero(floors > floor)
+                keep = keep[_highest_floor_per_key(kinds[keep], keys[keep], floors[keep])]
+                if needed is not None and len(keep):
+                    keep = keep[needed(kinds[keep], keys[keep], floors[keep])]
                 self._write(self._gen + 1, encode(kinds[keep], keys[keep], floors[keep]))
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
