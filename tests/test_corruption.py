@@ -165,6 +165,65 @@ def test_truncated_summary(open_store: Any, store_dir: Path, cut: int) -> None:
     assert_intact(store, KEYS[1::2])
 
 
+@pytest.mark.parametrize(("byte", "bit"), [(25, 7), (28, 6), (24, 0), (8, 1), (16, 0)],
+                         ids=["data_len-down", "data_len-up", "data_len-low", "segment",
+                              "count"])
+def test_a_bit_flip_in_a_summary_header_is_caught(open_store: Any, store_dir: Path,
+                                                  byte: int, bit: int) -> None:
+    """The finding (attack helper 100): the checksum covered a summary's body, not its
+    header. One flipped bit of data_len made fsck --repair cut 32 intact records off the
+    segment ("32768 bytes past its end"), or a cleaning allocate 2**38 bytes (MemoryError).
+    The header is checksummed now; damage is found, the summary rebuilt by a scan."""
+    store = open_store()
+    populate(store)
+    store.close()
+    seg = min(faults.segment_ids(store_dir)[1])
+    flip_bit(faults.segment_sum(store_dir, seg), byte, bit)
+    report = fsck(store_dir)
+    assert any("summary" in p for p in report.problems), report.problems
+    store = open_store()
+    store.gc(0.0)  # the cleaning reads the summary, or rebuilds it
+    assert_intact(store, KEYS)
+    store.close()
+    assert fsck(store_dir, repair=True).problems == []
+    store = open_store()
+    assert_intact(store, KEYS)
+
+
+def test_a_summary_of_the_first_version_still_reads(open_store: Any, store_dir: Path) -> None:
+    """Stores written before the header was checksummed keep their summaries (version 1,
+    the body's checksum), and a data_len that ends before the last record is damage."""
+    import struct
+
+    import xxhash
+
+    from lcache.store.segment import read_summary
+
+    store = open_store()
+    populate(store)
+    store.close()
+    seg = min(faults.segment_ids(store_dir)[1])
+    path = faults.segment_sum(store_dir, seg)
+    raw = Path(path).read_bytes()
+    head = struct.Struct("<4sIQQQQ")
+    body = raw[head.size:]
+    magic, _, segment, count, data_len, _ = head.unpack_from(raw)
+
+    def write(length: int) -> None:
+        with open(path, "wb") as f:
+            f.write(head.pack(magic, 1, segment, count, length, xxhash.xxh3_64_intdigest(body))
+                    + body)
+
+    write(data_len)
+    assert read_summary(str(store_dir), seg).data_len == data_len
+    assert fsck(store_dir).problems == []
+    write(data_len - 4096)
+    with pytest.raises(CorruptionError, match="ends at"):
+        read_summary(str(store_dir), seg)
+    assert fsck(store_dir, repair=True).problems == []
+    assert_intact(open_store(), KEYS)
+
+
 def test_truncated_summary_repaired_by_fsck(open_store: Any, store_dir: Path) -> None:
     store = open_store()
     populate(store)

@@ -187,11 +187,8 @@ class Summary:
             self.keys.astype("<u8").tobytes() + self.offsets.astype("<u4").tobytes()
             + self.lengths.astype("<u4").tobytes() + self.kinds.astype("u1").tobytes()
         )
-        head = _SUM_HDR.pack(
-            _SUM_MAGIC, 1, self.segment, len(self.keys), self.data_len,
-            xxhash.xxh3_64_intdigest(body),
-        )
-        return head + body
+        fields = (self.segment, len(self.keys), self.data_len)
+        return _SUM_HDR.pack(_SUM_MAGIC, 2, *fields, _checksum(fields, body)) + body
 
     @classmethod
     def decode(cls, raw: bytes, path: str) -> Summary:
@@ -199,15 +196,28 @@ class Summary:
             raise CorruptionError(f"{path}: truncated segment summary")
         magic, version, seg, count, data_len, csum = _SUM_HDR.unpack_from(raw)
         body = raw[_SUM_HDR.size :]
-        if magic != _SUM_MAGIC or version != 1 or len(body) != count * SUMMARY_ENTRY:
+        if magic != _SUM_MAGIC or version not in (1, 2) or len(body) != count * SUMMARY_ENTRY:
             raise CorruptionError(f"{path}: not a valid segment summary")
-        if xxhash.xxh3_64_intdigest(body) != csum:
+        # Version 1 checked the body only: a flipped bit of data_len made fsck cut intact
+        # records off the segment, or a cleaning allocate 2**38 bytes (attack helper 100).
+        want = _checksum((seg, count, data_len), body) if version == 2 else \
+            xxhash.xxh3_64_intdigest(body)
+        if want != csum:
             raise CorruptionError(f"{path}: segment summary checksum mismatch")
         keys = np.frombuffer(body, "<u8", count, 0)
         offsets = np.frombuffer(body, "<u4", count, 8 * count)
         lengths = np.frombuffer(body, "<u4", count, 12 * count)
         kinds = np.frombuffer(body, "u1", count, 16 * count)
+        end = int(offsets[-1]) + int(lengths[-1]) if count else 0
+        if not end <= data_len < 1 << 32:  # what version 1 leaves unchecked, bounded
+            raise CorruptionError(f"{path}: segment summary says its segment ends at "
+                                  f"{data_len}, not after its last record ({end})")
         return cls(seg, keys, offsets, lengths, kinds, data_len)
+
+
+def _checksum(fields: tuple[int, int, int], body: bytes) -> int:
+    """A version 2 summary's: its segment, record count and data length, and its body."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQQ", *fields) + body)
 
 
 def read_summary(root: str, seg: int) -> Summary:
