@@ -510,6 +510,38 @@ def test_files_a_store_does_not_write_are_reported_and_kept(open_store: Any,
     assert all((store_dir / name).read_bytes() == b"mine" for name in stray)
 
 
+@pytest.mark.parametrize("name", ["0000000000.log", "4294967295.log", "dir:0000000077.log",
+                                  "dir:0000000001.log.tmp5", "dir:0000000099.sum"])
+def test_segment_names_no_store_writes_are_passed_over(open_store: Any, store_dir: Path,
+                                                       name: str) -> None:
+    """The findings (attack helper 100): a file of segment id 0 was recovered as a crashed
+    segment, and its index locations, those of empty slots, put a journal entry for every
+    empty slot; one of id 2**32 - 1 made every later put an OverflowError; a folder under a
+    segment's name made every open and ``fsck --repair`` fail (IsADirectoryError, or a
+    CorruptionError that said to run ``fsck --repair``). Each is foreign now: passed over,
+    reported, kept."""
+    store = open_store()
+    populate(store)
+    store.delete(KEYS[0])
+    journal = store._journal().size()
+    store.close()
+    folder, _, file = name.rpartition(":")
+    path = store_dir / "segments" / file
+    path.mkdir() if folder else path.write_bytes(b"junk" * 30)
+    for repair in (False, True):
+        assert fsck(store_dir, repair=repair).problems == [
+            f"{path} is not a file a store writes; lcache leaves it alone: move it out of "
+            "the store"]
+    store = open_store()
+    assert store._journal().size() == journal
+    assert_intact(store, KEYS[1:])
+    assert store.get(KEYS[0]) is None
+    store.put(b"after", b"works")
+    assert store.get(b"after") == b"works"
+    store.close()
+    assert path.is_dir() if folder else path.read_bytes() == b"junk" * 30
+
+
 def test_summary_without_log_is_removed(open_store: Any, store_dir: Path) -> None:
     store = open_store()
     populate(store)

@@ -33,6 +33,7 @@ from lcache.errors import (
     ConfigError,
     CorruptionError,
     DiskFullError,
+    StoreFullError,
     StoreNotFoundError,
     StorePermissionError,
 )
@@ -42,7 +43,12 @@ from lcache.io.publish import atomic_write
 from lcache.store.files import STEMS, allocate, open_in_store
 from lcache.store.hashindex import initial_slots, table_bytes
 from lcache.store.index import INDEX_HEADER
-from lcache.store.segment import holds_written_segment, list_segments, segment_file
+from lcache.store.segment import (
+    MAX_SEGMENT,
+    holds_written_segment,
+    list_segments,
+    segment_file,
+)
 
 CONFIG_NAME = "store.json"
 FORMAT = 1
@@ -201,7 +207,7 @@ def temp_leftovers(path: str) -> list[str]:
     segments = os.path.join(path, "segments")
     found += [os.path.join(segments, name) for name in sorted(os.listdir(segments))
               if (seg := segment_file(name)) is not None and seg[2]]
-    return found
+    return [p for p in found if not stat.S_ISDIR(os.lstat(p).st_mode)]  # folders: not ours
 
 
 def foreign_entries(path: str) -> list[str]:
@@ -539,8 +545,17 @@ class MetaPage:
         self._WORD.pack_into(self._mm, 8 * self._WORDS[word], value)
 
     def take_segment_id(self, at_least: int) -> int:
-        """A new segment id; the caller holds the lock."""
+        """A new segment id; the caller holds the lock.
+
+        Raises:
+            StoreFullError: the ids are used up (or the counter was damaged past them).
+        """
         seg = max(self._get("next_segment"), at_least, 1)
+        if seg > MAX_SEGMENT:
+            raise StoreFullError(
+                f"{os.path.dirname(self.path)} has used every segment id (up to "
+                f"{MAX_SEGMENT:,}; the next would be {seg:,}): copy what it holds into a new "
+                "store")
         self._set("next_segment", seg + 1)
         return seg
 

@@ -82,20 +82,25 @@ def sum_path(root: str, seg: int) -> str:
 _SEGMENT_FILE = re.compile(r"^([0-9]{10})\.(log|sum)(\.tmp[0-9]+)?\Z")
 
 
+MAX_SEGMENT = (1 << 32) - 2  # the highest segment id: the next one still fits 32 bits
+
+
 def segment_file(name: str) -> tuple[int, str, bool] | None:
     """(id, "log" or "sum", whether a temp) of a name in ``segments/`` that a store writes;
-    None for any other. Ids of 2**32 and beyond are not a store's: an index location holds
-    the segment id in 32 bits, so lcache never writes them, and one would have been read as
-    another segment's. Nor is an unpadded ``1.sum``, which was read as ``0000000001.sum``
-    (and its removal as a summary without a log failed)."""
+    None for any other. Ids outside 1..``MAX_SEGMENT`` are not a store's: an index location
+    holds the segment id in 32 bits and a delete's floor, the id after it, too, so lcache
+    never writes them; 2**32 - 1 made every later put an OverflowError, and 0, whose index
+    locations are those of empty slots, made recovery journal every empty slot (attack
+    helper 100). Nor is an unpadded ``1.sum``, which was read as ``0000000001.sum`` (and its
+    removal as a summary without a log failed)."""
     # Why the first test: a listing of a full cache passes hundreds of names each time a
     # process makes a segment, and the regular expression was most of its cost.
     digits, suffix = name[:10], name[10:]
     if (suffix == ".log" or suffix == ".sum") and digits.isascii() and digits.isdigit():
         seg = int(digits)
-        return (seg, suffix[1:], False) if seg < 1 << 32 else None
+        return (seg, suffix[1:], False) if 0 < seg <= MAX_SEGMENT else None
     m = _SEGMENT_FILE.match(name)
-    if m is None or int(m.group(1)) >= 1 << 32:
+    if m is None or not 0 < int(m.group(1)) <= MAX_SEGMENT:
         return None
     return int(m.group(1)), m.group(2), m.group(3) is not None
 
@@ -139,10 +144,14 @@ def holds_written_segment(root: str) -> bool:
 
 def list_segments(root: str) -> tuple[list[int], set[int]]:
     """(ids of every ``.log`` sorted, ids that have a ``.sum``). Names a store does not
-    write (``segment_file``) are passed over."""
+    write (``segment_file``) are passed over, and so are folders under a segment's name,
+    which are not the store's either (``foreign_entries``): one failed every open and
+    ``fsck --repair`` with IsADirectoryError or a CorruptionError that said to run it."""
     logs: list[int] = []
     sums: set[int] = set()
-    for name in os.listdir(segments_dir(root)):
+    with os.scandir(segments_dir(root)) as entries:
+        names = [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+    for name in names:
         found = segment_file(name)
         if found is None or found[2]:
             continue
