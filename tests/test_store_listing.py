@@ -124,9 +124,12 @@ def test_a_segment_file_id_past_32_bits_is_not_taken_for_a_segment(tmp_path: Pat
 
 @pytest.mark.parametrize("name, parsed", [
     ("0000000001.log", (1, "log", False)),
-    ("4294967295.sum", (4294967295, "sum", False)),
+    ("4294967294.sum", (4294967294, "sum", False)),
     ("0000000001.sum.tmp3", (1, "sum", True)),
-    ("4294967296.log", None),  # ids of 2**32 and beyond are not a store's
+    ("4294967295.log", None),  # ids of 2**32 - 1 and beyond are not a store's
+    ("4294967295.log.tmp1", None),
+    ("0000000000.sum", None),  # nor 0
+    ("0000000000.log.tmp1", None),
     ("1.sum", None),  # unpadded
     ("000000000\u0661.log", None),  # an Arabic-Indic digit: isdigit() takes it
     ("+000000001.log", None),
