@@ -217,7 +217,7 @@ class Summary:
         offsets = np.frombuffer(body, "<u4", count, 8 * count)
         lengths = np.frombuffer(body, "<u4", count, 12 * count)
         kinds = np.frombuffer(body, "u1", count, 16 * count)
-        end = int(offsets[-1]) + int(lengths[-1]) if count else 0
+        end = int((offsets.astype(np.int64) + lengths).max()) if count else 0
         if not end <= data_len < 1 << 32:  # what version 1 leaves unchecked, bounded
             raise CorruptionError(f"{path}: segment summary says its segment ends at "
                                   f"{data_len}, not after its last record ({end})")
