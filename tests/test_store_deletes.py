@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lcache.errors import StoreFullError
 from lcache.store import Store, fsck
 from lcache.store.compaction import live_bytes, live_records
 from lcache.store.deletes import COMPACT_ABOVE, ENTRY, decode, encode, encode_few
@@ -218,3 +220,24 @@ def test_deletes_alone_evict_no_live_record_of_a_planned_store(open_store: Any,
         lost = [k for k in present if k not in gone and reader.get(k) is None]
     assert lost == []
     store.close()
+
+
+def test_a_damaged_segment_counter_never_brings_a_deleted_key_back(open_store: Any,
+                                                                   store_dir: Path) -> None:
+    """The finding (attack helper 102): with the ``lock`` page's segment counter damaged
+    past 32 bits, a delete raised struct.error after its key had left the index and before
+    it was journaled, and an index rebuilt from the segments served the key again. The
+    floor is now at most the highest one, which hides every record of the key; a new
+    segment is a StoreFullError (ids used up)."""
+    store = open_store()
+    keys = list(range(50))
+    store.put_many(keys, [pattern_bytes(1000, k) for k in keys])
+    store._meta._set("next_segment", 1 << 33)
+    assert store.delete(3)
+    with pytest.raises(StoreFullError, match="every segment id"):
+        store.put_many(list(range(100, 200)), [pattern_bytes(1000, k) for k in range(100)])
+    store.close()
+    rebuild_indexes(store_dir)
+    with Store.open(store_dir) as again:
+        assert again.get(3) is None
+        assert all(again.get(k) == pattern_bytes(1000, k) for k in keys if k != 3)
