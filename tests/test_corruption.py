@@ -220,6 +220,10 @@ def test_a_summary_of_the_first_version_still_reads(open_store: Any, store_dir: 
     write(data_len - 4096)
     with pytest.raises(CorruptionError, match="ends at"):
         read_summary(str(store_dir), seg)
+    # past its segment file: fsck and a cleaning allocated up to 4 GiB (attack helper 102)
+    write(os.path.getsize(faults.segment_log(store_dir, seg)) + 1)
+    with pytest.raises(CorruptionError, match="within its"):
+        read_summary(str(store_dir), seg)
     assert fsck(store_dir, repair=True).problems == []
     assert_intact(open_store(), KEYS)
 

@@ -200,7 +200,9 @@ class Summary:
         return _SUM_HDR.pack(_SUM_MAGIC, 2, *fields, _checksum(fields, body)) + body
 
     @classmethod
-    def decode(cls, raw: bytes, path: str) -> Summary:
+    def decode(cls, raw: bytes, path: str, log_size: int | None = None) -> Summary:
+        """The summary in ``raw``; ``log_size``: the length of its segment file, which a
+        version 1 summary's unchecked data length may not pass."""
         if len(raw) < _SUM_HDR.size:
             raise CorruptionError(f"{path}: truncated segment summary")
         magic, version, seg, count, data_len, csum = _SUM_HDR.unpack_from(raw)
@@ -218,9 +220,13 @@ class Summary:
         lengths = np.frombuffer(body, "<u4", count, 12 * count)
         kinds = np.frombuffer(body, "u1", count, 16 * count)
         end = int((offsets.astype(np.int64) + lengths).max()) if count else 0
-        if not end <= data_len < 1 << 32:  # what version 1 leaves unchecked, bounded
+        # what version 1 leaves unchecked, bounded: a data length up to 2**32 made fsck and
+        # a cleaning allocate 4 GiB (attack helper 102)
+        top = (1 << 32) - 1 if version == 2 or log_size is None else log_size
+        if not end <= data_len <= top:
             raise CorruptionError(f"{path}: segment summary says its segment ends at "
-                                  f"{data_len}, not after its last record ({end})")
+                                  f"{data_len}, not after its last record ({end})"
+                                  + (f" and within its {top} bytes" if top == log_size else ""))
         return cls(seg, keys, offsets, lengths, kinds, data_len)
 
 
@@ -231,7 +237,11 @@ def _checksum(fields: tuple[int, int, int], body: bytes) -> int:
 
 def read_summary(root: str, seg: int) -> Summary:
     path = sum_path(root, seg)
-    summary = Summary.decode(read_and_close(open_in_store(path, os.O_RDONLY)), path)
+    try:
+        log_size: int | None = os.stat(log_path(root, seg)).st_size
+    except FileNotFoundError:
+        log_size = None
+    summary = Summary.decode(read_and_close(open_in_store(path, os.O_RDONLY)), path, log_size)
     if summary.segment != seg:
         raise CorruptionError(f"{path}: summary names segment {summary.segment}")
     return summary
