@@ -245,3 +245,19 @@ def test_a_capacity_lowered_on_reopen_is_kept_at_once(open_store: Any, store_dir
         assert alive == list(range(alive[0], n))  # the oldest went first
     store.close()
     assert Store.open(store_dir).config.capacity == 6 * SEG  # and stays the capacity
+
+
+def test_an_open_fits_a_store_a_stale_handle_filled(open_store: Any, store_dir: Path) -> None:
+    """The finding (attack helper 102): a handle opened before the capacity was lowered
+    writes on under the old one, and a store left over its capacity that way (or by an open
+    killed while it evicted) stayed over it: only a lowered capacity was fitted at the open."""
+    old = open_store(policy="fifo", capacity=16 * SEG, max_writers=2)
+    fill(old, range(4 * PER_SEG))
+    open_store(policy="fifo", capacity=6 * SEG, max_writers=2).close()
+    fill(old, range(4 * PER_SEG, 12 * PER_SEG))  # under its 16 segments
+    old.close()
+    assert disk_usage(store_dir) > 6 * SEG
+    with Store.open(store_dir) as store:  # the capacity as stored
+        assert store.config.capacity == 6 * SEG and disk_usage(store_dir) <= 6 * SEG
+        alive = present(store, range(12 * PER_SEG))
+        assert alive == list(range(alive[0], 12 * PER_SEG))

@@ -191,7 +191,7 @@ class Store(Space, Reader):
             lock.close()
         store = cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
                     direct_writes=direct_writes, queue_depth=queue_depth)
-        if stored is not None and config.capacity < stored.capacity:
+        if stored is not None:
             try:
                 store._fit_capacity()
             except BaseException:
@@ -200,10 +200,12 @@ class Store(Space, Reader):
         return store
 
     def _fit_capacity(self) -> None:
-        """Evict, in the policy's order, what a capacity lowered on reopen no longer holds.
-        Why now: the bound was enforced only when a segment was made, and a cache that writes
-        nothing (a warm fixed set) stayed at 2.8 times its new capacity for good. Active
-        segments of other writers that leave no room are left to their next segment."""
+        """Evict, in the policy's order, what the capacity no longer holds (lowered on this
+        reopen, or on one killed while it evicted, or by a handle while another with the old
+        capacity wrote on). Why at the open: the bound was enforced only when a segment was
+        made, and a cache that writes nothing (a warm fixed set) stayed at 2.8 times its new
+        capacity for good. Active segments of other writers that leave no room are left to
+        their next segment."""
         with self._tlock, self._meta_lock():
             sealed, used, actives = self._survey()
             with suppress(StoreFullError):
