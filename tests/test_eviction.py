@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from lcache.store import EvictionPolicy, Store, make_policy, register_policy
 from lcache.store import policy as policy_module
+from lcache.store.layout import save_config
 from lcache.testing import disk_usage, largest_segment, pattern_bytes
 
 from .conftest import KIB, SEG
@@ -247,17 +249,28 @@ def test_a_capacity_lowered_on_reopen_is_kept_at_once(open_store: Any, store_dir
     assert Store.open(store_dir).config.capacity == 6 * SEG  # and stays the capacity
 
 
-def test_an_open_fits_a_store_a_stale_handle_filled(open_store: Any, store_dir: Path) -> None:
-    """The finding (attack helper 102): a handle opened before the capacity was lowered
-    writes on under the old one, and a store left over its capacity that way (or by an open
-    killed while it evicted) stayed over it: only a lowered capacity was fitted at the open."""
+def test_an_open_fits_a_store_left_over_its_capacity(open_store: Any, store_dir: Path) -> None:
+    """The finding (attack helper 102): an open killed while it evicted for a lowered
+    capacity had already saved it, and the next open, asking nothing new, fitted nothing:
+    only a lowered capacity was fitted at the open."""
+    store = open_store(policy="fifo", capacity=16 * SEG, max_writers=1)
+    fill(store, range(12 * PER_SEG))
+    store.close()
+    save_config(str(store_dir), replace(store.config, capacity=6 * SEG))  # what it left
+    with Store.open(store_dir) as again:
+        assert disk_usage(store_dir) <= 6 * SEG
+        alive = present(again, range(12 * PER_SEG))
+        assert alive == list(range(alive[0], 12 * PER_SEG))
+
+
+def test_a_handle_follows_a_capacity_another_open_lowered(open_store: Any,
+                                                          store_dir: Path) -> None:
+    """The finding (attack helper 102): a handle opened before another open lowered the
+    capacity wrote on under the old one, and the store stayed over the new one."""
     old = open_store(policy="fifo", capacity=16 * SEG, max_writers=2)
     fill(old, range(4 * PER_SEG))
     open_store(policy="fifo", capacity=6 * SEG, max_writers=2).close()
-    fill(old, range(4 * PER_SEG, 12 * PER_SEG))  # under its 16 segments
-    old.close()
-    assert disk_usage(store_dir) > 6 * SEG
-    with Store.open(store_dir) as store:  # the capacity as stored
-        assert store.config.capacity == 6 * SEG and disk_usage(store_dir) <= 6 * SEG
-        alive = present(store, range(12 * PER_SEG))
-        assert alive == list(range(alive[0], 12 * PER_SEG))
+    fill(old, range(4 * PER_SEG, 12 * PER_SEG))
+    assert old.config.capacity == 6 * SEG and disk_usage(store_dir) <= 6 * SEG
+    alive = present(old, range(12 * PER_SEG))
+    assert alive == list(range(alive[0], 12 * PER_SEG))

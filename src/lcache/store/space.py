@@ -13,7 +13,7 @@ import bisect
 import logging
 import os
 from contextlib import AbstractContextManager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +29,7 @@ from lcache.store.compaction import (
 )
 from lcache.store.deletes import Needed
 from lcache.store.files import open_in_store, stale_generation_files
-from lcache.store.layout import StoreConfig, format_size
+from lcache.store.layout import CONFIG_NAME, StoreConfig, format_size, load_config
 from lcache.store.parts import StoreParts
 from lcache.store.recovery import remove_leftovers, seal_if_orphan
 from lcache.store.segment import (
@@ -69,6 +69,7 @@ class Space(StoreParts):
     _sealed_bytes: dict[int, int]
     _journal_checked: int
     _listing: Listing | None
+    _config_stamp: tuple[int, int, int] | None
 
     def _meta_lock(self) -> AbstractContextManager[None]:
         raise NotImplementedError
@@ -125,6 +126,7 @@ class Space(StoreParts):
 
         Recovers orphans on the way; the caller holds the meta lock.
         """
+        self._follow_capacity()
         listing = self._list()
         actives = 0
         for seg in list(listing.unsealed):
@@ -137,6 +139,24 @@ class Space(StoreParts):
         journal = self._journal().size()
         self._journal_checked = journal
         return list(listing.sealed), used + journal, actives
+
+    def _follow_capacity(self) -> None:
+        """Take the capacity ``store.json`` holds now (the caller holds the meta lock, under
+        which every open writes it). Why: a handle opened before another open lowered the
+        capacity wrote on under the old one, and the store stayed over the new one (attack
+        helper 102). A file that cannot be read now leaves the capacity as it was."""
+        try:
+            st = os.stat(os.path.join(self.root, CONFIG_NAME))
+        except FileNotFoundError:
+            return
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._config_stamp:
+            return
+        self._config_stamp = stamp
+        with suppress(CorruptionError):
+            stored = load_config(self.root)
+            if stored is not None and stored.capacity != self.config.capacity:
+                self.config = replace(self.config, capacity=stored.capacity)
 
     def _allocate_writer(self, need: int = 0) -> SegmentWriter:
         """A new active segment, after evicting what the capacity bound requires.

@@ -218,6 +218,7 @@ class Store(Space, Reader):
         self._lock_depth = 0
         self._token = int.from_bytes(os.urandom(8), "little") | 1  # this handle, this process
         self._listing: Listing | None = None
+        self._config_stamp: tuple[int, int, int] | None = None  # of store.json, last read
         self._int_index: IntIndex | None = None
         self._hash_index: HashIndex | None = None
         self._deletes: DeleteJournal | None = None
