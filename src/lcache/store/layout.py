@@ -128,7 +128,8 @@ class StoreConfig:
 
     Attributes:
         capacity: hard bound on bytes on disk (segments, summaries, indexes, delete journal);
-            may change on reopen (lowered, the open evicts in the policy's order to fit it).
+            may change on reopen (the open evicts in the policy's order to fit it, and open
+            handles take it at their next segment).
         segment_size: bytes per segment file before it is sealed.
         max_writers: processes that may hold an active segment at once; may change on reopen.
         policy: eviction policy name (``fifo``, ``lru`` or ``planned``); may change on reopen.
