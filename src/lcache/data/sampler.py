@@ -199,6 +199,8 @@ class SeedAwareSampler:
             done = max((e for e in self._plans if e <= epoch), default=-1)
             if done < epoch - PLAN_FROM - 1:
                 done = epoch - PLAN_FROM - 1
+            if done == epoch:  # made ahead: nothing to size (an argsort of every sample)
+                return self._plans[epoch]
             sizes = self.cache.record_sizes()
             # A node with every rank reads every sample each epoch, and gets every hit there
             # is from a fixed set, with no writes once it is cached (see plan.py); a node of
