@@ -362,6 +362,16 @@ def load_config(path: str, *, repair_advice: bool = True) -> StoreConfig | None:
     return config
 
 
+def config_stamp(path: str) -> tuple[int, int, int] | None:
+    """(inode, modification time, size) of the store's ``store.json``, None without one: a
+    handle reads the file again only when it changed (``Space._follow_capacity``)."""
+    try:
+        st = os.stat(os.path.join(path, CONFIG_NAME))
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def save_config(path: str, config: StoreConfig) -> None:
     doc: dict[str, Any] = {"format": FORMAT, **asdict(config)}
     atomic_write(os.path.join(path, CONFIG_NAME), json.dumps(doc, indent=1).encode(),

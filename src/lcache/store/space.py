@@ -29,7 +29,7 @@ from lcache.store.compaction import (
 )
 from lcache.store.deletes import Needed
 from lcache.store.files import open_in_store, stale_generation_files
-from lcache.store.layout import CONFIG_NAME, StoreConfig, format_size, load_config
+from lcache.store.layout import StoreConfig, config_stamp, format_size, load_config
 from lcache.store.parts import StoreParts
 from lcache.store.recovery import remove_leftovers, seal_if_orphan
 from lcache.store.segment import (
@@ -145,12 +145,8 @@ class Space(StoreParts):
         which every open writes it). Why: a handle opened before another open lowered the
         capacity wrote on under the old one, and the store stayed over the new one (attack
         helper 102). A file that cannot be read now leaves the capacity as it was."""
-        try:
-            st = os.stat(os.path.join(self.root, CONFIG_NAME))
-        except FileNotFoundError:
-            return
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp == self._config_stamp:
+        stamp = config_stamp(self.root)
+        if stamp is None or stamp == self._config_stamp:
             return
         self._config_stamp = stamp
         with suppress(CorruptionError):

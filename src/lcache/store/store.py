@@ -60,6 +60,7 @@ from lcache.store.index import IntIndex, pack_loc
 from lcache.store.layout import (
     MetaPage,
     StoreConfig,
+    config_stamp,
     format_size,
     load_config,
     merge_config,
@@ -187,10 +188,12 @@ class Store(Space, Reader):
             make_policy(config.policy)  # unknown names fail before anything is written
             if config != stored:
                 save_config(root, config)
+            stamp = config_stamp(root)
         finally:
             lock.close()
         store = cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
                     direct_writes=direct_writes, queue_depth=queue_depth)
+        store._config_stamp = stamp  # what it holds is ``config``: not read again at the fit
         if stored is not None:
             try:
                 store._fit_capacity()
