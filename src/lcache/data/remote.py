@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
+from lcache.data import http_client
 from lcache.errors import ConfigError, CorruptionError, LCacheError
 from lcache.io.files import close_file, open_regular
 from lcache.io.urls import filesystem_of
@@ -296,36 +297,59 @@ def _range_total(content_range: str | None) -> int | None:
 
 async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
                     listed: Listed | None) -> bytes:
-    """Bytes ``start:end`` of ``url`` (all of it when ``start`` is None) over fsspec's HTTP
-    session, with the place of the answer checked: fsspec's ``_cat_file`` takes any body, and
-    a server or proxy that answered a range with other bytes of the right length had them
-    cached as the sample. A 200 (the whole object: a server without ranges) is taken for a
-    range from byte 0 only, and the caller refuses it unless it is exactly the range. The
-    object's size and version fields are checked against ``listed`` (a whole object of no
-    known size too: served by ``_cat_file``, one rewritten after the listing was cached
-    under the listed ETag)."""
+    """Bytes ``start:end`` of ``url`` (all of it when ``start`` is None), with the place of
+    the answer checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that
+    answered a range with other bytes of the right length had them cached as the sample. A
+    200 (the whole object: a server without ranges) is taken for a range from byte 0 only,
+    and the caller refuses it unless it is exactly the range. The object's size and version
+    fields are checked against ``listed`` (a whole object of no known size too: served by
+    ``_cat_file``, one rewritten after the listing was cached under the listed ETag)."""
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", {}))
     if start is not None and end is not None:
         headers["Range"] = f"bytes={start}-{end - 1}"
+    r = await _http_answer(fs, url, headers, kw)
+    if r.status == 404:
+        raise FileNotFoundError(url)
+    if r.status >= 400:
+        raise http_client.StatusError(r.status, r.reason, url)
+    # A 206 must say it starts where asked; a 200 is the whole object, from byte 0.
+    answered = (r.header("Content-Range") or "") if r.status == 206 else "bytes 0-"
+    unit, _, span = answered.strip().partition(" ")
+    first = span.strip().partition("-")[0]
+    if unit.lower() != "bytes" or not first.isdigit() or int(first) != (start or 0):
+        raise SourceCorruptionError(
+            f"{url} answered a request for bytes {start}-{end} with other bytes "
+            f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
+    if listed is not None:
+        listed.check(_range_total(answered) if r.status == 206 else len(r.body),
+                     {name: r.header(name) for name in HTTP_VERSION_HEADERS})
+    return r.body
+
+
+def _plain_session(fs: Any) -> bool:
+    """Whether ``fs``'s requests are plain GETs that ``http_client`` makes as aiohttp would:
+    no options for its session (authentication, TLS settings, a custom client) and no
+    request options besides headers."""
+    from fsspec.implementations.http import get_client
+
+    return not fs.client_kwargs and fs.get_client is get_client
+
+
+async def _http_answer(fs: Any, url: str, headers: dict[str, str], kw: dict[str, Any]
+                       ) -> http_client.Response:
+    """The answer to a GET of ``url``: from ``http_client`` where the request and its
+    answer are plain, else from fsspec's aiohttp session."""
+    target = fs.encode_url(url)
+    if not kw and _plain_session(fs):
+        try:
+            return await http_client.get(target, headers)
+        except http_client.NotPlain:
+            pass
     session = await fs.set_session()
-    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
-        data: bytes = await r.read()
-        if r.status == 404:
-            raise FileNotFoundError(url)
-        r.raise_for_status()
-        # A 206 must say it starts where asked; a 200 is the whole object, from byte 0.
-        answered = r.headers.get("Content-Range", "") if r.status == 206 else "bytes 0-"
-        unit, _, span = answered.strip().partition(" ")
-        first = span.strip().partition("-")[0]
-        if unit.lower() != "bytes" or not first.isdigit() or int(first) != (start or 0):
-            raise SourceCorruptionError(
-                f"{url} answered a request for bytes {start}-{end} with other bytes "
-                f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
-        if listed is not None:
-            listed.check(_range_total(answered) if r.status == 206 else len(data),
-                         {name: r.headers.get(name) for name in HTTP_VERSION_HEADERS})
-    return data
+    async with session.get(target, headers=headers, **kw) as r:
+        body: bytes = await r.read()
+        return http_client.Response(r.status, r.reason or "", r.headers, body)
 
 
 async def _s3_get(fs: Any, path: str, start: int | None, end: int | None,
@@ -532,28 +556,33 @@ class Remote:
 
     async def bounded(self, calls: Iterable[Callable[[], Awaitable[T]]]) -> list[T]:
         """All of ``calls`` with at most ``concurrency`` in flight, results in order; on the
-        first error the others are cancelled and it is raised."""
-        sem = asyncio.Semaphore(self.options.concurrency)
+        first error the others are cancelled, and the error of the first call (in order)
+        that failed is raised. ``concurrency`` runners take the calls in turn: a task per
+        call waiting on a semaphore cost O(waiters) per acquire (asyncio's ``locked``)."""
+        todo = list(enumerate(calls))
+        results: list[Any] = [None] * len(todo)
+        errors: dict[int, BaseException] = {}
+        queue = iter(todo)
+        runners: list[asyncio.Future[None]] = []
 
-        async def one(call: Callable[[], Awaitable[T]]) -> T:
-            async with sem:
-                return await call()
+        async def run() -> None:
+            for i, call in queue:
+                try:
+                    results[i] = await call()
+                except Exception as exc:
+                    errors[i] = exc
+                    for other in runners:
+                        if other is not asyncio.current_task():
+                            other.cancel()
+                    return
 
-        tasks = [asyncio.ensure_future(one(c)) for c in calls]
-        if not tasks:
-            return []
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
-        # Every failure is collected, not only the one raised: asyncio prints the others as
-        # "Task exception was never retrieved" tracebacks when the tasks are dropped.
-        errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]
-        first = next((e for e in errors if e is not None), None)  # in request order
-        if first is not None:
-            raise first
-        return [t.result() for t in tasks]
+        runners.extend(asyncio.ensure_future(run())
+                       for _ in range(min(self.options.concurrency, len(todo))))
+        if runners:
+            await asyncio.gather(*runners, return_exceptions=True)
+        if errors:
+            raise errors[min(errors)]
+        return results
 
     # ------------------------------------------------------------------- requests
     async def cat(self, path: str, start: int | None, end: int | None,

@@ -1,0 +1,268 @@
+"""The lean HTTP/1.1 client that GETs samples (``lcache.data.http_client``), against a real
+loopback server that answers from a script, byte by byte where it matters: every framing it
+knows gives the exact body, what it does not know goes to aiohttp, and a connection is
+reused only when its answer ended where its framing said."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yarl
+
+from lcache.data import RangeSource, SourceError, http_client
+
+BODY = bytes(range(256)) * 40  # 10,240 bytes
+
+
+def _answer(status: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"HTTP/1.1 {status}\r\n{head}\r\n".encode("latin-1") + body
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    out = b""
+    for i in range(0, len(body), size):
+        piece = body[i:i + size]
+        out += f"{len(piece):x};ext=1\r\n".encode() + piece + b"\r\n"
+    return out + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+# (method, path, nth request on its connection) -> (answer, then close the connection?);
+# answers go out in pieces of ``step`` bytes; None: close without answering.
+Script = Callable[[str, str, int], tuple[bytes | None, bool]]
+HEAD = _answer("200 OK", {"Content-Length": str(len(BODY))})  # every HEAD: BODY's size
+
+
+class ScriptedServer:
+    """Answers each GET with ``script`` (a HEAD with BODY's size); counts connections and
+    keeps the GETs' heads."""
+
+    def __init__(self, script: Script, step: int = 0, tls: ssl.SSLContext | None = None
+                 ) -> None:
+        self.script, self.step, self.tls = script, step, tls
+        self.connections = 0
+        self.requests: list[str] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http{'s' if tls else ''}://localhost:{self._sock.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except (ssl.SSLError, OSError):  # a client that refused the certificate
+                conn.close()
+                return
+        with conn:
+            buf = b""
+            nth = 0
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                method, path, _ = head.decode("latin-1").split("\r\n")[0].split(" ")
+                if method == "HEAD":
+                    conn.sendall(HEAD)
+                    continue
+                nth += 1
+                self.requests.append(head.decode("latin-1"))
+                answer, close = self.script(method, path, nth)
+                if answer is None:
+                    return
+                step = self.step or len(answer) or 1
+                for i in range(0, len(answer), step):
+                    conn.sendall(answer[i:i + step])
+                if close:
+                    return
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@contextmanager
+def scripted(script: Script, step: int = 0, tls: ssl.SSLContext | None = None
+             ) -> Iterator[ScriptedServer]:
+    server = ScriptedServer(script, step, tls)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> http_client.Response:
+    async def go() -> http_client.Response:
+        return await http_client.get(yarl.URL(url), headers or {})
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("step", [1, 7, 0], ids=["byte-by-byte", "7-byte-pieces", "whole"])
+@pytest.mark.parametrize("framing", ["length", "chunked", "until-close", "http/1.0"])
+def test_every_framing_gives_the_exact_body(framing: str, step: int) -> None:
+    def script(method: str, path: str, nth: int) -> tuple[bytes | None, bool]:
+        if framing == "length":
+            return _answer("200 OK", {"Content-Length": str(len(BODY))}, BODY), False
+        if framing == "chunked":
+            return _answer("200 OK", {"Transfer-Encoding": "chunked"}, _chunked(BODY, 1000)), \
+                False
+        if framing == "http/1.0":
+            return b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY, True
+        return _answer("200 OK", {}, BODY), True  # framed by the connection's end
+
+    with scripted(script, step) as server:
+        async def three() -> list[bytes]:
+            return [(await http_client.get(yarl.URL(f"{server.url}/x{i}"), {})).body
+                    for i in range(3)]
+        assert asyncio.run(three()) == [BODY] * 3
+        reusable = framing in ("length", "chunked")
+        assert server.connections == (1 if reusable else 3)
+
+
+def test_a_request_says_its_host_and_asks_for_no_content_coding() -> None:
+    with scripted(lambda m, p, n: (_answer("200 OK", {"Content-Length": "2"}, b"ok"), False)
+                  ) as server:
+        r = _get(f"{server.url}/a%20b?q=1", {"Range": "bytes=0-1"})
+        assert (r.status, r.body) == (200, b"ok")
+        request = server.requests[0].split("\r\n")
+        assert request[0] == "GET /a%20b?q=1 HTTP/1.1"
+        assert f"Host: {server.url.split('//')[1]}" in request
+        assert "Accept-Encoding: identity" in request and "Range: bytes=0-1" in request
+
+
+@pytest.mark.parametrize("answer", [
+    _answer("302 Found", {"Location": "/elsewhere", "Content-Length": "0"}),
+    _answer("200 OK", {"Content-Encoding": "gzip", "Content-Length": "3"}, b"abc"),
+    _answer("200 OK", {"Transfer-Encoding": "gzip, chunked"}, b"0\r\n\r\n"),
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/2 200 OK\r\n\r\n",
+    _answer("200 OK", {"Content-Length": "3", "content-length": "4"}, b"abc"),
+    b"HTTP/1.1 200 OK\r\n folded: header\r\nContent-Length: 0\r\n\r\n",
+], ids=["redirect", "gzip", "transfer-coding", "1xx", "http2", "two-lengths", "folded"])
+def test_what_the_client_does_not_know_is_left_to_a_full_client(answer: bytes) -> None:
+    with scripted(lambda m, p, n: (answer, False)) as server, pytest.raises(http_client.NotPlain):
+        _get(f"{server.url}/x")
+
+
+@pytest.mark.parametrize("header", [{"X-A": "1\r\nX-Injected: 1"}, {"Connection": "close"},
+                                    {"Accept-Encoding": "gzip"}])
+def test_request_headers_it_cannot_send_as_given_are_left_to_a_full_client(
+        header: dict[str, str]) -> None:
+    with pytest.raises(http_client.NotPlain):
+        _get("http://127.0.0.1:9/x", header)
+
+
+@pytest.mark.parametrize("answer", [
+    _answer("200 OK", {"Content-Length": "100"}, b"x" * 50),
+    _answer("200 OK", {"Transfer-Encoding": "chunked"}, b"10\r\n" + b"x" * 8),
+    _answer("200 OK", {"Transfer-Encoding": "chunked"}, b"zz\r\n"),
+    _answer("200 OK", {"Transfer-Encoding": "chunked"}, b"2\r\nabXY"),
+], ids=["cut", "chunk-cut", "bad-size", "no-crlf"])
+def test_a_body_cut_short_or_misframed_is_a_connection_error(answer: bytes) -> None:
+    with scripted(lambda m, p, n: (answer, True)) as server, \
+            pytest.raises(http_client.BrokenResponse):
+        _get(f"{server.url}/x")
+
+
+def test_bytes_past_the_framed_end_are_not_taken_and_the_connection_is_not_reused() -> None:
+    extra = _answer("200 OK", {"Content-Length": "3"}, b"abcHTTP/1.1 200 OK\r\n\r\n")
+    with scripted(lambda m, p, n: (extra, False)) as server:
+        async def two() -> list[bytes]:
+            return [(await http_client.get(yarl.URL(f"{server.url}/x"), {})).body
+                    for _ in range(2)]
+        assert asyncio.run(two()) == [b"abc", b"abc"]
+        assert server.connections == 2
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_without_a_retry() -> None:
+    """The server drops a kept-alive connection as the next request arrives (its idle
+    timeout, met just then): that request fails before any byte comes back, and is sent
+    again on a new connection. The source's retries are 0: a retry would have failed it."""
+    ok = _answer("206 Partial Content", {"Content-Length": "10",
+                                         "Content-Range": "bytes 0-9/10240"}, BODY[:10])
+    with scripted(lambda m, p, n: (ok if n == 1 else None, False)) as server:
+        src = RangeSource(server.url, "f.bin", [0], [10], retries=0)
+        assert src.fetch_many([0]) == [BODY[:10]]
+        assert src.fetch_many([0]) == [BODY[:10]]
+        assert len(server.requests) == 3  # the second GET twice
+
+
+def test_a_source_reads_through_what_the_client_leaves_to_aiohttp() -> None:
+    """A redirect and a gzipped answer, through a source: the client hands both to aiohttp,
+    which follows the one and inflates the other; the bytes are the stored ones."""
+    def script(method: str, path: str, nth: int) -> tuple[bytes | None, bool]:
+        if path == "/moved.bin":
+            return _answer("302 Found", {"Location": "/f.bin", "Content-Length": "0"}), False
+        packed = gzip.compress(BODY[:100])
+        return _answer("206 Partial Content", {
+            "Content-Range": f"bytes 0-99/{len(BODY)}", "Content-Encoding": "gzip",
+            "Content-Length": str(len(packed))}, packed), False
+
+    with scripted(script) as server:
+        assert RangeSource(server.url, "moved.bin", [0], [100]).fetch_many([0]) == [BODY[:100]]
+        assert RangeSource(server.url, "f.bin", [0], [100]).fetch_many([0]) == [BODY[:100]]
+
+
+def test_an_error_status_is_retried_when_transient_and_named() -> None:
+    answers = iter([_answer("503 Service Unavailable", {"Content-Length": "0"}),
+                    _answer("206 Partial Content", {"Content-Range": "bytes 0-9/10240",
+                                                    "Content-Length": "10"}, BODY[:10])])
+    with scripted(lambda m, p, n: (next(answers), False)) as server:
+        src = RangeSource(server.url, "f.bin", [0], [10], backoff=0.001)
+        assert src.fetch_many([0]) == [BODY[:10]]
+    with scripted(lambda m, p, n: (_answer("403 Forbidden", {"Content-Length": "0"}), False)
+                  ) as server:
+        with pytest.raises(SourceError, match=r"403, message='Forbidden'"):
+            RangeSource(server.url, "f.bin", [0], [10], backoff=0.001).fetch_many([0])
+        assert len(server.requests) == 1  # a refusal is not asked again
+
+
+def test_https_with_the_systems_trust_store(tmp_path: Path) -> None:
+    """HTTPS, its certificate checked against the trust store ``SSL_CERT_FILE`` names: a
+    GET to a server it vouches for succeeds, the same GET without it is refused. In a child
+    process, whose trust store is its own."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    ok = _answer("200 OK", {"Content-Length": str(len(BODY))}, BODY)
+    child = ("import asyncio, sys, yarl\n"
+             "from lcache.data import http_client\n"
+             "r = asyncio.run(http_client.get(yarl.URL(sys.argv[1]), {}))\n"
+             "sys.exit(0 if r.body == bytes(range(256)) * 40 else 3)\n")
+    with scripted(lambda m, p, n: (ok, False), tls=tls) as server:
+        trusted = subprocess.run([sys.executable, "-c", child, f"{server.url}/x"],
+                                 env={**os.environ, "SSL_CERT_FILE": str(cert)},
+                                 capture_output=True, text=True)
+        assert trusted.returncode == 0, trusted.stderr
+        assert len(server.requests) == 1
+        refused = subprocess.run([sys.executable, "-c", child, f"{server.url}/x"],
+                                 env={**os.environ, "SSL_CERT_FILE": str(tmp_path / "none")},
+                                 capture_output=True, text=True)
+        assert "CERTIFICATE_VERIFY_FAILED" in refused.stderr
