@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yarl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lcache.data import RangeSource, SourceError, http_client
 
@@ -266,3 +268,62 @@ def test_https_with_the_systems_trust_store(tmp_path: Path) -> None:
                                  env={**os.environ, "SSL_CERT_FILE": str(tmp_path / "none")},
                                  capture_output=True, text=True)
         assert "CERTIFICATE_VERIFY_FAILED" in refused.stderr
+
+
+@settings(max_examples=40, deadline=None)
+@given(body=st.binary(max_size=3000), framing=st.sampled_from(["length", "chunked", "close"]),
+       chunk=st.integers(1, 700), step=st.integers(1, 900))
+def test_any_body_in_any_framing_and_any_pieces_comes_back_exact(
+        body: bytes, framing: str, chunk: int, step: int) -> None:
+    if framing == "length":
+        answer = _answer("200 OK", {"Content-Length": str(len(body))}, body)
+    elif framing == "chunked":
+        answer = _answer("200 OK", {"Transfer-Encoding": "chunked"}, _chunked(body, chunk))
+    else:
+        answer = _answer("200 OK", {}, body)
+    with scripted(lambda m, p, n: (answer, framing == "close"), step) as server:
+        assert _get(f"{server.url}/x").body == body
+
+
+class _Wire(asyncio.Transport):
+    """The client's side of a connection, fed by hand: what the client wrote, and whether
+    it dropped the connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.aborted = b"", False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_an_answer_cut_anywhere_parses_the_same(framing: str) -> None:
+    """Every place the bytes of an answer can be cut in two, and one byte at a time, fed to
+    the client's protocol as the network would deliver them: the same body each time, the
+    connection kept, and not a byte past the end taken."""
+    body = bytes(range(256))[:150]
+    answer = _answer("200 OK", {"Content-Length": str(len(body))}, body) \
+        if framing == "length" else \
+        _answer("200 OK", {"Transfer-Encoding": "chunked"}, _chunked(body, 40))
+    cuts = [[answer[:k], answer[k:]] for k in range(1, len(answer))] + \
+        [[answer[i:i + 1] for i in range(len(answer))]]
+
+    async def parse(pieces: list[bytes]) -> tuple[bytes, bool]:
+        conn = http_client._Connection()
+        wire = _Wire()
+        conn.connection_made(wire)
+        answered = conn.send(b"GET / HTTP/1.1\r\n\r\n")
+        for piece in pieces:
+            conn.data_received(piece)
+        return (await answered).body, wire.aborted
+
+    for pieces in cuts:
+        assert asyncio.run(parse(pieces)) == (body, False)
+    assert asyncio.run(parse([answer + b"H"]))[1]  # a byte past the end: dropped
