@@ -123,7 +123,7 @@ def _get(url: str, headers: dict[str, str] | None = None) -> http_client.Respons
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("step", [1, 7, 0], ids=["byte-by-byte", "7-byte-pieces", "whole"])
+@pytest.mark.parametrize("step", [1, 7, 0], ids=["1-byte-sends", "7-byte-sends", "one-send"])
 @pytest.mark.parametrize("framing", ["length", "chunked", "until-close", "http/1.0"])
 def test_every_framing_gives_the_exact_body(framing: str, step: int) -> None:
     def script(method: str, path: str, nth: int) -> tuple[bytes | None, bool]:
