@@ -265,6 +265,15 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientError)
 
 
+async def _within(call: Callable[[], Awaitable[T]], seconds: float) -> T:
+    """``await call()``, cancelled after ``seconds`` (``TimeoutError``). On Python 3.11+ in
+    the caller's task: ``wait_for`` made a task of each request, as much CPU as a lean GET."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await call()
+    return await asyncio.wait_for(call(), seconds)  # pragma: no cover - Python 3.10
+
+
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -538,7 +547,7 @@ class Remote:
         for attempt in range(opts.retries + 1):
             t0 = time.perf_counter_ns() if traced and _trace._active is not None else 0
             try:
-                result = await asyncio.wait_for(call(), opts.timeout)
+                result = await _within(call, opts.timeout)
             except Exception as exc:
                 if traced:
                     trace_read(*traced, t0, -errno.EIO, op)
