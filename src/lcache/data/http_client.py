@@ -2,9 +2,8 @@
 connections.
 
 Why not aiohttp for these: a source of one object per sample makes one GET per sample, and on
-a small node such an epoch is bound by the client's CPU. aiohttp took 0.17-0.23 ms of CPU per
-GET of 32 KiB on this project's 2-core VM, this client 0.05-0.06 ms (3,000 GETs, 32 in flight,
-loopback). It knows only the plain case: a response framed by ``Content-Length``, chunked or
+a small node such an epoch is bound by the client's CPU: this client takes 0.56-0.68x
+aiohttp's CPU per GET of 32 KiB (``benchmarks/http_cpu.py``). It knows only the plain case: a response framed by ``Content-Length``, chunked or
 by the connection's end, without a content coding. Anything else (a redirect, a compressed
 body, a 1xx, a header it cannot read, options of fsspec's aiohttp session) raises
 ``NotPlain`` before any byte is taken as data, and the caller asks aiohttp instead, which
