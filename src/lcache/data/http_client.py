@@ -3,12 +3,13 @@ connections.
 
 Why not aiohttp for these: a source of one object per sample makes one GET per sample, and on
 a small node such an epoch is bound by the client's CPU: this client takes 0.56-0.68x
-aiohttp's CPU per GET of 32 KiB (``benchmarks/http_cpu.py``). It knows only the plain case: a response framed by ``Content-Length``, chunked or
-by the connection's end, without a content coding. Anything else (a redirect, a compressed
-body, a 1xx, a header it cannot read, options of fsspec's aiohttp session) raises
-``NotPlain`` before any byte is taken as data, and the caller asks aiohttp instead, which
-handles it as it always did. Errors of the wire (a reset, a body cut short or mis-framed)
-are ``ConnectionError``s, which the caller retries as transient.
+aiohttp's CPU per GET of 32 KiB (``benchmarks/http_cpu.py``). It knows only the plain case:
+a response framed by ``Content-Length``, chunked or by the connection's end, without a
+content coding. Anything else (a redirect, a compressed body, a 1xx, a header it cannot
+read, options of fsspec's aiohttp session) raises ``NotPlain`` before any byte is taken as
+data, and the caller asks aiohttp instead, which handles it as it always did. Errors of the
+wire (a reset, a body cut short or mis-framed) are ``ConnectionError``s, which the caller
+retries as transient.
 """
 
 from __future__ import annotations
