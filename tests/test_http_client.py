@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -327,3 +328,28 @@ def test_an_answer_cut_anywhere_parses_the_same(framing: str) -> None:
     for pieces in cuts:
         assert asyncio.run(parse(pieces)) == (body, False)
     assert asyncio.run(parse([answer + b"H"]))[1]  # a byte past the end: dropped
+
+
+def test_past_the_pools_limit_requests_wait_for_a_connection() -> None:
+    """More requests at once than the pool opens connections to one host: the rest wait for
+    one to come back, none fails, and no more than the limit are ever open."""
+    lock = threading.Lock()
+    now = most = 0
+
+    def slow(method: str, path: str, nth: int) -> tuple[bytes | None, bool]:
+        nonlocal now, most
+        with lock:
+            now += 1
+            most = max(most, now)
+        time.sleep(0.05)
+        with lock:
+            now -= 1
+        return _answer("200 OK", {"Content-Length": "2"}, b"ok"), False
+
+    with scripted(slow) as server:
+        async def many() -> list[bytes]:
+            gets = [http_client.get(yarl.URL(f"{server.url}/{i}"), {}) for i in range(250)]
+            # bounded: a waiter never woken would hang the suite
+            return [r.body for r in await asyncio.wait_for(asyncio.gather(*gets), 60)]
+        assert asyncio.run(many()) == [b"ok"] * 250
+    assert server.connections == most == http_client.MAX_CONNECTIONS
