@@ -21,10 +21,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-# The tests need strace (lcache trace --syscalls) and headless Chromium (the report opens in it).
+# The tests need strace (lcache trace --syscalls), headless Chromium (the report opens in it)
+# and openssl (a certificate for the HTTPS test).
 system-deps:
-	@command -v chromium >/dev/null && command -v strace >/dev/null || \
-		(apt-get update -qq && apt-get install -y -qq chromium strace >/dev/null)
+	@command -v chromium >/dev/null && command -v strace >/dev/null && \
+		command -v openssl >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium strace openssl >/dev/null)
 
 test: lint system-deps
 	$(BIN)/python -m pytest -q -n 2 --durations=10
