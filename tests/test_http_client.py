@@ -353,3 +353,19 @@ def test_past_the_pools_limit_requests_wait_for_a_connection() -> None:
             return [r.body for r in await asyncio.wait_for(asyncio.gather(*gets), 60)]
         assert asyncio.run(many()) == [b"ok"] * 250
     assert server.connections == most == http_client.MAX_CONNECTIONS
+
+
+def test_a_name_that_does_not_resolve_is_a_transient_connection_failure() -> None:
+    """As aiohttp's connector errors were: a resolver's hiccup is asked again (a connection
+    refused is not: nothing listens there)."""
+    from lcache.data.remote import is_transient
+
+    with pytest.raises(http_client.ConnectFailed, match=r"x\.invalid:80") as failed:
+        _get("http://x.invalid/a")
+    assert is_transient(failed.value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        with pytest.raises(ConnectionRefusedError) as refused:
+            _get(f"http://127.0.0.1:{port}/a")
+    assert not is_transient(refused.value)

@@ -38,6 +38,12 @@ class BrokenResponse(ConnectionError):
     """The connection closed before the response's end, or its framing is broken."""
 
 
+class ConnectFailed(ConnectionError):
+    """No connection could be made: a name not resolved, a host or network unreachable.
+    Transient, as aiohttp's connector errors were (a resolver's hiccup passes); a refused
+    connection (nothing listens there) and a certificate refused are not."""
+
+
 class StatusError(Exception):
     """An answer of status 400 or above; ``status`` tells whether it is worth asking again."""
 
@@ -302,12 +308,19 @@ class _Pool:
             if idle:
                 return await self.take(key)
         self.open[key] = self.open.get(key, 0) + 1
+        scheme, host, port = key
+        secure = scheme == "https"
+        port = port or (443 if secure else 80)
         try:
-            scheme, host, port = key
-            secure = scheme == "https"
             _, conn = await asyncio.get_running_loop().create_connection(
-                _Connection, host, port or (443 if secure else 80),
-                ssl=_tls() if secure else None, server_hostname=host if secure else None)
+                _Connection, host, port, ssl=_tls() if secure else None,
+                server_hostname=host if secure else None)
+        except (ConnectionRefusedError, ssl.SSLError, ConnectionError):
+            self._gone(key)
+            raise
+        except OSError as exc:  # socket.gaierror, EHOSTUNREACH, ENETUNREACH
+            self._gone(key)
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from exc
         except BaseException:
             self._gone(key)
             raise
