@@ -80,10 +80,11 @@ def _lean(urls: list[str], concurrency: int) -> None:
     asyncio.run(run())
 
 
-def _source(url: str, n: int, batch: int, concurrency: int, aiohttp: bool) -> Callable[[], None]:
+def _source(url: str, n: int, batch: int, concurrency: int, via_aiohttp: bool
+            ) -> Callable[[], None]:
     # Session options make a filesystem whose GETs all go through aiohttp (http_client
     # takes only a session without options); the source is listed before the clock starts.
-    options = {"client_kwargs": {"trust_env": False}} if aiohttp else None
+    options = {"client_kwargs": {"trust_env": False}} if via_aiohttp else None
     source = FileSource(url + "/", storage_options=options, concurrency=concurrency)
     assert len(source) == n
 

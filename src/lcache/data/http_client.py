@@ -15,6 +15,7 @@ retries as transient.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import weakref
 from collections import deque
@@ -315,14 +316,11 @@ class _Pool:
             _, conn = await asyncio.get_running_loop().create_connection(
                 _Connection, host, port, ssl=_tls() if secure else None,
                 server_hostname=host if secure else None)
-        except (ConnectionRefusedError, ssl.SSLError, ConnectionError):
+        except BaseException as exc:
             self._gone(key)
-            raise
-        except OSError as exc:  # socket.gaierror, EHOSTUNREACH, ENETUNREACH
-            self._gone(key)
-            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from exc
-        except BaseException:
-            self._gone(key)
+            # socket.gaierror, EHOSTUNREACH, ENETUNREACH; not a refusal (a ConnectionError)
+            if isinstance(exc, OSError) and not isinstance(exc, (ConnectionError, ssl.SSLError)):
+                raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
         return conn
 
@@ -354,13 +352,11 @@ class _Pool:
 # the connections of the parent's pool, whose sockets it shares.
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = \
     weakref.WeakKeyDictionary()
-_TLS: list[ssl.SSLContext] = []
 
 
+@functools.cache
 def _tls() -> ssl.SSLContext:
-    if not _TLS:
-        _TLS.append(ssl.create_default_context())
-    return _TLS[0]
+    return ssl.create_default_context()
 
 
 async def get(url: Any, headers: dict[str, str]) -> Response:
