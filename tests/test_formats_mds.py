@@ -177,8 +177,8 @@ def test_a_column_that_does_not_decode_is_named(shards: Path, tmp_path: Path) ->
 
 
 def test_a_server_ignoring_ranges_on_shard_headers_is_named(shards: Path) -> None:
-    why = (r"shard.00000.mds: \d+ bytes came for the \d+ asked of its shard header: a server "
-           "that ignores Range requests")
+    why = (r"shard.00000.mds answered \d+ bytes for bytes 0-\d+ \(a server that ignores Range "
+           "requests")
     with ThrottledServer(str(shards.parent), fault=lambda path, nth: "ignore-range") as server, \
             pytest.raises(SourceError, match=why):
         MDSSource(server.url + "/mds", retries=0)

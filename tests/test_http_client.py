@@ -317,7 +317,7 @@ def test_an_answer_cut_anywhere_parses_the_same(framing: str) -> None:
         conn = http_client._Connection()
         wire = _Wire()
         conn.connection_made(wire)
-        answered = conn.send(b"GET / HTTP/1.1\r\n\r\n")
+        answered = conn.send(b"GET / HTTP/1.1\r\n\r\n", None)
         for piece in pieces:
             conn.data_received(piece)
         return (await answered).body, wire.aborted
@@ -357,3 +357,101 @@ def test_a_name_that_does_not_resolve_is_a_transient_connection_failure() -> Non
         with pytest.raises(ConnectionRefusedError) as refused:
             _get(f"http://127.0.0.1:{port}/a")
     assert not is_transient(refused.value)
+
+
+class EndlessServer:
+    """Answers every GET with ``head`` and then ``piece`` again and again, until the client
+    goes away or ``CAP`` bytes of body went out; counts the body bytes sent. HEADs get
+    BODY's size."""
+
+    CAP = 256 << 20
+
+    def __init__(self, head: bytes, piece: bytes) -> None:
+        self.head, self.piece = head, piece
+        self.sent = 0
+        self.done = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://localhost:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            try:
+                while True:
+                    while b"\r\n\r\n" not in buf:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        buf += data
+                    head, buf = buf.split(b"\r\n\r\n", 1)
+                    if head.startswith(b"HEAD"):
+                        conn.sendall(HEAD)
+                        continue
+                    conn.sendall(self.head)
+                    while self.sent < self.CAP:
+                        conn.sendall(self.piece)
+                        self.sent += len(self.piece)
+                    return
+            except OSError:  # the client hung up: what it was asked to do
+                return
+            finally:
+                self.done.set()
+
+    def __enter__(self) -> EndlessServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.close()
+
+
+_MIB = b"x" * (1 << 20)
+
+
+@pytest.mark.parametrize("head,piece", [
+    (_answer("200 OK", {"Content-Length": str(1 << 40)}), _MIB),
+    (_answer("200 OK", {"Transfer-Encoding": "chunked"}), b"%x\r\n" % len(_MIB) + _MIB + b"\r\n"),
+    (_answer("200 OK", {}), _MIB),
+    (_answer("206 Partial Content", {"Content-Range": "bytes 0-9/10240"}), _MIB),
+], ids=["huge-length", "endless-chunks", "until-close", "range-until-close"])
+def test_an_answer_longer_than_asked_is_not_read_past_the_request(head: bytes,
+                                                                  piece: bytes) -> None:
+    """A server that ignores Range, or one whose body never ends: the client stops at the
+    range's length and names the fault, instead of holding a body of any size in memory
+    (or reading it until the timeout)."""
+    with EndlessServer(head, piece) as server:
+        src = RangeSource(server.url, "f.bin", [0], [10], retries=0, timeout=60)
+        with pytest.raises(SourceError, match=r"answered (more than 10|1099511627776) bytes "
+                           r"for bytes 0-10 \(a server that ignores Range requests\?\)"):
+            src.fetch_many([0])
+        assert server.done.wait(30)
+        assert server.sent < EndlessServer.CAP // 4  # the client hung up early
+
+
+def test_an_error_answers_body_is_not_read_past_a_bound() -> None:
+    """A 404 (or a 503) with a body that never ends: its status is all that is used."""
+    with EndlessServer(_answer("404 Not Found", {}), _MIB) as server:
+        with pytest.raises(SourceError, match="FileNotFoundError"):
+            RangeSource(server.url, "f.bin", [0], [10], timeout=60).fetch_many([0])
+        assert server.done.wait(30)
+        assert server.sent < EndlessServer.CAP // 4
+
+
+def test_a_compressed_answer_is_bounded_after_inflating() -> None:
+    """The same through aiohttp (which the client leaves a gzipped body to): 64 MiB of
+    zeros in 64 KiB of gzip for a 10-byte range is refused at 10 bytes, not inflated."""
+    bomb = gzip.compress(bytes(64 << 20), 9)
+    answer = _answer("206 Partial Content", {
+        "Content-Range": "bytes 0-9/10240", "Content-Encoding": "gzip",
+        "Content-Length": str(len(bomb))}, bomb)
+    with scripted(lambda m, p, n: (answer, False)) as server, \
+            pytest.raises(SourceError, match=r"answered more than 10 bytes for bytes 0-10"):
+        RangeSource(server.url, "f.bin", [0], [10], retries=0).fetch_many([0])

@@ -25,6 +25,7 @@ from typing import Any
 
 MAX_HEAD = 64 << 10  # bytes of a response's status line and headers
 MAX_CONNECTIONS = 100  # per loop and host, as aiohttp's default pool
+MAX_ERROR_BODY = 64 << 10  # bytes of an error answer's body read (only its status is used)
 # Request headers the client writes or whose meaning it would have to implement.
 _OWN_HEADERS = frozenset({"host", "connection", "content-length", "transfer-encoding", "te",
                           "upgrade", "expect", "keep-alive", "proxy-connection"})
@@ -43,6 +44,20 @@ class ConnectFailed(ConnectionError):
     """No connection could be made: a name not resolved, a host or network unreachable.
     Transient, as aiohttp's connector errors were (a resolver's hiccup passes); a refused
     connection (nothing listens there) and a certificate refused are not."""
+
+
+class TooLong(Exception):
+    """A successful answer's body is longer than the caller's ``limit``: it was not read past
+    the limit (a server that ignores Range, or one that never ends, would fill the memory).
+    ``response`` is the answer with the body read so far; the message says how long it is."""
+
+    def __init__(self, what: str, response: Response) -> None:
+        super().__init__(what)
+        self.response = response
+
+
+class _Enough(Exception):
+    """An error answer's body has run past ``MAX_ERROR_BODY``: the answer ends there."""
 
 
 class StatusError(Exception):
@@ -125,6 +140,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.used = False  # answered a request before (a reused connection)
         self._waiter: asyncio.Future[Response] | None = None
+        self._limit: int | None = None  # most body bytes a successful answer may have
         self._reset()
 
     def _reset(self) -> None:
@@ -134,6 +150,7 @@ class _Connection(asyncio.Protocol):
         self._left = 0  # body bytes still due ("length"), or of the current chunk
         self._chunk_state = "size"  # "size", "data", "crlf", "trailer"
         self._parts: list[bytes] = []
+        self._taken = 0  # body bytes in _parts
         self._got_any = False
 
     # -------------------------------------------------------------- the protocol
@@ -147,6 +164,8 @@ class _Connection(asyncio.Protocol):
         self._got_any = True
         try:
             self._feed(data)
+        except _Enough:
+            self._finish(keep=False)
         except Exception as exc:
             self._fail(exc)
 
@@ -166,9 +185,10 @@ class _Connection(asyncio.Protocol):
                     + (f" ({exc})" if exc else "")))
 
     # -------------------------------------------------------------- requests
-    def send(self, request: bytes) -> asyncio.Future[Response]:
+    def send(self, request: bytes, limit: int | None) -> asyncio.Future[Response]:
         assert self.transport is not None
         self._reset()
+        self._limit = limit
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return self._waiter
@@ -185,11 +205,28 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self, keep: bool) -> None:
         assert self._head is not None and self._waiter is not None
-        status, reason, headers, keep_alive = self._head
-        if not (keep and keep_alive) or self._buf:  # bytes past the end: not reusable
+        if not (keep and self._head[3]) or self._buf:  # bytes past the end: not reusable
             self._abort()
         self.used = True
-        self._waiter.set_result(Response(status, reason, headers, b"".join(self._parts)))
+        self._waiter.set_result(self._response())
+
+    def _response(self) -> Response:
+        assert self._head is not None
+        status, reason, headers, _ = self._head
+        return Response(status, reason, headers, b"".join(self._parts))
+
+    def _keep(self, piece: bytes) -> None:
+        """Take ``piece`` of the body, within the room the answer has."""
+        assert self._head is not None
+        room = MAX_ERROR_BODY if self._head[0] >= 400 else self._limit
+        if room is not None and self._taken + len(piece) > room:
+            self._parts.append(piece[: room - self._taken])
+            if self._head[0] >= 400:
+                raise _Enough
+            raise TooLong(f"answered more than {room} bytes", self._response())
+        if piece:
+            self._parts.append(piece)
+            self._taken += len(piece)
 
     # -------------------------------------------------------------- parsing
     def _feed(self, data: bytes) -> None:
@@ -209,9 +246,8 @@ class _Connection(asyncio.Protocol):
                 return
         if self._mode == "length":
             take = data[:self._left]
-            if take:
-                self._parts.append(take)
-                self._left -= len(take)
+            self._keep(take)
+            self._left -= len(take)
             if self._left == 0:
                 self._buf += data[len(take):]
                 self._finish(keep=True)
@@ -219,7 +255,7 @@ class _Connection(asyncio.Protocol):
             self._buf += data
             self._chunks()
         else:  # "eof": until the connection closes
-            self._parts.append(data)
+            self._keep(data)
 
     def _start_body(self, status: int, headers: dict[str, str]) -> None:
         if status < 200 or 300 <= status < 400:
@@ -240,6 +276,8 @@ class _Connection(asyncio.Protocol):
                 raise NotPlain(f"Content-Length: {length[:40]!r}")
             self._left = int(length)
             self._mode = "length" if self._left else ""
+            if self._limit is not None and status < 400 and self._left > self._limit:
+                raise TooLong(f"answered {self._left} bytes", self._response())
         else:
             self._mode = "eof"
 
@@ -262,7 +300,7 @@ class _Connection(asyncio.Protocol):
                 take = bytes(buf[:self._left])
                 if not take:
                     return
-                self._parts.append(take)
+                self._keep(take)
                 del buf[:len(take)]
                 self._left -= len(take)
                 if self._left == 0:
@@ -359,10 +397,11 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-async def get(url: Any, headers: dict[str, str]) -> Response:
+async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Response:
     """GET ``url`` (a ``yarl.URL``) with ``headers``. Raises ``NotPlain`` (ask a full client),
-    ``BrokenResponse`` or another ``OSError`` of the connection; the status is the caller's
-    to check."""
+    ``TooLong`` (a successful answer of more than ``limit`` bytes), ``BrokenResponse`` or
+    another ``OSError`` of the connection; the status is the caller's to check. An error
+    answer's body is cut at ``MAX_ERROR_BODY``."""
     key, request = _plain_target(url, headers)
     loop = asyncio.get_running_loop()
     pool = _POOLS.get(loop)
@@ -372,7 +411,7 @@ async def get(url: Any, headers: dict[str, str]) -> Response:
         conn = await pool.take(key)
         reused = conn.used
         try:
-            response = await conn.send(request)
+            response = await conn.send(request, limit)
         except BrokenResponse:
             pool.drop(key, conn)
             # A kept-alive connection the server closed as we wrote: asked again at once on
@@ -380,7 +419,7 @@ async def get(url: Any, headers: dict[str, str]) -> Response:
             if reused and not conn._got_any:
                 continue
             raise
-        except BaseException:  # NotPlain, a timeout's cancellation: the answer is unread
+        except BaseException:  # NotPlain, TooLong, a timeout's cancellation: answer unread
             pool.drop(key, conn)
             raise
         pool.give(key, conn)

@@ -318,7 +318,12 @@ async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
     headers = dict(kw.pop("headers", {}))
     if start is not None and end is not None:
         headers["Range"] = f"bytes={start}-{end - 1}"
-    r = await _http_answer(fs, url, headers, kw)
+    limit = None if start is None or end is None else end - start
+    cut = None
+    try:
+        r = await _http_answer(fs, url, headers, kw, limit)
+    except http_client.TooLong as exc:  # checked below, after its status and place
+        r, cut = exc.response, exc
     if r.status == 404:
         raise FileNotFoundError(url)
     if r.status >= 400:
@@ -331,6 +336,9 @@ async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
         raise SourceCorruptionError(
             f"{url} answered a request for bytes {start}-{end} with other bytes "
             f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
+    if cut is not None:
+        raise SourceError(f"{url} {cut} for bytes {start}-{end} (a server that ignores Range "
+                          "requests?)")
     if listed is not None:
         listed.check(_range_total(answered) if r.status == 206 else len(r.body),
                      {name: r.header(name) for name in HTTP_VERSION_HEADERS})
@@ -346,20 +354,31 @@ def _plain_session(fs: Any) -> bool:
     return not fs.client_kwargs and fs.get_client is get_client
 
 
-async def _http_answer(fs: Any, url: str, headers: dict[str, str], kw: dict[str, Any]
-                       ) -> http_client.Response:
+async def _http_answer(fs: Any, url: str, headers: dict[str, str], kw: dict[str, Any],
+                       limit: int | None = None) -> http_client.Response:
     """The answer to a GET of ``url``: from ``http_client`` where the request and its
-    answer are plain, else from fsspec's aiohttp session."""
+    answer are plain, else from fsspec's aiohttp session. Either way a successful answer of
+    more than ``limit`` bytes raises ``http_client.TooLong``, and an error answer's body is
+    cut at ``http_client.MAX_ERROR_BODY``: a body is never read without bound."""
     target = fs.encode_url(url)
     if not kw and _plain_session(fs):
         try:
-            return await http_client.get(target, headers)
+            return await http_client.get(target, headers, limit)
         except http_client.NotPlain:
             pass
     session = await fs.set_session()
     async with session.get(target, headers=headers, **kw) as r:
-        body: bytes = await r.read()
-        return http_client.Response(r.status, r.reason or "", r.headers, body)
+        room = http_client.MAX_ERROR_BODY if r.status >= 400 else limit
+        body = bytearray()
+        async for piece in r.content.iter_any():  # decoded: a gzip bomb is bounded too
+            body += piece
+            if room is not None and len(body) > room:
+                answer = http_client.Response(r.status, r.reason or "", r.headers,
+                                              bytes(body[:room]))
+                if r.status >= 400:
+                    return answer
+                raise http_client.TooLong(f"answered more than {room} bytes", answer)
+        return http_client.Response(r.status, r.reason or "", r.headers, bytes(body))
 
 
 async def _s3_get(fs: Any, path: str, start: int | None, end: int | None,
