@@ -1,5 +1,6 @@
 """Optimizer-state offload side by side: lcache, AdamW in memory, a naive torch.save/torch.load
 swap every step, and DeepSpeed ZeRO-3 NVMe offload on CPU (issue 12, "Benchmark").
+``lcache-overlapped`` is lcache through ``step_with_backward``: its updates run under backward.
 
     python benchmarks/offload_bench.py --json [--params 50M] [--steps 5] [--dir /var/tmp/x]
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 DS_VENV = "/var/tmp/lcache-offload-venv"
 DS_PINS = ["torch==2.13.0", "deepspeed==0.19.8"]
-SYSTEMS = ["lcache", "in-memory", "naive-swap", "deepspeed"]
+SYSTEMS = ["lcache", "lcache-overlapped", "in-memory", "naive-swap", "deepspeed"]
 WIDTH = 2048  # a layer holds WIDTH**2 + WIDTH parameters
 
 
@@ -60,19 +61,20 @@ def make_model(params: int) -> Any:
 
 
 def timed_steps(model: Any, step: Any, steps: int) -> list[float]:
+    """Each full step's time: forward, then ``step(loss)`` (backward and the optimizer)."""
     import torch
 
     x = torch.randn(8, WIDTH)
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        model(x).square().mean().backward()
-        step()
+        step(model(x).square().mean())
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first step makes the state
 
 
-def child_lcache(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+def child_lcache(model: Any, args: argparse.Namespace, overlapped: bool = False
+                 ) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(REPO / "src"))
@@ -81,11 +83,14 @@ def child_lcache(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     opt = OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
                              dir=os.path.join(args.dir, "lcache"), host_budget=args.budget)
 
-    def step() -> None:
-        opt.step()
+    def step(loss: Any) -> None:
+        if overlapped:
+            opt.step_with_backward(loss)
+        else:
+            loss.backward()
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # nothing to do without gradients; the swap file is laid out already
     r0, w0 = opt.read_bytes, opt.write_bytes
     times = timed_steps(model, step, args.steps)
     moved = (opt.read_bytes - r0) / (args.steps + 1), (opt.write_bytes - w0) / (args.steps + 1)
@@ -98,7 +103,8 @@ def child_in_memory(model: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
-    def step() -> None:
+    def step(loss: Any) -> None:
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -113,7 +119,8 @@ def child_naive(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     path = os.path.join(args.dir, "naive-state.pt")
     sizes = [0]
 
-    def step() -> None:
+    def step(loss: Any) -> None:
+        loss.backward()
         if os.path.exists(path):
             opt.load_state_dict(torch.load(path))
         opt.step()
@@ -175,7 +182,9 @@ def _proc_io() -> tuple[int, int]:
     return int(got["read_bytes"]), int(got["write_bytes"])
 
 
-CHILDREN = {"lcache": child_lcache, "in-memory": child_in_memory, "naive-swap": child_naive,
+CHILDREN = {"lcache": child_lcache,
+            "lcache-overlapped": lambda m, a: child_lcache(m, a, overlapped=True),
+            "in-memory": child_in_memory, "naive-swap": child_naive,
             "deepspeed": child_deepspeed}
 
 

@@ -22,11 +22,13 @@ weights at the next step or checkpoint, as they would for a torch optimizer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
 import math
 import mmap
+import queue
 import threading
 import weakref
 from collections import deque
@@ -277,6 +279,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # sub-group index -> the buffer that still holds its committed block (the last ones
         # a step wrote): the next step updates those first, without reading them
         self._resident: dict[int, Any] = {}
+        self._overlap: _Overlap | None = None  # a step_with_backward under way
         self._write_initial()
         self._versions = self._param_versions()
 
@@ -486,22 +489,77 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._step()
         return loss
 
+    def step_with_backward(self, loss: Any) -> None:
+        """``loss.backward()`` and then ``step()``, run together: each sub-group is updated
+        as soon as backward has finished its parameters' gradients, so its reads and writes
+        run under the rest of backward rather than after it. The same bits as the two calls.
+
+        For a step whose gradients are final when backward ends: accumulate micro-batches
+        with ``loss.backward()`` and give the last one here, but clip gradients or unscale
+        them (``GradScaler``) and it is too late (use ``backward()`` and ``step()``). A
+        parameter whose gradient comes twice in one pass (reentrant activation
+        checkpointing) fails it, undone. On GPUs and across ranks (whose gradients are
+        reduced when backward ends) it runs the two calls one after the other.
+
+        Raises:
+            what ``backward()`` and ``step()`` raise; a failed step is undone, as ``step()``'s.
+        """
+        self._check_open()
+        if self._on_cuda or rank_and_world()[1] > 1:
+            loss.backward()
+            self.step()
+            return
+        self._adopt_changed_params()  # before the thread reads any parameter
+        overlap = _Overlap(self)
+        try:
+            loss.backward()
+        except BaseException as exc:
+            overlap.abort(exc)
+            raise
+        self._overlap = overlap
+        try:
+            self.step()  # its hooks run, as for any step; it waits for the overlapped updates
+        except BaseException as exc:
+            if self._overlap is overlap:  # a step pre-hook failed: the updates are undone
+                self._overlap = None
+                overlap.abort(exc)
+            raise
+
     def _step(self) -> None:
-        for name, p in zip(self.names, self._params, strict=True):
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise ConfigError(f"parameter {name!r} has a sparse gradient, which "
-                                  f"{self.optimizer_class.__name__} does not take (as in "
-                                  "torch): use dense gradients, or torch.optim.SparseAdam")
+        overlap, self._overlap = self._overlap, None
+        if overlap is not None:  # step_with_backward: its updates began in backward
+            overlap.finish()
+            return
+        self._check_grads()
         work = [sg for sg in self.sub_groups
                 if any(self._params[pc.param].grad is not None for pc in sg.pieces)]
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step (see __init__)
         if not work or (found_inf is not None and found_inf.item()):
             return  # an overflow: the fused step would change nothing, so nothing is read
         self._adopt_changed_params()
-        resident, self._resident = self._resident, {}  # rebuilt only if the step succeeds
-        keep = {sg.index: resident[sg.index] for sg in work if sg.index in resident}
-        work = [sg for sg in work if sg.index in keep] + \
-            [sg for sg in work if sg.index not in keep]
+        # the blocks still in buffers first: their buffers are free once they are written
+        work = [sg for sg in work if sg.index in self._resident] + \
+            [sg for sg in work if sg.index not in self._resident]
+        feed = _Feed()
+        for sg in work:
+            feed.put(sg)
+        feed.put(None)
+        self._run_step(feed)
+
+    def _check_grads(self, params: Iterable[int] | None = None) -> None:
+        for i in range(len(self._params)) if params is None else params:
+            grad = self._params[i].grad
+            if grad is not None and grad.layout != torch.strided:
+                raise ConfigError(f"parameter {self.names[i]!r} has a sparse gradient, which "
+                                  f"{self.optimizer_class.__name__} does not take (as in "
+                                  "torch): use dense gradients, or torch.optim.SparseAdam")
+
+    def _run_step(self, feed: _Feed) -> None:
+        """Update the sub-groups ``feed`` gives, in its order, through the buffers: read the
+        next while one is updated and the last ones are written; then commit them all. On
+        any error, the parameters of those updated are set back from their committed slots
+        and the error raised: memory and swap are as before the step."""
+        keep, self._resident = self._resident, {}  # rebuilt only if the step succeeds
         free = [b for b in self._buffers if all(b is not r for r in keep.values())]
         written: list[tuple[SubGroup, Any]] = []
         reads: dict[int, tuple[Any, list[Pending], int]] = {}
@@ -510,31 +568,35 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         updated: list[SubGroup] = []
 
         def take() -> Any:
-            if not free:
+            if not free and writes:
                 buf, pending, nbytes = writes.popleft()
                 self._io(pending, nbytes, write=True)
                 free.append(buf)
+            if not free:  # blocks kept from the last step that have not come yet
+                free.append(keep.popitem()[1])
             return free.pop()
 
-        def start_read(k: int) -> None:
-            sg = work[k]
+        def start_read(sg: SubGroup) -> None:
             # in place, the parameters are the master weights: read only the states
             skip = sg.numel * F32 if self._in_place(sg) and sg.numel * F32 % ALIGN == 0 else 0
             if sg.index in keep:  # its block is still in a buffer: nothing to read
                 self.reused_bytes += sg.nbytes - skip
-                reads[k] = (keep.pop(sg.index), [], 0)
+                reads[sg.index] = (keep.pop(sg.index), [], 0)
                 return
             buf = take()
             view = self._view(buf)[skip : sg.nbytes]
             at = self._offset(sg, self._slot_of[sg.index]) + skip
-            reads[k] = (buf, self._swap.read(at, view), sg.nbytes - skip)
+            reads[sg.index] = (buf, self._swap.read(at, view), sg.nbytes - skip)
 
         try:
-            start_read(0)
-            for k, sg in enumerate(work):
-                if k + 1 < len(work):
-                    start_read(k + 1)
-                buf, pending, nbytes = reads.pop(k)
+            sg = feed.get(block=True)
+            if sg is not None:
+                start_read(sg)
+            while sg is not None:
+                following = feed.get(block=False)
+                if isinstance(following, SubGroup):
+                    start_read(following)
+                buf, pending, nbytes = reads.pop(sg.index)
                 self._io(pending, nbytes, write=False)
                 updated.append(sg)
                 self._update(sg, buf, scalars)
@@ -544,6 +606,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 writes.append((buf, self._swap.write(self._offset(sg, target), view),
                                sg.nbytes))
                 written.append((sg, buf))
+                if following is _LATER:  # the next one is not ready yet: wait for it
+                    following = feed.get(block=True)
+                    if following is not None:
+                        start_read(following)
+                sg = following
             while writes:
                 buf, pending, nbytes = writes.popleft()
                 self._io(pending, nbytes, write=True)
@@ -554,7 +621,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 _drain(pending)
             self._params_from_slots(updated)
             raise
-        for sg in work:
+        for sg in updated:
             self._slot_of[sg.index] ^= 1
         self._versions = self._param_versions()  # the step's own writes are no change
         last = {id(buf): (sg.index, buf) for sg, buf in written}  # each buffer's last block
@@ -737,6 +804,109 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return (f"OffloadedOptimizer({self.optimizer_class.__name__}, {len(self._params)} "
                 f"params, {len(self.sub_groups)} sub-groups of up to "
                 f"{max(sg.numel for sg in self.sub_groups):,} elements, swap {self._swap.path})")
+
+
+_LATER = object()  # _Feed.get: no sub-group is ready yet, but more will come
+
+
+class _Feed:
+    """The sub-groups a step updates, in the order they are ready: all at once for
+    ``step()``; for ``step_with_backward``, each as backward finishes its gradients. Then
+    None (the end), or an exception: the step stops, and its updates are undone."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def put(self, item: SubGroup | BaseException | None) -> None:
+        self._queue.put(item)
+
+    def get(self, block: bool) -> Any:
+        try:
+            item = self._queue.get(block)
+        except queue.Empty:
+            return _LATER
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _BackwardFailed(Exception):
+    """Stops a step that ran under a backward pass which failed."""
+
+
+class _Overlap:
+    """A step run while backward computes: a hook on each parameter counts the gradients
+    each sub-group still waits for, and hands it to a thread that updates it once none is
+    left; ``finish()`` adds those whose parameters got no hook call (a gradient set by hand,
+    a parameter unused this pass) and waits for the step to end."""
+
+    def __init__(self, opt: OffloadedOptimizer) -> None:
+        self.opt = opt
+        self.feed = _Feed()
+        self.sent: set[int] = set()
+        self.fired: set[int] = set()
+        self.waiting = [{pc.param for pc in sg.pieces if opt._params[pc.param].requires_grad}
+                        for sg in opt.sub_groups]
+        self.error: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
+                      for i, p in enumerate(opt._params) if p.requires_grad]
+        self.thread = threading.Thread(target=self._run, name="lcache-offload-step",
+                                       daemon=True)
+        self.thread.start()
+
+    def _ready(self, param: int, _tensor: Any) -> None:
+        self.opt._check_grads([param])  # raised in backward, which then fails
+        with self.lock:
+            if param in self.fired:  # updated already, from part of its gradient
+                raise ConfigError(
+                    f"parameter {self.opt.names[param]!r} got its gradient twice in one "
+                    "backward pass (reentrant activation checkpointing?), after it was "
+                    "updated: step_with_backward cannot run this model; use backward() "
+                    "and step() (this step was undone)")
+            self.fired.add(param)
+            for sg, _ in self.opt._pieces_of[param]:
+                left = self.waiting[sg.index]
+                left.discard(param)
+                if not left and sg.index not in self.sent:
+                    self.sent.add(sg.index)
+                    self.feed.put(sg)
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                self.opt._run_step(self.feed)
+        except BaseException as exc:
+            self.error.append(exc)
+
+    def remove_hooks(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def abort(self, why: BaseException) -> None:
+        """Backward failed: stop the step, its updates undone, before ``why`` is raised."""
+        self.remove_hooks()
+        self.feed.put(_BackwardFailed(str(why)))
+        self.thread.join()
+
+    def finish(self) -> None:
+        opt = self.opt
+        self.remove_hooks()
+        try:
+            opt._check_grads()
+        except ConfigError as exc:
+            self.abort(exc)
+            raise
+        with self.lock:
+            for sg in opt.sub_groups:
+                if sg.index not in self.sent and any(
+                        opt._params[pc.param].grad is not None for pc in sg.pieces):
+                    self.sent.add(sg.index)
+                    self.feed.put(sg)
+        self.feed.put(None)
+        self.thread.join()
+        if self.error:
+            raise self.error[0]
 
 
 def _drain(pending: list[Pending]) -> None:
