@@ -537,7 +537,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not work or (found_inf is not None and found_inf.item()):
             return  # an overflow: the fused step would change nothing, so nothing is read
         self._adopt_changed_params()
-        # the blocks still in buffers first: their buffers are free once they are written
+        # the blocks still in buffers first: their buffers are free once they are written;
+        # those of sub-groups without gradients are free now
+        self._resident = {sg.index: self._resident[sg.index] for sg in work
+                          if sg.index in self._resident}
         work = [sg for sg in work if sg.index in self._resident] + \
             [sg for sg in work if sg.index not in self._resident]
         feed = _Feed()
