@@ -526,6 +526,10 @@ def test_bad_arguments_are_config_errors_and_a_weight_decay_of_inf_is_refused(
     # finite options that overflow the weights are not told to be finite (helper 64)
     with pytest.raises(ConfigError, match="the options are finite, but the weights overflow"):
         OffloadedOptimizer(params, dir=tmp_path / "a", lr=1e30)
+    # "no" is truthy: it turned on what it meant to turn off (helper 104)
+    for option in ("direct", "preallocate"):
+        with pytest.raises(ConfigError, match=f"{option}='no': give True or False"):
+            OffloadedOptimizer(params, dir=tmp_path / "a", **{option: "no"})
 
 
 @pytest.mark.parametrize(("make", "word"), [

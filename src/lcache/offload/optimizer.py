@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lcache.checkpoint.dist import rank_and_world
-from lcache.checks import path_argument
+from lcache.checks import flag, path_argument
 from lcache.errors import ConfigError
 from lcache.io import Pending, aligned_buffer
 from lcache.offload.plan import ALIGN, CUT, F32, SubGroup, buffer_bytes, choose_numel, plan
@@ -192,6 +192,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  buffers: int = 3, direct: bool = True, preallocate: bool = True,
                  **options: Any) -> None:
         dir = path_argument(dir, "dir")
+        # taken by truthiness, direct="no" meant yes
+        direct, preallocate = flag(direct, "direct"), flag(preallocate, "preallocate")
         # `is None`, not `or`: '', 0 or [] ran AdamW as if nothing were given
         self.optimizer_class = torch.optim.AdamW if optimizer_class is None else optimizer_class
         if not (isinstance(self.optimizer_class, type)
