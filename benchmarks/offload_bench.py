@@ -60,13 +60,13 @@ def make_model(params: int) -> Any:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
 
 
-def timed_steps(model: Any, step: Any, steps: int) -> list[float]:
+def timed_steps(model: Any, step: Any, args: argparse.Namespace) -> list[float]:
     """Each full step's time: forward, then ``step(loss)`` (backward and the optimizer)."""
     import torch
 
-    x = torch.randn(8, WIDTH)
+    x = torch.randn(args.batch, WIDTH)
     times = []
-    for _ in range(steps + 1):
+    for _ in range(args.steps + 1):
         t0 = time.perf_counter()
         step(model(x).square().mean())
         times.append(time.perf_counter() - t0)
@@ -92,7 +92,7 @@ def child_lcache(model: Any, args: argparse.Namespace, overlapped: bool = False
         opt.zero_grad(set_to_none=True)
 
     r0, w0 = opt.read_bytes, opt.write_bytes
-    times = timed_steps(model, step, args.steps)
+    times = timed_steps(model, step, args)
     moved = (opt.read_bytes - r0) / (args.steps + 1), (opt.write_bytes - w0) / (args.steps + 1)
     opt.close()
     return {"step_times": times, "read_bytes": int(moved[0]), "write_bytes": int(moved[1])}
@@ -108,7 +108,7 @@ def child_in_memory(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return {"step_times": timed_steps(model, step, args.steps), "read_bytes": 0,
+    return {"step_times": timed_steps(model, step, args), "read_bytes": 0,
             "write_bytes": 0}
 
 
@@ -135,7 +135,7 @@ def child_naive(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             os.close(fd)
 
-    times = timed_steps(model, step, args.steps)
+    times = timed_steps(model, step, args)
     return {"step_times": times, "read_bytes": sizes[0], "write_bytes": sizes[0]}
 
 
@@ -148,7 +148,7 @@ def child_deepspeed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     deepspeed.init_distributed(dist_backend="gloo")
     swap = os.path.join(args.dir, "deepspeed")
     config = {
-        "train_micro_batch_size_per_gpu": 8,
+        "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 100_000_000,
@@ -160,7 +160,7 @@ def child_deepspeed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
-    x = torch.randn(8, WIDTH)
+    x = torch.randn(args.batch, WIDTH)
     times = []
     engine.backward(engine(x).square().mean())
     engine.step()  # the warm-up step, outside the byte counts
@@ -247,6 +247,7 @@ def run_system(system: str, args: argparse.Namespace, ds_python: str | None) -> 
     python = ds_python if system == "deepspeed" else sys.executable
     cmd = [python or sys.executable, __file__, "--child", system, "--params", str(args.params),
            "--steps", str(args.steps), "--dir", args.dir, "--budget", args.budget,
+           "--batch", str(args.batch),
            "--port", str(args.port)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "src")}
     try:
@@ -268,6 +269,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=parse_count, default=parse_count("50M"))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8,
+                    help="rows a step computes: more make forward and backward longer")
     # 50M parameters hold 604 MB of optimizer state: about 4.7x this budget, so the state
     # streams (the issue's memory test asks for at least 3x)
     ap.add_argument("--budget", default="128MB", help="lcache's host_budget")
