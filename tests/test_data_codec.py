@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from lcache.data import CachedDataset, DatasetSource, codec
 from lcache.data.codec import CodecError
+from lcache.errors import LCacheError
 
 from .test_data_sources import CAPACITY, _blob, _read_all
 
@@ -166,6 +167,23 @@ def test_dataset_source_refuses_unencodable_items(tmp_path: Path) -> None:
 
     with pytest.raises(CodecError, match="object arrays"):
         CachedDataset(Objects(), tmp_path / "cache", CAPACITY)
+
+
+def test_codec_errors_are_lcache_errors_and_value_errors(tmp_path: Path) -> None:
+    """``except LCacheError`` catches an item the codec refuses (it missed it), and
+    ``except ValueError`` still does."""
+    class Plain:
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, i: int) -> Any:
+            return object()
+
+    with pytest.raises(LCacheError, match="without pickle") as caught:
+        CachedDataset(Plain(), tmp_path / "cache", CAPACITY)
+    assert isinstance(caught.value, CodecError) and isinstance(caught.value, ValueError)
+    with pytest.raises(LCacheError, match="not an lcache-encoded item"):
+        codec.decode(b"junk")
 
 
 def test_an_items_torch_size_comes_back_a_torch_size_and_other_torch_objects_are_refused(

@@ -15,12 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from lcache.errors import LCacheError
+
 MAGIC = b"LCS1"
 _LEN = struct.Struct("<I")
 
 
-class CodecError(ValueError):
-    """An item cannot be encoded safely, or bytes are not an encoded item."""
+class CodecError(LCacheError, ValueError):
+    """An item cannot be encoded safely, or bytes are not an encoded item (a ValueError, so
+    ``except ValueError`` keeps working)."""
 
 
 def encode(item: Any) -> bytes:
