@@ -225,3 +225,10 @@ def test_across_ranks_the_update_waits_for_the_reduced_gradients(tmp_path: Path)
     run_torchrun([str(Path(__file__).with_name("_offload_ddp.py")), str(tmp_path)], 120)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"same": True}
+
+
+def test_a_loss_that_is_no_tensor_is_a_config_error(tmp_path: Path) -> None:
+    model = make_model()
+    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt, \
+            pytest.raises(ConfigError, match=r"loss=3.5\): give the loss tensor"):
+        opt.step_with_backward(3.5)  # type: ignore[arg-type]

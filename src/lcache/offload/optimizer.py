@@ -507,6 +507,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             what ``backward()`` and ``step()`` raise; a failed step is undone, as ``step()``'s.
         """
         self._check_open()
+        is_tensor = isinstance(loss, torch.Tensor)  # not narrowed: torch's backward is untyped
+        if not is_tensor:
+            raise ConfigError(f"step_with_backward(loss={loss!r:.80}): give the loss tensor, "
+                              "whose backward() computes the gradients")
         if self._on_cuda or rank_and_world()[1] > 1:
             loss.backward()
             self.step()
