@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lcache import DiskFullError
+from lcache import ConfigError, DiskFullError
 from lcache.io import (
     BufferPool,
     IOEngine,
@@ -112,6 +112,45 @@ def test_read_errors_are_raised(tmp_path: Path) -> None:
 def test_queue_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="queue_depth"):
         IOEngine(0)
+
+
+@pytest.mark.parametrize("depth", [0, -1, "x", 2.0, True, 10**6])
+def test_engine_refuses_a_queue_depth_that_is_not_one_to_1024(depth: Any) -> None:
+    """"x" was a bare TypeError from a comparison, 10**6 started a million threads."""
+    with pytest.raises(ConfigError, match=r"queue_depth=.*: give a whole number from 1 to 1,024"):
+        IOEngine(depth)
+
+
+@pytest.mark.parametrize("depth", [0, -1, "x", 1.5])
+def test_read_batch_refuses_a_depth_below_one(data_file: tuple[int, bytes], depth: Any) -> None:
+    """depth=-1 asked a negative number of workers and then waited for them for ever (a
+    Store opened with queue_depth=-1 and direct_io hung in get_many). Run in a thread, so
+    that the old hang fails the test instead of stopping the run."""
+    import threading
+
+    fd, _ = data_file
+    engine = IOEngine(4)
+    outcome: list[BaseException | list[int]] = []
+
+    def read() -> None:
+        try:
+            outcome.append(engine.read_batch(
+                [ReadRequest(fd, 0, memoryview(bytearray(10))) for _ in range(3)], depth=depth))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert outcome, f"read_batch(depth={depth!r}) hung"
+        assert isinstance(outcome[0], ConfigError), outcome[0]
+        assert f"depth={depth!r}: give a whole number of at least 1" in str(outcome[0])
+        # a depth of 1 (the caller alone) still reads the batch
+        assert engine.read_batch([ReadRequest(fd, 0, memoryview(bytearray(10)))] * 3,
+                                 depth=1) == [10, 10, 10]
+    finally:
+        engine.close()
 
 
 def test_pwrite_full_writes_everything(tmp_path: Path) -> None:
@@ -289,6 +328,16 @@ def test_aligned_buffers_and_pool() -> None:
     pool.give(b)
     pool.give(c)  # beyond max_cached: released
     assert c.closed
+    assert len(aligned_buffer(0)) == 4096  # an empty request still gets a page
+
+
+@pytest.mark.parametrize("nbytes", [-1, -4096, 10**30, 1.5, "4096", None])
+def test_aligned_buffer_refuses_sizes_that_are_not_sizes(nbytes: Any) -> None:
+    """-1 was given a page as if 0, and 10**30 was a bare OverflowError."""
+    with pytest.raises(ConfigError, match=r"nbytes=.*: give a whole number from 0 to"):
+        aligned_buffer(nbytes)
+    with pytest.raises(ConfigError, match="nbytes"):
+        BufferPool().take(nbytes)
 
 
 def _huge_kib_of(buf: Any) -> int:

@@ -8,8 +8,13 @@ import threading
 
 import numpy as np
 
+from lcache.checks import whole_number
+
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+#: The largest buffer asked for: past any memory, and within what mmap's length can say
+#: once rounded up (10**30 was a bare OverflowError).
+MAX_BUFFER = 1 << 62
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -34,7 +39,12 @@ def aligned_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
 
     Fresh pages cost a fault each on first touch (about 3 us per 4 KiB page on this class of
     VM, more than copying them), so keep such buffers for reuse (``BufferPool``).
+
+    Raises:
+        ConfigError: ``nbytes`` is not a whole number from 0 to ``MAX_BUFFER`` (a negative
+            size was given a page, as 0 is).
     """
+    nbytes = whole_number(nbytes, "nbytes", 0, MAX_BUFFER)
     huge = huge and nbytes >= HUGE
     size = max(PAGE, align_up(nbytes, HUGE if huge else PAGE))
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lcache.checks import env_number
+from lcache.checks import env_number, whole_number
 from lcache.errors import ConfigError, DiskFullError, LCacheError
 from lcache.forksafe import fork_safe_lock
 from lcache.io import tracer as _tracing
@@ -53,6 +53,9 @@ _ALIGN_MASK = PAGE - 1  # O_DIRECT alignment: a page satisfies every common logi
 _BOUNCE = 4 << 20  # most bytes an unaligned O_DIRECT operation copies at a time
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 IOV_MAX = 1024  # most buffers one pwritev or writev takes (Linux UIO_MAXIOV, macOS IOV_MAX)
+#: The most operations an engine keeps in flight (one worker thread each): far past what a
+#: device queue gains from, and what $LCACHE_IO_QUEUE_DEPTH and every queue_depth setting take.
+MAX_QUEUE_DEPTH = 1024
 
 
 class SyncPolicy(enum.Enum):
@@ -391,13 +394,14 @@ class IOEngine:
     Do not wait for an operation from inside an ``on_done`` callback: it runs on a worker.
 
     Args:
-        queue_depth: operations kept in flight (worker threads).
+        queue_depth: operations kept in flight (worker threads), 1 to ``MAX_QUEUE_DEPTH``.
+
+    Raises:
+        ConfigError: ``queue_depth`` is not a whole number in that range.
     """
 
     def __init__(self, queue_depth: int = 16) -> None:
-        if queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
-        self.queue_depth = queue_depth
+        self.queue_depth = whole_number(queue_depth, "queue_depth", 1, MAX_QUEUE_DEPTH)
         self._pid = -1
         self._queue: queue.SimpleQueue[_Batch | _Op | None] = queue.SimpleQueue()
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -492,7 +496,13 @@ class IOEngine:
         processing overlaps the reads still in flight. At most ``depth`` (default and at most
         ``queue_depth``) requests are in flight, counting the caller's. Raises the first
         exception a request or ``on_done`` met, after every worker has stopped.
+
+        Raises:
+            ConfigError: ``depth`` is not None or a whole number >= 1 (one below 1 left
+                the batch waiting for workers that were never asked: a hang).
         """
+        if depth is not None:
+            depth = whole_number(depth, "depth", 1)
         if not requests:
             return []
         helpers = min(self.queue_depth, len(requests), depth or self.queue_depth) - 1
@@ -538,7 +548,8 @@ def default_engine() -> IOEngine:
     child gets the same object with a fresh pool of its own.
 
     Raises:
-        ConfigError: ``$LCACHE_IO_QUEUE_DEPTH`` is not a whole number from 1 to 1024.
+        ConfigError: ``$LCACHE_IO_QUEUE_DEPTH`` is not a whole number from 1 to
+            ``MAX_QUEUE_DEPTH`` (1024).
     """
     global _default
     engine = _default
@@ -551,7 +562,7 @@ def default_engine() -> IOEngine:
 
 
 def _queue_depth_from_env() -> int:
-    return env_number(_DEPTH_ENV, DEFAULT_QUEUE_DEPTH, 1, 1024)
+    return env_number(_DEPTH_ENV, DEFAULT_QUEUE_DEPTH, 1, MAX_QUEUE_DEPTH)
 
 
 def _after_fork_in_child() -> None:
