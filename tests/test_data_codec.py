@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from lcache.data import CachedDataset, DatasetSource, codec
 from lcache.data.codec import CodecError
-from lcache.errors import LCacheError
+from lcache.errors import ConfigError, LCacheError
 
 from .test_data_sources import CAPACITY, _blob, _read_all
 
@@ -167,6 +167,47 @@ def test_dataset_source_refuses_unencodable_items(tmp_path: Path) -> None:
 
     with pytest.raises(CodecError, match="object arrays"):
         CachedDataset(Objects(), tmp_path / "cache", CAPACITY)
+
+
+class _Claims:
+    """A map-style dataset whose ``__len__`` says ``n``, whatever it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return b"x"
+
+
+def test_a_huge_len_is_refused_naming_the_length_and_the_memory(tmp_path: Path) -> None:
+    # numpy's "_ArrayMemoryError: Unable to allocate 7.28 TiB" before
+    with pytest.raises(ConfigError, match=r"1,000,000,000,000 samples, its __len__\) needs "
+                                          r"about 7\.3 TiB of memory.*torch.utils.data.Subset"):
+        CachedDataset(_Claims(10**12), tmp_path / "cache", CAPACITY)
+
+
+def test_a_len_past_available_memory_is_refused_before_allocating(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lcache.bench.resources.meminfo", lambda key: 256 << 20)
+    with pytest.raises(ConfigError, match=r"134,217,728 samples.*1\.0 GiB of memory.*"
+                                          r"256\.0 MiB available"):
+        DatasetSource(_Claims(1 << 27))
+
+
+def test_a_len_past_the_store_keys_is_refused_where_memory_is_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lcache.bench.resources.meminfo", lambda key: 0)  # no /proc/meminfo
+    with pytest.raises(ConfigError, match=r"at most 68,719,476,736 samples"):
+        DatasetSource(_Claims((1 << 36) + 1))
+
+
+@pytest.mark.parametrize("n", [1 << 64, -1])
+def test_a_len_that_is_no_length_is_a_config_error(n: int) -> None:
+    with pytest.raises(ConfigError, match="its __len__ is not a length"):
+        DatasetSource(_Claims(n))
 
 
 def test_codec_errors_are_lcache_errors_and_value_errors(tmp_path: Path) -> None:

@@ -43,6 +43,8 @@ from lcache.data.remote import (
     tells_rewrites,
 )
 from lcache.errors import ConfigError
+from lcache.store.index import MAX_INT_KEYS
+from lcache.store.layout import format_size
 from lcache.trace import recorder as _trace
 
 __all__ = ["DatasetSource", "FileSource", "ImageFolderSource", "RangeSource", "Source",
@@ -460,8 +462,22 @@ class DatasetSource:
         except TypeError:
             raise ConfigError("the dataset must be map-style (have __len__ and "
                               "__getitem__)") from None
+        except (OverflowError, ValueError) as exc:  # a __len__ past sys.maxsize, or below 0
+            raise ConfigError(f"{self.url}: its __len__ is not a length ({exc})") from None
         if self._n == 0:
             raise ConfigError(f"{self.url} is empty")
+        # The cache holds tables of a few bytes per sample (sizes, plan, order), and its
+        # store's int keys are sample indices: a __len__ of 10**12 failed in numpy instead
+        # ("Unable to allocate 7.28 TiB").
+        from lcache.bench.resources import need_memory  # lazily: the bench package is large
+
+        table = self._n * np.dtype(np.int64).itemsize
+        what = f"the per-sample size table of {self.url} ({self._n:,} samples, its __len__)"
+        fix = "check its __len__, or cache a part of it (torch.utils.data.Subset)"
+        need_memory(table, what, f"its length: {fix}")
+        if self._n > MAX_INT_KEYS:
+            raise ConfigError(f"{what} needs about {format_size(table)} of memory, and a cache "
+                              f"holds at most {MAX_INT_KEYS:,} samples; {fix}")
         self.content, probed = probe_contents(self)
         self._mean = int(np.mean(probed))
 
