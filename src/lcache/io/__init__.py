@@ -3,6 +3,7 @@
 from lcache.io.buffers import BufferPool, align_down, align_up, aligned_buffer, aligned_empty
 from lcache.io.dirs import check_private_dir, make_private_dirs, private_dir
 from lcache.io.engine import (
+    MAX_QUEUE_DEPTH,
     Completions,
     EngineError,
     IOEngine,
@@ -28,6 +29,7 @@ from lcache.io.publish import atomic_write
 from lcache.io.tracer import IOEvent, Tracer, get_tracer, set_tracer
 
 __all__ = [
+    "MAX_QUEUE_DEPTH",
     "BufferPool",
     "Completions",
     "EngineError",

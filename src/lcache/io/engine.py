@@ -70,6 +70,20 @@ class SyncPolicy(enum.Enum):
     FLUSH = "flush"
     ALWAYS = "always"
 
+    @classmethod
+    def named(cls, value: object, name: str = "sync") -> SyncPolicy:
+        """The policy ``value`` names (a member, or its value: ``"flush"``...), or a
+        ConfigError naming the setting ``name`` and the choices (not enum's bare
+        ValueError)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for policy in cls:
+                if value == policy.value:
+                    return policy
+        names = [policy.value for policy in cls]
+        raise ConfigError(f"{name}={value!r:.100}: use {', '.join(names[:-1])} or {names[-1]}")
+
 
 @dataclass(slots=True)
 class ReadRequest:

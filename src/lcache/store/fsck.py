@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from lcache.checks import flag, path_argument
 from lcache.errors import CorruptionError, StoreNotFoundError
 from lcache.io import close_file, fsync_dir, pread_full, pwrite_full, sync_fd
 from lcache.io.files import kind_of
@@ -91,10 +92,12 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
     """Check the store at ``path``; with ``repair``, fix what was found and check again.
 
     Raises:
+        ConfigError: ``path`` is not a path (``""``, None) or ``repair`` not a bool.
         StoreNotFoundError: ``path`` holds no store (nothing is created there).
         CorruptionError: the ``lock`` file is not a regular file and ``repair`` is false.
     """
-    root = os.path.abspath(path)
+    root = os.path.abspath(path_argument(path, "path"))
+    repair = flag(repair, "repair")  # "no" is truthy: it would repair
     if not has_store(root):
         raise StoreNotFoundError(f"no lcache store in {root}")
     unreadable = _config_without_segments(root)

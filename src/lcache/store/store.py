@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from lcache.checks import flag, path_argument, whole_number
 from lcache.errors import (
     ConfigError,
     CorruptionError,
@@ -36,6 +37,7 @@ from lcache.errors import (
 )
 from lcache.forksafe import fork_safe_lock
 from lcache.io import (
+    MAX_QUEUE_DEPTH,
     BufferPool,
     SyncPolicy,
     close_file,
@@ -148,15 +150,19 @@ class Store(Space, Reader):
             segment_size: bytes per segment (fixed at creation); default 64 MiB.
             max_writers: processes that may write at once; default 8.
             policy: eviction policy name, ``lru`` (default) or ``fifo``.
-            max_byte_keys: slots of the byte-key index (fixed at creation); default 2**20.
+            max_byte_keys: most byte keys the byte-key index grows to hold, at least 16;
+                default: as many as the capacity allows. May change on reopen (the index
+                grows no further past a lowered bound; it never shrinks).
             sync: ``flush`` (default), ``always`` or ``never`` (see ``SyncPolicy``).
             direct_io: read segments with O_DIRECT (bypasses the page cache).
             direct_writes: append with O_DIRECT where the filesystem allows it (default; about
                 3x faster than buffered writes here, and the page cache keeps room for reads).
                 Each write call re-writes the partial block at the end, so many tiny ``put``
                 calls write more than ``put_many`` batches do.
-            queue_depth: reads kept in flight by ``get_many`` (at most the process I/O
-                engine's depth, ``LCACHE_IO_QUEUE_DEPTH``).
+            queue_depth: reads kept in flight by ``get_many``, 1 to ``MAX_QUEUE_DEPTH``
+                (1024); no more than the process I/O engine's depth
+                (``LCACHE_IO_QUEUE_DEPTH``) are, whatever is asked.
+            create: create the store if ``path`` holds none.
 
         Raises:
             ConfigError: a setting is invalid or conflicts with the existing store.
@@ -165,8 +171,14 @@ class Store(Space, Reader):
             CorruptionError: a file of the store is damaged (the message names it and says to
                 run ``lcache fsck --repair DIR``).
         """
-        root = os.path.abspath(os.fspath(path))
-        # sizes that are not sizes fail before anything is created
+        # settings that are not settings fail before anything is created: "" was the
+        # current directory, and direct_io="no" (truthy) turned O_DIRECT on
+        root = os.path.abspath(path_argument(path, "path"))
+        sync_policy = SyncPolicy.named(sync, "sync")
+        direct_io = flag(direct_io, "direct_io")
+        direct_writes = flag(direct_writes, "direct_writes")
+        create = flag(create, "create")
+        queue_depth = whole_number(queue_depth, "queue_depth", 1, MAX_QUEUE_DEPTH)
         capacity = None if capacity is None else parse_size(capacity, "capacity")
         segment_size = None if segment_size is None else parse_size(segment_size, "segment_size")
         prepare_dir(root, create)
@@ -191,7 +203,7 @@ class Store(Space, Reader):
             stamp = config_stamp(root)
         finally:
             lock.close()
-        store = cls(root, config, sync=SyncPolicy(sync), direct_io=direct_io,
+        store = cls(root, config, sync=sync_policy, direct_io=direct_io,
                     direct_writes=direct_writes, queue_depth=queue_depth)
         store._config_stamp = stamp  # what it holds is ``config``: not read again at the fit
         if stored is not None:
