@@ -272,7 +272,9 @@ class SampleCache:
         a staging area left by a killed run then holds old bytes under the same keys."""
         if self._on_ssd:
             return os.path.join(self.cache_dir, f"staging-{self.cache_id}")
-        key = xxhash.xxh3_64_hexdigest(f"{self.cache_dir}#{self.cache_id}".encode())
+        # fsencode: a directory named in bytes that are not UTF-8 (lone surrogates in str)
+        # raised UnicodeEncodeError with .encode(); UTF-8 names hash as they did
+        key = xxhash.xxh3_64_hexdigest(os.fsencode(f"{self.cache_dir}#{self.cache_id}"))
         return os.path.join(SHM, f"lcache-{key}")
 
     # ------------------------------------------------------------------- setting up
@@ -318,7 +320,7 @@ class SampleCache:
             self._staging_as_stored()
             self._users = self._hold_staging()
             atomic_write(os.path.join(self.staging_dir, "origin"),
-                         f"{self.cache_dir}\n{self.cache_id}".encode(), io_class="cache-meta",
+                         os.fsencode(f"{self.cache_dir}\n{self.cache_id}"), io_class="cache-meta",
                          durable=False)
             _OPEN_CACHES.add(self)
             try:

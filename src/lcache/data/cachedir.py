@@ -40,7 +40,8 @@ def remove_orphaned_staging() -> None:
                 continue  # another user's (or a plant): never read, never removed
             fd = open_regular(os.path.join(path, "origin"), os.O_RDONLY)
             try:
-                origin, _, cache_id = os.read(fd, 1 << 16).decode().partition("\n")
+                # as written: a cache directory's name need not be UTF-8
+                origin, _, cache_id = os.fsdecode(os.read(fd, 1 << 16)).partition("\n")
             finally:
                 close_file(fd)
             if _cache_id(origin) == cache_id:

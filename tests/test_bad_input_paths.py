@@ -1,0 +1,105 @@
+"""Paths the CLI and the data API are given that are unusual: a directory named in bytes that
+are not UTF-8."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from lcache.data import CachedDataset
+from lcache.data.cachedir import SHM, remove_orphaned_staging
+
+from .conftest import make_files, run_lcache, subprocess_env
+
+CAPACITY = "16MiB"
+
+
+def _not_utf8(folder: Path, name: bytes = b"cache\xff") -> str:
+    """``folder/name`` as Python names a path that is not UTF-8 (lone surrogates)."""
+    return os.fsdecode(os.fsencode(folder) + b"/" + name)
+
+
+# ------------------------------------------------------------------ names that are not UTF-8
+def test_a_cache_directory_whose_name_is_not_utf8_caches(tmp_path: Path) -> None:
+    """The finding (probe 2.1): its staging area's name was hashed from ``str.encode()``,
+    a UnicodeEncodeError traceback from CachedDataset, `lcache warm` and `lcache demo`."""
+    files = make_files(tmp_path / "data", 6)
+    cache = _not_utf8(tmp_path)
+    ds = CachedDataset(str(tmp_path / "data"), cache, CAPACITY)
+    try:
+        assert [ds[i] for i in range(6)] == files
+        staging = ds.cache.staging_dir
+        if staging.startswith(SHM + "/"):  # it names its cache as the file system does
+            origin = Path(staging, "origin").read_bytes()
+            assert origin == os.fsencode(cache) + b"\n" + ds.cache.cache_id.encode()
+    finally:
+        ds.cache.close()
+    again = CachedDataset(str(tmp_path / "data"), cache, CAPACITY)
+    try:
+        mark = again.stats()
+        assert [again[i] for i in range(6)] == files
+        assert again.stats(since=mark)["fetches"] == 0  # read back from the cache
+    finally:
+        again.cache.close()
+
+
+def test_a_utf8_cache_directory_keeps_its_staging_name(tmp_path: Path) -> None:
+    """A staging area in /dev/shm is named as before for a UTF-8 name (a running job and a
+    new process of the same cache share it)."""
+    make_files(tmp_path / "data", 2)
+    ds = CachedDataset(str(tmp_path / "data"), tmp_path / "caché", CAPACITY)
+    try:
+        if not ds.cache.staging_dir.startswith(SHM + "/"):
+            pytest.skip("staging is inside the cache directory here")
+        key = xxhash.xxh3_64_hexdigest(f"{ds.cache.cache_dir}#{ds.cache.cache_id}".encode())
+        assert ds.cache.staging_dir == os.path.join(SHM, f"lcache-{key}")
+    finally:
+        ds.cache.close()
+
+
+def test_the_staging_area_left_by_a_killed_run_of_a_non_utf8_cache_is_removed(
+        tmp_path: Path) -> None:
+    """Its ``origin`` file, which names the cache, is read back as it was written: decoded
+    as UTF-8 it was never removed (memory in /dev/shm held until a reboot)."""
+    make_files(tmp_path / "data", 3)
+    cache = _not_utf8(tmp_path)
+    left = subprocess.run(
+        [sys.executable, "-c", "import os, sys\nfrom lcache.data import CachedDataset\n"
+         f"ds = CachedDataset(sys.argv[1], sys.argv[2], {CAPACITY!r})\nds[0]\n"
+         "print(ds.cache.staging_dir, flush=True)\nos._exit(0)  # no close: as if killed",
+         str(tmp_path / "data"), cache],
+        capture_output=True, env=subprocess_env(), timeout=120, check=False)
+    assert left.returncode == 0, left.stderr
+    staging = os.fsdecode(left.stdout.strip())
+    if not staging.startswith(SHM + "/"):
+        pytest.skip("staging is inside the cache directory here")
+    try:
+        assert os.path.isdir(staging)
+        remove_orphaned_staging()
+        assert os.path.isdir(staging)  # its cache is still there
+        shutil.rmtree(cache)
+        remove_orphaned_staging()
+        assert not os.path.exists(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def test_warm_stats_and_fsck_of_a_cache_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    make_files(tmp_path / "src", 3)
+    cache = _not_utf8(tmp_path, b"c\xff")
+    out = run_lcache("warm", "src", "--cache", cache, "--capacity", "10MB", "--json",
+                     cwd=tmp_path)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert json.loads(out.stdout)["cached_samples"] == 3
+    out = run_lcache("stats", cache, "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["store"]["live_keys"] == 3
+    out = run_lcache("fsck", cache, "--json", cwd=tmp_path)
+    assert out.returncode == 0 and json.loads(out.stdout)["clean"] is True, out.stderr
