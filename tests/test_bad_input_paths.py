@@ -1,5 +1,5 @@
 """Paths the CLI and the data API are given that are unusual: a directory named in bytes that
-are not UTF-8."""
+are not UTF-8, a directory the command made and then failed in."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
 
-from lcache.data import CachedDataset
+from lcache.data import CachedDataset, DatasetSource, SourceError
 from lcache.data.cachedir import SHM, remove_orphaned_staging
+from lcache.data.warm import warm_cache
 
-from .conftest import make_files, run_lcache, subprocess_env
+from .conftest import make_files, mounted_tmpfs, run_lcache, subprocess_env
 
 CAPACITY = "16MiB"
 
@@ -103,3 +105,65 @@ def test_warm_stats_and_fsck_of_a_cache_whose_name_is_not_utf8(tmp_path: Path) -
     assert json.loads(out.stdout)["store"]["live_keys"] == 3
     out = run_lcache("fsck", cache, "--json", cwd=tmp_path)
     assert out.returncode == 0 and json.loads(out.stdout)["clean"] is True, out.stderr
+
+
+# ------------------------------------------------------- a directory warm made, then failed
+@pytest.mark.root
+def test_a_failed_warm_leaves_no_directory_it_made(tmp_path: Path) -> None:
+    """The finding (probe 2.1): `lcache warm` left the cache directory it had made (and its
+    parents) when it then failed; here the device is full at once."""
+    make_files(tmp_path / "src", 3)
+    with mounted_tmpfs(tmp_path / "fs", "4k") as fs:
+        out = run_lcache("warm", "src", "--cache", str(fs / "new" / "c"), "--capacity",
+                         "10MB", cwd=tmp_path)
+        assert out.returncode == 2 and "no space left" in out.stderr, out.stderr
+        assert list(fs.iterdir()) == []
+
+
+class _Failing:
+    """A map-style dataset whose items from ``fail_from`` on cannot be read, once armed
+    (the probe of its contents reads some first)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.fail_from = n, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= self.fail_from:
+            raise OSError(f"item {i} is gone")
+        return bytes([i]) * 100
+
+
+def test_warm_that_fails_before_caching_a_sample_removes_the_folders_it_made(
+        tmp_path: Path) -> None:
+    data = _Failing(40)
+    source = DatasetSource(data)
+    data.fail_from = 0
+    with pytest.raises(SourceError, match="item 0 is gone"):
+        warm_cache(source, str(tmp_path / "a" / "b" / "cache"), CAPACITY, threads=1,
+                   show_progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_warm_that_fails_after_caching_samples_keeps_them_for_a_rerun(tmp_path: Path) -> None:
+    data = _Failing(40)
+    source = DatasetSource(data)
+    data.fail_from = 20  # a group of 8 at a time, in order, on one thread
+    with pytest.raises(SourceError, match="item 20 is gone"):
+        warm_cache(source, str(tmp_path / "cache"), CAPACITY, threads=1, show_progress=False)
+    data.fail_from = 40
+    figures = warm_cache(source, str(tmp_path / "cache"), CAPACITY, threads=1,
+                         show_progress=False)
+    assert figures["cached_samples"] == 40 and figures["fetched_samples"] == 24, figures
+
+
+def test_warm_that_fails_in_a_directory_it_did_not_make_leaves_it(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir(mode=0o700)
+    data = _Failing(40)
+    source = DatasetSource(data)
+    data.fail_from = 0
+    with pytest.raises(SourceError):
+        warm_cache(source, str(tmp_path / "cache"), CAPACITY, threads=1, show_progress=False)
+    assert (tmp_path / "cache" / "cache.json").exists()

@@ -86,6 +86,49 @@ def remove_if_unused(path: str) -> None:
         close_file(fd)
 
 
+def first_missing(path: str) -> str | None:
+    """The topmost folder of absolute ``path`` that does not exist yet (what making ``path``
+    with its parents creates), or None where ``path`` exists."""
+    top = None
+    while not os.path.lexists(path):
+        top, path = path, os.path.dirname(path)
+    return top
+
+
+def remove_made_cache_dir(cache_dir: str, top: str) -> None:
+    """Remove ``cache_dir`` and its parents up to ``top``, which this process made and then
+    failed to use (a failed ``lcache warm`` left them): not if another process uses the
+    cache meanwhile (holds its ``cache.lock`` or ``users.lock``), nor a parent that holds
+    anything else."""
+    try:
+        st = os.lstat(cache_dir)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return
+    fds: list[int] = []
+    try:
+        for name in ("cache.lock", "users.lock"):
+            with contextlib.suppress(FileNotFoundError):
+                fds.append(open_regular(os.path.join(cache_dir, name), os.O_RDWR))
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(cache_dir)
+    except OSError:  # in use (BlockingIOError), or not ours to remove
+        return
+    finally:
+        for fd in fds:
+            close_file(fd)
+    path = cache_dir
+    while path != top:
+        path = os.path.dirname(path)
+        if len(path) < len(top):  # top is not above cache_dir: never past it
+            return
+        try:
+            os.rmdir(path)  # only an empty one
+        except OSError:
+            return
+
+
 def shm_has_room(need: int) -> bool:
     """Whether /dev/shm can hold a staging area of ``need`` bytes (with room to spare)."""
     try:

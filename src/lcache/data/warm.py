@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 
 from lcache.checks import whole_number
 from lcache.data.cache import SampleCache, check_locations
+from lcache.data.cachedir import first_missing, remove_made_cache_dir
 from lcache.data.sources import FileSource, Source
 from lcache.errors import ConfigError
 
@@ -41,20 +43,35 @@ def warm_cache(source: str | Source, cache_dir: str, capacity: int | str, *,
     elif storage_options:
         raise ConfigError("storage_options is for a source given as a URL; pass the options "
                           "to the source object")
-    cache = SampleCache(source, cache_dir, capacity, name=name, fingerprint=fingerprint,
-                        segment_size=segment_size)
+    # A directory this call makes goes again if the call fails before caching a sample (a
+    # failed `lcache warm` left an empty cache behind); what it fetched is kept for a rerun.
+    target = os.path.abspath(os.fspath(cache_dir))
+    made = first_missing(target)
+    try:
+        cache = SampleCache(source, cache_dir, capacity, name=name, fingerprint=fingerprint,
+                            segment_size=segment_size)
+    except BaseException:
+        if made is not None:
+            remove_made_cache_dir(target, made)
+        raise
+    done: list[int] = []  # what this run fetched; another warm of this cache may fetch the rest
     try:  # closed however it ends: its staging area in /dev/shm went only with a next open
-        return _warm(cache, threads, show_progress)
+        return _warm(cache, threads, show_progress, done)
+    except BaseException:
+        cache.close()
+        if made is not None and not done:
+            remove_made_cache_dir(target, made)
+        raise
     finally:
         cache.close()
 
 
-def _warm(cache: SampleCache, threads: int, show_progress: bool) -> dict[str, Any]:
+def _warm(cache: SampleCache, threads: int, show_progress: bool,
+          done: list[int]) -> dict[str, Any]:
     sizes = cache.record_sizes()
     held = np.flatnonzero(cache.fixed_set(cache.plan_capacity(writers=1))).tolist()
     todo = [i for i in held if i not in cache.store()]
     fetched = 0
-    done: list[int] = []  # what this run fetched; another warm of this cache may fetch the rest
     start = time.perf_counter()
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), transient=True,
