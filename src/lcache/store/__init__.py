@@ -1,5 +1,6 @@
 """The log-structured segment store (knows nothing of PyTorch)."""
 
+from lcache.store.arguments import ArgumentTypeError
 from lcache.store.counters import Counters
 from lcache.store.fsck import FsckReport, fsck
 from lcache.store.layout import StoreConfig, format_size, parse_size
@@ -8,6 +9,7 @@ from lcache.store.segment import SegmentState
 from lcache.store.store import Store
 
 __all__ = [
+    "ArgumentTypeError",
     "Counters",
     "EvictionPolicy",
     "FsckReport",

@@ -41,6 +41,7 @@ import numpy.typing as npt
 from lcache.io import ReadRequest, SyncPolicy, aligned_empty, pread_full
 from lcache.io.tracer import code, emit, fid_for, pack_record, thread_records
 from lcache.store import record
+from lcache.store.arguments import batch_length, remove_flags
 from lcache.store.files import open_in_store
 from lcache.store.parts import StoreParts
 from lcache.store.readplan import Run, plan_reads
@@ -200,8 +201,16 @@ class Reader(StoreParts):
 
         ``remove`` (one flag per key): remove those keys once read, as ``delete`` does (and
         journaled alike); a key that missed is left alone. For records read once.
+
+        Raises:
+            ArgumentTypeError: ``keys`` is not a sequence of int or byte keys, or ``remove``
+                not one bool per key (a ConfigError and a TypeError).
+            ConfigError: a key out of range, ``remove`` of another length, the store closed.
         """
         self._check_process()
+        n = batch_length(keys, "keys")
+        if remove is not None:
+            remove = remove_flags(remove, n)
         with self._tlock:  # another thread's put may clean (close) a segment we read
             out, key64s, parts = self._get_many(keys)
             if remove is not None:
@@ -221,8 +230,7 @@ class Reader(StoreParts):
             key64s: list[int] = ints.tolist()
             loc_list, len_list = locs.tolist(), lens.tolist()
         else:  # byte keys, or one key: no array work
-            parts = [record.key_parts(int(k) if isinstance(k, np.integer) else k)
-                     for k in keys]
+            parts = [record.key_parts(k) for k in keys]
             key64s = [p[1] for p in parts]
             loc_list, len_list = [0] * n, [0] * n
             for i, (kind, key64, _) in enumerate(parts):
@@ -383,9 +391,8 @@ class Reader(StoreParts):
     def _remove_read(self, key64s: list[int], parts: list[tuple[int, int, bytes]] | None,
                      out: list[memoryview | None],
                      remove: Sequence[bool] | npt.NDArray[np.bool_]) -> None:
-        """Remove the keys flagged in ``remove`` that were read, as ``delete`` does."""
-        if len(remove) != len(out):
-            raise ValueError(f"{len(out)} keys but {len(remove)} remove flags")
+        """Remove the keys flagged in ``remove`` (checked: ``remove_flags``) that were read,
+        as ``delete`` does."""
         chosen = [i for i, r in enumerate(remove) if r and out[i] is not None]
         if not chosen:
             return

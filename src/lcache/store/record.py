@@ -14,10 +14,14 @@ corrupted index entry can only produce a miss, never wrong bytes.
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass
 
 import xxhash
+
+from lcache.errors import ConfigError
+from lcache.store.arguments import ArgumentTypeError
 
 MAGIC = 0x3152434C  # b"LCR1" read as little-endian u32
 VERSION = 1
@@ -34,17 +38,32 @@ _xxh32 = xxhash.xxh32_intdigest
 
 
 def key_parts(key: int | bytes) -> tuple[int, int, bytes]:
-    """``(kind, key64, key_bytes)`` for a user key; rejects what cannot be stored."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        if not 0 <= key <= MAX_INT_KEY:
-            raise ValueError(f"int keys must be in [0, 2**63), got {key}")
-        return KIND_INT, key, b""
-    if isinstance(key, (bytes, bytearray, memoryview)):
-        kb = bytes(key)
-        if not 0 < len(kb) <= MAX_KEY_BYTES:
-            raise ValueError(f"byte keys must be 1..{MAX_KEY_BYTES} bytes long, got {len(kb)}")
-        return KIND_BYTES, _xxh3(kb), kb
-    raise TypeError(f"keys are int or bytes, got {type(key).__name__}")
+    """``(kind, key64, key_bytes)`` for a user key; rejects what cannot be stored.
+
+    An int key is anything ``operator.index`` takes but a bool (numpy integers: ``put`` of
+    an ``np.int64`` was refused while ``get`` took it).
+
+    Raises:
+        ConfigError: an int key outside [0, 2**63), or byte keys not 1..1024 bytes long.
+        ArgumentTypeError: a key that is neither (also a TypeError).
+    """
+    if type(key) is not int:
+        if isinstance(key, (bytes, bytearray, memoryview)):
+            kb = bytes(key)
+            if not 0 < len(kb) <= MAX_KEY_BYTES:
+                raise ConfigError(f"byte keys must be 1..{MAX_KEY_BYTES} bytes long, got "
+                                  f"{len(kb)}")
+            return KIND_BYTES, _xxh3(kb), kb
+        try:
+            if isinstance(key, bool):  # True is 1 to operator.index: a mistake, not a key
+                raise TypeError
+            key = operator.index(key)
+        except TypeError:
+            raise ArgumentTypeError(f"keys are int or bytes, got {type(key).__name__}"
+                                    ) from None
+    if not 0 <= key <= MAX_INT_KEY:
+        raise ConfigError(f"int keys must be in [0, 2**63), got {key}")
+    return KIND_INT, key, b""
 
 
 def record_size(key_bytes: bytes, payload_len: int) -> int:

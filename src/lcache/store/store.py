@@ -46,6 +46,7 @@ from lcache.io import (
     logical_block_size,
 )
 from lcache.store import record
+from lcache.store.arguments import batch_length, value_view
 from lcache.store.counters import Counters, RateLimitedWarning, add_to_totals
 from lcache.store.deletes import DeleteJournal
 from lcache.store.files import open_in_store
@@ -250,7 +251,9 @@ class Store(Space, Reader):
 
     def _check_process(self) -> None:
         if self._closed:
-            raise ValueError(f"the store at {self.root} is closed")
+            # a ConfigError, as CachedDataset's after close (a ValueError, as before)
+            raise ConfigError(f"the store at {self.root} is closed; open it again "
+                              "(Store.open) to use it")
         if self._pid != os.getpid():
             with _REOPENING:
                 if self._pid != os.getpid():
@@ -401,11 +404,16 @@ class Store(Space, Reader):
 
     # ----------------------------------------------------------------------- writing
     def put(self, key: Key, value: Any) -> None:
-        """Store ``value`` (any C-contiguous buffer) under ``key`` (int >= 0 or bytes).
+        """Store ``value`` (any C-contiguous buffer) under ``key`` (an int
+        >= 0, numpy integers included, or bytes).
 
         Raises:
             DiskFullError: the device is full; the store is unchanged and stays readable.
             StoreFullError: nothing can be evicted to make room.
+            ArgumentTypeError: a key that is neither an int nor bytes, a value that is not a
+                buffer or is strided (a ConfigError and a TypeError).
+            ConfigError: a key out of range, a record larger than a segment, the store
+                closed.
         """
         self.put_many([key], [value])
 
@@ -414,17 +422,24 @@ class Store(Space, Reader):
 
         Batches are pipelined: while one is written (the GIL released), the next is checksummed
         and staged. A record is visible to other processes once its batch is on disk.
+
+        Raises:
+            ConfigError: as ``put``; or ``keys`` and ``values`` differ in length (an
+                ``ArgumentTypeError`` where one is not a sequence).
         """
         self._check_process()
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        n = batch_length(keys, "keys")
+        if n != batch_length(values, "values"):
+            raise ConfigError(f"{n} keys but {len(values)} values")
         parts: list[Any] = []
         entries: list[tuple[int, int, int]] = []
         pending = 0
         room = -1  # the writer's room, read again only when the writer's end moves
         inflight: _Inflight | None = None
         with self._tlock:
-            byte_keys = sum(type(k) is not int for k in keys)
+            # (numpy integers were counted as byte keys, and an array of them reserved a
+            # byte-key slot for each)
+            byte_keys = sum(isinstance(k, (bytes, bytearray, memoryview)) for k in keys)
             if byte_keys:
                 self._reserve_byte_slots(byte_keys)
             try:
@@ -433,10 +448,10 @@ class Store(Space, Reader):
                         kind, key64, kb = record.KIND_INT, key, b""
                     else:
                         kind, key64, kb = record.key_parts(key)
-                    payload = _as_bytes_view(value)
+                    payload = value_view(value)
                     size = record.HEADER_SIZE + len(kb) + len(payload)
                     if size > self.config.segment_size:
-                        raise ValueError(
+                        raise ConfigError(
                             f"a record of {format_size(size)} does not fit in a segment "
                             f"({format_size(self.config.segment_size)}); create the store "
                             "with a larger segment_size"
@@ -676,22 +691,3 @@ def _stored_policy(root: str, name: str) -> None:
                           f"{', '.join(known_policies())}): register it first (register_policy), "
                           "open the store with policy= one it knows, or set \"policy\" in "
                           "store.json to one") from exc
-
-
-def _as_bytes_view(value: Any) -> bytes | memoryview:
-    if type(value) is bytes:
-        return value
-    try:
-        view = value if isinstance(value, memoryview) else memoryview(value)
-    except TypeError:
-        raise TypeError(f"a value must be bytes or a buffer (bytearray, memoryview, numpy "
-                        f"array), not {type(value).__name__}") from None
-    if not view.c_contiguous:  # a strided view: casting it was a raw BufferError
-        raise TypeError("a value must be a C-contiguous buffer, not a strided view; pass "
-                        "a contiguous copy (bytes(view), numpy.ascontiguousarray(a))")
-    if view.nbytes == 0:  # an empty array of any shape (casting one with a 0 in it fails)
-        return b""
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
