@@ -154,6 +154,33 @@ def test_use_after_close_is_a_config_error_as_for_a_cached_dataset(open_store: A
         assert f"the store at {store.root} is closed; open it again" in str(exc)
 
 
+@pytest.mark.parametrize("value", [
+    np.array(["hello", 42, None], dtype=object),
+    np.zeros(3, dtype=[("n", "i4"), ("obj", "O")]),  # a field that holds objects
+    memoryview(np.array([object()] * 2, dtype=object)),
+    np.array([[1, None]], dtype=object).T.copy(),
+])
+def test_values_holding_python_objects_are_refused(open_store: Any, value: Any) -> None:
+    """An object array's buffer is its PyObject pointers: put stored 24 bytes of addresses
+    for three objects, meaningless once read back and a leak of the process's layout."""
+    store = open_store()
+    with pytest.raises(ArgumentTypeError, match="not Python objects") as info:
+        store.put(1, value)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, TypeError)
+    assert 1 not in store
+
+
+def test_plain_structured_and_numeric_values_are_still_stored(open_store: Any) -> None:
+    store = open_store()
+    # a field named with an "O" is not the object code "O" of a buffer's format
+    plain = np.zeros(3, dtype=[("Occupancy", "i4"), ("x", "f8")])
+    plain["Occupancy"] = [1, 2, 3]
+    store.put(1, plain)
+    assert store.get(1) == plain.tobytes()
+    store.put(2, np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert store.get(2) == np.arange(6, dtype=np.float32).tobytes()
+
+
 @pytest.mark.parametrize("kind", [np.int64, np.uint64, np.int32, np.uint8, int])
 def test_numpy_integer_keys_work_as_ints_everywhere(open_store: Any, kind: Any) -> None:
     """put(np.int64(3)) was refused ("keys are int or bytes, got int64") while get took it."""

@@ -18,7 +18,7 @@ from lcache.errors import ConfigError
 
 class ArgumentTypeError(ConfigError, TypeError):
     """An argument of the store's API is of the wrong type: a key that is neither an int
-    nor bytes, a value that is not a buffer, a batch that is not a sequence."""
+    nor bytes, a value that is not a plain buffer, a batch that is not a sequence."""
 
 
 # What a batch is not, though len() takes it: one key (b"key" would be read as the int
@@ -56,8 +56,8 @@ def remove_flags(remove: Any, count: int) -> Sequence[bool] | npt.NDArray[np.boo
 
 
 def value_view(value: Any) -> bytes | memoryview:
-    """The bytes of ``value`` to store: bytes, or a flat byte view of a C-contiguous
-    buffer."""
+    """The bytes of ``value`` to store: bytes, or a flat byte view of a C-contiguous buffer
+    of plain data."""
     if type(value) is bytes:
         return value
     try:
@@ -65,6 +65,14 @@ def value_view(value: Any) -> bytes | memoryview:
     except TypeError:
         raise ArgumentTypeError(f"a value must be bytes or a buffer (bytearray, memoryview, "
                                 f"numpy array), not {type(value).__name__}") from None
+    if view.format != "B":
+        objects = _objects_in(view)
+        if objects is not None:
+            # an object array's buffer is its PyObject pointers: stored, they were
+            # meaningless bytes that gave away addresses (checkpoint.save refuses it too)
+            raise ArgumentTypeError(f"a value must hold plain data, not Python objects "
+                                    f"({objects}); encode them to bytes first, or use a "
+                                    "numeric dtype")
     if not view.c_contiguous:  # a strided view: casting it was a raw BufferError
         raise ArgumentTypeError("a value must be a C-contiguous buffer, not a strided view; "
                                 "pass a contiguous copy (bytes(view), "
@@ -75,3 +83,16 @@ def value_view(value: Any) -> bytes | memoryview:
         view = view.cast("B")
     return view
 
+
+def _objects_in(view: memoryview) -> str | None:
+    """What says the buffer's items are (or hold) Python object pointers: a numpy dtype
+    with objects, or the PEP 3118 code "O" in the format (field names, ``:name:``, left
+    out); None for plain data."""
+    owner = view.obj
+    if isinstance(owner, np.ndarray):
+        return f"numpy dtype {owner.dtype}" if owner.dtype.hasobject else None
+    fmt = view.format
+    while ":" in fmt:  # "T{i:Occupancy:O:x:}": the names between colons are not codes
+        head, _, rest = fmt.partition(":")
+        fmt = head + rest.partition(":")[2]
+    return f"buffer format {view.format!r:.40}" if "O" in fmt else None

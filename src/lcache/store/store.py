@@ -404,14 +404,14 @@ class Store(Space, Reader):
 
     # ----------------------------------------------------------------------- writing
     def put(self, key: Key, value: Any) -> None:
-        """Store ``value`` (any C-contiguous buffer) under ``key`` (an int
+        """Store ``value`` (any C-contiguous buffer of plain data) under ``key`` (an int
         >= 0, numpy integers included, or bytes).
 
         Raises:
             DiskFullError: the device is full; the store is unchanged and stays readable.
             StoreFullError: nothing can be evicted to make room.
             ArgumentTypeError: a key that is neither an int nor bytes, a value that is not a
-                buffer or is strided (a ConfigError and a TypeError).
+                buffer, is strided, or holds Python objects (a ConfigError and a TypeError).
             ConfigError: a key out of range, a record larger than a segment, the store
                 closed.
         """
