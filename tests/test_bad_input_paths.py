@@ -1,5 +1,6 @@
 """Paths the CLI and the data API are given that are unusual: a directory named in bytes that
-are not UTF-8, a directory the command made and then failed in."""
+are not UTF-8, a directory the command made and then failed in, a symbolic link loop, a device
+or a path through a file where a directory is wanted."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from lcache.data import CachedDataset, DatasetSource, SourceError
 from lcache.data.cachedir import SHM, remove_orphaned_staging
 from lcache.data.warm import warm_cache
 
-from .conftest import make_files, mounted_tmpfs, run_lcache, subprocess_env
+from .conftest import (
+    assert_one_line_error,
+    make_files,
+    mounted_tmpfs,
+    run_lcache,
+    subprocess_env,
+)
 
 CAPACITY = "16MiB"
 
@@ -167,3 +174,37 @@ def test_warm_that_fails_in_a_directory_it_did_not_make_leaves_it(tmp_path: Path
     with pytest.raises(SourceError):
         warm_cache(source, str(tmp_path / "cache"), CAPACITY, threads=1, show_progress=False)
     assert (tmp_path / "cache" / "cache.json").exists()
+
+
+# ------------------------------------------------------ what names no directory, in the CLI
+DIRECTORY_COMMANDS = [("stats", "{}"), ("fsck", "{}"), ("ckpt", "ls", "{}"),
+                      ("warm", "src", "--cache", "{}")]
+
+
+@pytest.mark.parametrize("command", DIRECTORY_COMMANDS, ids=lambda c: c[0])
+def test_a_symbolic_link_loop_is_named_itself(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """The finding (probe 3.5): `lcache stats loop1` said "loop1/cache.json is a symbolic
+    link, not a regular file; remove it", of a file that is not there."""
+    os.symlink("loop1", tmp_path / "loop2")
+    os.symlink("loop2", tmp_path / "loop1")
+    out = run_lcache(*(a.format("loop1") for a in command), cwd=tmp_path)
+    err = assert_one_line_error(out, "loop1: too many levels of symbolic links")
+    assert "cache.json" not in err
+
+
+@pytest.mark.parametrize("command", DIRECTORY_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize(("where", "what"), [
+    ("/dev/null", "/dev/null is not a directory (it is a character device)"),
+    ("fifo", "fifo is not a directory (it is a FIFO)"),
+    ("src/a.bin/x", "src/a.bin/x is not a directory (a part of its path is a file)")],
+    ids=["device", "fifo", "through-a-file"])
+def test_what_is_no_directory_is_named_itself(tmp_path: Path, command: tuple[str, ...],
+                                              where: str, what: str) -> None:
+    """The finding (probe 3.5): `lcache stats /dev/null` said "cannot access
+    /dev/null/cache.json: not a directory"."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 100)
+    os.mkfifo(tmp_path / "fifo")
+    out = run_lcache(*(a.format(where) for a in command), cwd=tmp_path)
+    err = assert_one_line_error(out, what)
+    assert "cache.json" not in err

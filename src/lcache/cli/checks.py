@@ -4,6 +4,7 @@ the numbers it is given."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import sys
@@ -13,13 +14,15 @@ from typing import Any
 import click
 
 from lcache.errors import ConfigError
-from lcache.io.files import close_file, open_regular
+from lcache.io.files import close_file, kind_of, open_regular
 from lcache.io.publish import names_directory, special_kind
 
 
 class Folder(click.Path):
     """A directory argument; an empty one, which the system would read as the current
-    directory, is refused."""
+    directory, is refused, and so is one that names no directory: a device, a FIFO, a link
+    loop, a path through a file (a command that then opened DIR/cache.json blamed that
+    file). A path that does not exist is the command's to judge (a cache to create)."""
 
     def __init__(self) -> None:
         super().__init__(file_okay=False)
@@ -28,6 +31,20 @@ class Folder(click.Path):
                 ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path; give a directory", param, ctx)
+        if isinstance(value, (str, os.PathLike)):
+            try:
+                kind = kind_of(os.stat(value).st_mode)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    self.fail(f"{os.fspath(value)}: too many levels of symbolic links", param,
+                              ctx)
+                if exc.errno == errno.ENOTDIR:
+                    self.fail(f"{os.fspath(value)} is not a directory (a part of its path is "
+                              "a file)", param, ctx)
+            else:
+                if kind not in (None, "a directory"):  # a regular file: click says so
+                    self.fail(f"{os.fspath(value)} is not a directory (it is {kind})", param,
+                              ctx)
         return super().convert(value, param, ctx)
 
 
