@@ -190,3 +190,18 @@ def test_a_share_above_one_is_not_a_percentage(tmp_path: Path) -> None:
     assert "made 50.0% of the devices' traffic" in " ".join(run.stdout.split())
     assert "made 50.0% of the devices" in (tmp_path / "half.html").read_text()
     assert "no I/O events" not in run.stdout
+
+
+def test_a_path_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
+    """The finding (attack helper 104): `lcache demo --dir` of a name that is not UTF-8 (its
+    byte kept as a surrogate by os.fsdecode) ended in UnicodeEncodeError writing the page."""
+    import os
+
+    from lcache.report import write_report
+
+    where = tmp_path / os.fsdecode(b"run\xff")
+    where.mkdir()
+    trace = _write(where / "t.trace", [_op(0.0, 0)])
+    write_report(trace, where / "r.html", where / "summary.json")
+    assert "run\\udcff" in (where / "r.html").read_text()
+    assert json.loads((where / "summary.json").read_text())

@@ -69,8 +69,9 @@ def is_json_lines(head: bytes) -> bool:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    # 0o644: a report is made to be shared and opened by a browser
-    atomic_write(path, text.encode(), mode=0o644)
+    # 0o644: a report is made to be shared and opened by a browser. A path that is not UTF-8
+    # (its bytes kept as surrogates by os.fsdecode) is shown escaped: "dm\udcff".
+    atomic_write(path, text.encode("utf-8", "backslashreplace"), mode=0o644)
 
 
 def write_report(paths: PathLike | Sequence[PathLike], html_path: PathLike,
