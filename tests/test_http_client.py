@@ -455,3 +455,18 @@ def test_a_compressed_answer_is_bounded_after_inflating() -> None:
     with scripted(lambda m, p, n: (answer, False)) as server, \
             pytest.raises(SourceError, match=r"answered more than 10 bytes for bytes 0-10"):
         RangeSource(server.url, "f.bin", [0], [10], retries=0).fetch_many([0])
+
+
+def test_an_index_whose_answer_never_ends_is_not_read_past_a_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An index or a table is read whole, with no size known before: it is read up to
+    ``MAX_DOCUMENT`` bytes (1 GiB; 4 MiB here), not until the memory runs out."""
+    from lcache.data import MDSSource, remote
+
+    monkeypatch.setattr(remote, "MAX_DOCUMENT", 4 << 20)
+    with EndlessServer(_answer("200 OK", {}), _MIB) as server:
+        with pytest.raises(SourceError, match=r"cannot read the index \S+/index.json: .*"
+                           r"answered more than 4194304 bytes, past the 4.0 MiB it may hold"):
+            MDSSource(server.url, retries=0, timeout=60)
+        assert server.done.wait(30)
+        assert server.sent < EndlessServer.CAP // 4

@@ -33,6 +33,7 @@ from lcache.data import http_client
 from lcache.errors import ConfigError, CorruptionError, LCacheError
 from lcache.io.files import close_file, open_regular
 from lcache.io.urls import filesystem_of
+from lcache.store.layout import format_size
 from lcache.trace import recorder as _trace
 
 T = TypeVar("T")
@@ -295,6 +296,10 @@ def _why(exc: BaseException, timeout: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+#: The most bytes of an index or a table read whole (``Remote.get_many``): parsed, such a
+#: document takes several times its size in memory.
+MAX_DOCUMENT = 1 << 30
+
 #: The version fields of an HTTP answer, as fsspec's ``info`` names them.
 HTTP_VERSION_HEADERS = ("ETag", "Content-MD5", "Digest", "Last-Modified")
 
@@ -306,19 +311,20 @@ def _range_total(content_range: str | None) -> int | None:
 
 
 async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
-                    listed: Listed | None) -> bytes:
+                    listed: Listed | None, most: int | None = None) -> bytes:
     """Bytes ``start:end`` of ``url`` (all of it when ``start`` is None), with the place of
     the answer checked: fsspec's ``_cat_file`` takes any body, and a server or proxy that
     answered a range with other bytes of the right length had them cached as the sample. A
     200 (the whole object: a server without ranges) is taken for a range from byte 0 only,
     and the caller refuses it unless it is exactly the range. The object's size and version
     fields are checked against ``listed`` (a whole object of no known size too: served by
-    ``_cat_file``, one rewritten after the listing was cached under the listed ETag)."""
+    ``_cat_file``, one rewritten after the listing was cached under the listed ETag). A
+    whole object is read up to ``most`` bytes (None: no bound), a range up to its length."""
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", {}))
     if start is not None and end is not None:
         headers["Range"] = f"bytes={start}-{end - 1}"
-    limit = None if start is None or end is None else end - start
+    limit = most if start is None or end is None else end - start
     cut = None
     try:
         r = await _http_answer(fs, url, headers, kw, limit)
@@ -338,7 +344,8 @@ async def _http_get(fs: Any, url: str, start: int | None, end: int | None,
             f"({f'Content-Range: {answered}' if r.status == 206 else 'the whole object'})")
     if cut is not None:
         raise SourceError(f"{url} {cut} for bytes {start}-{end} (a server that ignores Range "
-                          "requests?)")
+                          "requests?)" if start is not None else
+                          f"{url} {cut}, past the {format_size(limit or 0)} it may hold")
     if listed is not None:
         listed.check(_range_total(answered) if r.status == 206 else len(r.body),
                      {name: r.header(name) for name in HTTP_VERSION_HEADERS})
@@ -615,18 +622,20 @@ class Remote:
 
     # ------------------------------------------------------------------- requests
     async def cat(self, path: str, start: int | None, end: int | None,
-                  what: Callable[[], str], listed: Listed | None = None) -> bytes:
+                  what: Callable[[], str], listed: Listed | None = None,
+                  most: int | None = None) -> bytes:
         """The bytes of ``path`` (``start:end``, or all of it), retried; traced. Over HTTP,
         S3 and local files, an answer from an object whose size or version is not
-        ``listed``'s is refused (``SourceChangedError``)."""
+        ``listed``'s is refused (``SourceChangedError``). Over HTTP, a whole object is
+        read up to ``most`` bytes (None: no bound)."""
         fs, _ = self.fs()
         url = self.full_url(path)
         traced = (url, start or 0, 0 if end is None else end - (start or 0))
         if self.is_async:
             protocols = _protocols(fs)
             if "http" in protocols and (start is None) == (end is None):
-                return await self.attempt(lambda: _http_get(fs, path, start, end, listed),
-                                          what, traced)
+                return await self.attempt(
+                    lambda: _http_get(fs, path, start, end, listed, most), what, traced)
             if listed is not None and "s3" in protocols:
                 return await self.attempt(lambda: _s3_get(fs, path, start, end, listed),
                                           what, traced)
@@ -676,7 +685,8 @@ class Remote:
         """Whole objects or ranges ``(path, start, end)`` that are not samples (an index, a
         shard's header), concurrently, each retried; errors start with ``what(url)``. The
         caller checks the lengths; ``listed``: what each answer's object must be (see
-        ``cat``; one object's parts)."""
+        ``cat``; one object's parts). A whole object over HTTP is read up to
+        ``MAX_DOCUMENT`` bytes: a server whose answer never ends filled the memory."""
         if not self.is_async and len(parts) == 1:
             path, start, end = parts[0]
             try:
@@ -688,7 +698,7 @@ class Remote:
         def job(path: str, start: int | None, end: int | None
                 ) -> Callable[[], Awaitable[bytes]]:
             return lambda: self.cat(path, start, end, lambda: what(self.full_url(path)),
-                                    listed)
+                                    listed, MAX_DOCUMENT)
 
         return self.run(lambda: self.bounded(job(*part) for part in parts))
 
