@@ -217,3 +217,12 @@ def test_a_key_past_the_int_range_is_refused_alike_by_every_call(open_store: Any
         exc = _raised(call)
         assert type(exc) is ConfigError, repr(exc)
         assert "int keys must be in [0, 2**63), got 18446744073709551615" in str(exc)
+
+
+@pytest.mark.parametrize("bad", ["0.5", None, float("nan"), 1.5, -0.1])
+def test_gc_takes_a_fraction_of_dead_bytes_only(open_store: Any, bad: Any) -> None:
+    """gc("0.5") was a TypeError deep in the loop; nan compacted nothing without a word."""
+    store = open_store()
+    with pytest.raises(ConfigError, match=r"min_dead_fraction=.*: give a number from 0 to 1"):
+        store.gc(bad)
+    assert store.gc(0.5) == 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
+from lcache.checks import real_number
 from lcache.errors import CorruptionError, StoreFullError
 from lcache.io import BufferPool, SyncPolicy, close_file
 from lcache.store.compaction import (
@@ -376,8 +377,12 @@ class Space(StoreParts):
         """Compact sealed segments whose dead share is at least ``min_dead_fraction``.
 
         Live records are copied forward into this process's segment. Returns bytes freed.
+
+        Raises:
+            ConfigError: ``min_dead_fraction`` is not a number from 0 to 1.
         """
         self._check_process()
+        min_dead_fraction = real_number(min_dead_fraction, "min_dead_fraction", 0.0, 1.0)
         freed = 0
         with self._meta_lock():
             sealed, _, _ = self._survey()
