@@ -6,6 +6,7 @@ reused only when its answer ended where its framing said."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import os
 import socket
@@ -76,7 +77,7 @@ class ScriptedServer:
             except (ssl.SSLError, OSError):  # a client that refused the certificate
                 conn.close()
                 return
-        with conn:
+        with conn, contextlib.suppress(OSError):  # a client that hung up (a reset)
             buf = b""
             nth = 0
             while True:

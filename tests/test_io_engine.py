@@ -346,7 +346,8 @@ def _huge_kib_of(buf: Any) -> int:
 
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
+    # paths as the kernel gives them: another test's file may be named in bytes not UTF-8
+    for line in Path("/proc/self/smaps").read_bytes().decode("latin-1").splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
             lo, hi = (int(x, 16) for x in head.split("-"))
