@@ -48,6 +48,18 @@ Script = Callable[[str, str, int], tuple[bytes | None, bool]]
 HEAD = _answer("200 OK", {"Content-Length": str(len(BODY))})  # every HEAD: BODY's size
 
 
+def _read_head(conn: socket.socket, buf: bytes) -> tuple[bytes, bytes] | None:
+    """The next request's head on ``conn`` (``buf``: what came after the last one) and the
+    bytes after it, or None once the client closed."""
+    while b"\r\n\r\n" not in buf:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return head, rest
+
+
 class ScriptedServer:
     """Answers each GET with ``script`` (a HEAD with BODY's size); counts connections and
     keeps the GETs' heads."""
@@ -81,12 +93,10 @@ class ScriptedServer:
             buf = b""
             nth = 0
             while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, buf = buf.split(b"\r\n\r\n", 1)
+                got = _read_head(conn, buf)
+                if got is None:
+                    return
+                head, buf = got
                 method, path, _ = head.decode("latin-1").split("\r\n")[0].split(" ")
                 if method == "HEAD":
                     conn.sendall(HEAD)
@@ -360,7 +370,7 @@ def test_a_name_that_does_not_resolve_is_a_transient_connection_failure() -> Non
     assert not is_transient(refused.value)
 
 
-class EndlessServer:
+class EndlessServer(ScriptedServer):
     """Answers every GET with ``head`` and then ``piece`` again and again, until the client
     goes away or ``CAP`` bytes of body went out; counts the body bytes sent. HEADs get
     BODY's size."""
@@ -371,29 +381,17 @@ class EndlessServer:
         self.head, self.piece = head, piece
         self.sent = 0
         self.done = threading.Event()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://localhost:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__(lambda m, p, n: (None, True))
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(OSError):  # the client hung up: what it was asked
             buf = b""
             try:
                 while True:
-                    while b"\r\n\r\n" not in buf:
-                        data = conn.recv(65536)
-                        if not data:
-                            return
-                        buf += data
-                    head, buf = buf.split(b"\r\n\r\n", 1)
+                    got = _read_head(conn, buf)
+                    if got is None:
+                        return
+                    head, buf = got
                     if head.startswith(b"HEAD"):
                         conn.sendall(HEAD)
                         continue
@@ -402,8 +400,6 @@ class EndlessServer:
                         conn.sendall(self.piece)
                         self.sent += len(self.piece)
                     return
-            except OSError:  # the client hung up: what it was asked to do
-                return
             finally:
                 self.done.set()
 
@@ -411,7 +407,7 @@ class EndlessServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._sock.close()
+        self.close()
 
 
 _MIB = b"x" * (1 << 20)
