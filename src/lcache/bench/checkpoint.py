@@ -38,6 +38,7 @@ Each file is written to a temp name, fsynced (``checkpoint.fsync``) and renamed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -276,21 +277,26 @@ class CheckpointIO:
         for f in self.files:
             path = os.path.join(target, f.name)
             tmp = f"{path}.tmp{os.getpid()}"
-            fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            # Everything from the file's creation to its rename is undone on the way out: a
+            # SIGTERM (raised as Terminated) between the close and the rename left a
+            # checkpoint-sized temp file behind.
             try:
-                off = 0
-                while off < f.nbytes:
-                    n = min(len(buf), f.nbytes - off)
-                    pwrite_full(fd, off, [buf[:n]], io_class=IO_CLASS)
-                    off += n
-                if self.fsync:
-                    sync_fd(fd, data_only=False, io_class=IO_CLASS)
+                fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    off = 0
+                    while off < f.nbytes:
+                        n = min(len(buf), f.nbytes - off)
+                        pwrite_full(fd, off, [buf[:n]], io_class=IO_CLASS)
+                        off += n
+                    if self.fsync:
+                        sync_fd(fd, data_only=False, io_class=IO_CLASS)
+                finally:
+                    close_file(fd)
+                os.replace(tmp, path)
             except BaseException:
-                close_file(fd)
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
                 raise
-            close_file(fd)
-            os.replace(tmp, path)
         if self.fsync:
             fsync_dir(target)
         return self.nbytes

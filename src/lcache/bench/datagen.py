@@ -142,18 +142,20 @@ def _encode(w: Workload, index: int, size: int) -> list[bytes | memoryview]:
 def _publish(path: str, data: bytes | memoryview) -> None:
     """Write ``path`` atomically: temp file, fsync, rename (nothing half-written is visible)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        view = memoryview(data)
-        for off in range(0, len(view), _CHUNK):
-            pwrite_full(fd, off, [view[off:off + _CHUNK]], io_class=IO_CLASS)
-        sync_fd(fd, io_class=IO_CLASS)
+    try:  # undone from creation to rename: a SIGTERM between the close and the rename
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view = memoryview(data)
+            for off in range(0, len(view), _CHUNK):
+                pwrite_full(fd, off, [view[off:off + _CHUNK]], io_class=IO_CLASS)
+            sync_fd(fd, io_class=IO_CLASS)
+        finally:
+            close_file(fd)
+        os.replace(tmp, path)
     except BaseException:
-        close_file(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
-    close_file(fd)
-    os.replace(tmp, path)
 
 
 def generate(w: Workload, data_dir: str, rank: int = 0, world: int = 1,
