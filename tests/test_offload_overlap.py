@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,21 +182,88 @@ def test_a_full_device_mid_step_is_undone_and_the_step_retries(tmp_path: Path) -
         opt.close()
 
 
-def test_a_step_pre_hook_that_fails_undoes_the_updates(tmp_path: Path) -> None:
-    model = make_model()
+def test_step_pre_hooks_run_before_backward(tmp_path: Path) -> None:
+    """A pre-hook that halves the lr: it ran after the sub-groups were updated during
+    backward, so they all took the old one (attack helper 107). One that raises stops the
+    step before backward runs."""
+    def halve(opt: Any, *_: Any) -> None:
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref.register_step_pre_hook(halve)
     with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        opt.register_step_pre_hook(halve)
+        train(ref_model, ref, range(3))
+        train_overlapped(model, opt, range(3))
+        assert same(ref_model, model)
+
         def refuse(*_: Any) -> None:
             raise ValueError("not this step")
 
-        handle = opt.register_step_pre_hook(refuse)
+        opt.register_step_pre_hook(refuse)
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(ValueError, match="not this step"):
-            opt.step_with_backward(loss_of(model, batch(0)))
+            opt.step_with_backward(loss_of(model, batch(3)))
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-        handle.remove()
-        opt.step()
-        assert not all(torch.equal(p, b)
-                       for p, b in zip(model.parameters(), before, strict=True))
+        assert all(p.grad is None for p in model.parameters())  # backward did not run
+
+
+def test_a_weight_backward_still_needs_is_refused_not_used_updated(tmp_path: Path) -> None:
+    """The output layer's weight is also used detached at the input: the update made when
+    its gradient was complete changed the value the input's backward then read, and the
+    bits differed without a word (torch's fused AdamW tells autograd nothing). Now
+    autograd sees the change, and the step is refused and undone (attack helper 107)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(40, 40) for _ in range(4))
+    x = torch.randn(8, 40)
+    with OffloadedOptimizer(layers.parameters(), lr=1e-2, dir=tmp_path, host_budget="1MB",
+                            sub_group_size=1640, direct=False) as opt:
+        h = torch.tanh(layers[0](x))
+        h = h + torch.tanh(h @ layers[3].weight.detach().T)
+        h = _Waits.apply(h, threading.Event(), [])  # the input's backward comes later
+        for layer in layers[1:]:
+            h = torch.tanh(layer(h))
+        before = [p.detach().clone() for p in layers.parameters()]
+        with pytest.raises(ConfigError, match="backward needed the value of a parameter that "
+                           "step_with_backward had already updated"):
+            opt.step_with_backward(h.square().mean())
+        assert all(torch.equal(p, b) for p, b in zip(layers.parameters(), before, strict=True))
+
+
+def test_ctrl_c_while_the_step_runs_undoes_it_before_the_call_returns(tmp_path: Path) -> None:
+    """SIGINT after backward, while the thread still updated: the call raised, and the
+    thread committed the step behind the caller's back (attack helper 107)."""
+    model = make_model()
+    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+        real = opt._update
+
+        def slow(*args: Any) -> None:  # a large sub-group, a slow device
+            time.sleep(0.1)
+            real(*args)
+
+        opt._update = slow  # type: ignore[method-assign]
+        before = [p.detach().clone() for p in model.parameters()]
+        slots = list(opt._slot_of)
+        loss = loss_of(model, batch(0))
+        interrupt = threading.Timer(0.25, lambda: os.kill(os.getpid(), signal.SIGINT))
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            opt.step_with_backward(loss)
+        interrupt.join()
+        for thread in threading.enumerate():  # the step's: done, ending
+            if thread.name == "lcache-offload-step":
+                thread.join(5)
+                assert not thread.is_alive()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert opt._slot_of == slots
+        opt._update = real  # type: ignore[method-assign]
+        ref_model = make_model()
+        train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True),
+              range(1))
+        opt.step()  # the gradients are still there: the same step, whole
+        assert same(ref_model, model)
 
 
 def test_a_gradient_that_comes_twice_in_one_pass_is_refused_and_undone(

@@ -281,7 +281,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # sub-group index -> the buffer that still holds its committed block (the last ones
         # a step wrote): the next step updates those first, without reading them
         self._resident: dict[int, Any] = {}
-        self._overlap: _Overlap | None = None  # a step_with_backward under way
+        self._backward: Any = None  # the loss of a step_with_backward, for _step
         self._write_initial()
         self._versions = self._param_versions()
 
@@ -498,10 +498,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         For a step whose gradients are final when backward ends: accumulate micro-batches
         with ``loss.backward()`` and give the last one here, but clip gradients or unscale
-        them (``GradScaler``) and it is too late (use ``backward()`` and ``step()``). A
-        parameter whose gradient comes twice in one pass (reentrant activation
-        checkpointing) fails it, undone. On GPUs and across ranks (whose gradients are
-        reduced when backward ends) it runs the two calls one after the other.
+        them (``GradScaler``) and it is too late (use ``backward()`` and ``step()``). Step
+        pre-hooks run before backward, post-hooks after the step. A parameter updated while
+        backward still needs its value (a weight used detached elsewhere in the graph), or
+        whose gradient comes twice in one pass (reentrant activation checkpointing), fails
+        it, undone. On GPUs and across ranks (whose gradients are reduced when backward
+        ends) it runs the two calls one after the other.
 
         Raises:
             what ``backward()`` and ``step()`` raise; a failed step is undone, as ``step()``'s.
@@ -515,26 +517,35 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             loss.backward()
             self.step()
             return
+        # run by _step, inside step(): after the step pre-hooks (an lr one sets applies to
+        # every sub-group) and before the post-hooks, as for any step
+        self._backward = loss
+        try:
+            self.step()
+        finally:
+            self._backward = None
+
+    def _step_with_backward(self, loss: Any) -> None:
         self._adopt_changed_params()  # before the thread reads any parameter
         overlap = _Overlap(self)
         try:
-            loss.backward()
+            with torch.enable_grad():
+                loss.backward()
         except BaseException as exc:
-            overlap.abort(exc)
+            updated = overlap.abort(exc)
+            if updated and isinstance(exc, RuntimeError) and "inplace operation" in str(exc):
+                raise ConfigError(
+                    "backward needed the value of a parameter that step_with_backward had "
+                    "already updated (a weight used detached, or under no_grad, elsewhere in "
+                    "the graph?): use backward() and step() for this model (this step was "
+                    f"undone). Autograd said: {exc}") from exc
             raise
-        self._overlap = overlap
-        try:
-            self.step()  # its hooks run, as for any step; it waits for the overlapped updates
-        except BaseException as exc:
-            if self._overlap is overlap:  # a step pre-hook failed: the updates are undone
-                self._overlap = None
-                overlap.abort(exc)
-            raise
+        overlap.finish()
 
     def _step(self) -> None:
-        overlap, self._overlap = self._overlap, None
-        if overlap is not None:  # step_with_backward: its updates began in backward
-            overlap.finish()
+        loss, self._backward = self._backward, None
+        if loss is not None:
+            self._step_with_backward(loss)
             return
         self._check_grads()
         work = [sg for sg in self.sub_groups
@@ -563,11 +574,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                   f"{self.optimizer_class.__name__} does not take (as in "
                                   "torch): use dense gradients, or torch.optim.SparseAdam")
 
-    def _run_step(self, feed: _Feed) -> None:
+    def _run_step(self, feed: _Feed, overlap: _Overlap | None = None) -> None:
         """Update the sub-groups ``feed`` gives, in its order, through the buffers: read the
         next while one is updated and the last ones are written; then commit them all. On
         any error, the parameters of those updated are set back from their committed slots
-        and the error raised: memory and swap are as before the step."""
+        and the error raised: memory and swap are as before the step. ``overlap``: the step
+        runs under backward (``step_with_backward``)."""
         keep, self._resident = self._resident, {}  # rebuilt only if the step succeeds
         free = [b for b in self._buffers if all(b is not r for r in keep.values())]
         written: list[tuple[SubGroup, Any]] = []
@@ -609,6 +621,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._io(pending, nbytes, write=False)
                 updated.append(sg)
                 self._update(sg, buf, scalars)
+                if overlap is not None:
+                    self._changed_in_place(sg)
+                    overlap.updated += 1
                 target = 1 - self._slot_of[sg.index]
                 self._pins.wait_free(sg.index, target)
                 view = self._view(buf)[: sg.nbytes]
@@ -623,6 +638,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             while writes:
                 buf, pending, nbytes = writes.popleft()
                 self._io(pending, nbytes, write=True)
+            feed.check()  # the caller gave up on the step (Ctrl-C): undone, not committed
         except BaseException:
             for _, pending, _ in reads.values():
                 _drain(pending)
@@ -637,6 +653,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._resident = dict(last.values())
         for p, values in scalars.items():
             self._scalars[p] = values
+
+    def _changed_in_place(self, sg: SubGroup) -> None:
+        """Tell autograd that ``sg``'s parameters changed: torch's fused optimizers update in
+        place without, and a node of the backward still under way that saved one of them
+        (a weight used detached) then computed from the new value without a word."""
+        for p in {pc.param for pc in sg.pieces}:
+            if self._params[p].grad is not None:  # updated (a frozen one backward may need)
+                torch.autograd.graph.increment_version(self._params[p])
 
     def _in_place(self, sg: SubGroup) -> bool:
         """Whether ``sg``'s parameters can be updated where they are: fp32, contiguous, on
@@ -825,22 +849,32 @@ class _Feed:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cancelled: BaseException | None = None
 
-    def put(self, item: SubGroup | BaseException | None) -> None:
+    def put(self, item: SubGroup | None) -> None:
         self._queue.put(item)
 
+    def cancel(self, why: BaseException) -> None:
+        """Stop the step and undo it, even once its last sub-group was given."""
+        self.cancelled = why
+        self._queue.put(None)  # wakes a get() that waits
+
+    def check(self) -> None:
+        if self.cancelled is not None:
+            raise self.cancelled
+
     def get(self, block: bool) -> Any:
+        self.check()
         try:
             item = self._queue.get(block)
         except queue.Empty:
             return _LATER
-        if isinstance(item, BaseException):
-            raise item
+        self.check()
         return item
 
 
 class _BackwardFailed(Exception):
-    """Stops a step that ran under a backward pass which failed."""
+    """Stops a step that ran under a backward pass which failed (or was interrupted)."""
 
 
 class _Overlap:
@@ -852,11 +886,15 @@ class _Overlap:
     def __init__(self, opt: OffloadedOptimizer) -> None:
         self.opt = opt
         self.feed = _Feed()
+        self.updated = 0  # sub-groups updated so far, by the thread
         self.sent: set[int] = set()
         self.fired: set[int] = set()
         self.waiting = [{pc.param for pc in sg.pieces if opt._params[pc.param].requires_grad}
                         for sg in opt.sub_groups]
         self.error: list[BaseException] = []
+        # waited on, not the thread: on Python 3.11 a join cut by Ctrl-C marks a thread that
+        # still runs as stopped (its later joins return at once)
+        self.done = threading.Event()
         self.lock = threading.Lock()
         self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
                       for i, p in enumerate(opt._params) if p.requires_grad]
@@ -884,38 +922,58 @@ class _Overlap:
     def _run(self) -> None:
         try:
             with torch.no_grad():
-                self.opt._run_step(self.feed)
+                self.opt._run_step(self.feed, self)
         except BaseException as exc:
             self.error.append(exc)
+        finally:
+            self.done.set()
 
     def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()
 
-    def abort(self, why: BaseException) -> None:
-        """Backward failed: stop the step, its updates undone, before ``why`` is raised."""
+    def abort(self, why: BaseException) -> int:
+        """Backward failed, or the caller was interrupted: stop the step, its updates undone,
+        before ``why`` is raised; returns how many sub-groups had been updated."""
         self.remove_hooks()
-        self.feed.put(_BackwardFailed(str(why)))
-        self.thread.join()
+        self.feed.cancel(_BackwardFailed(str(why)))
+        _wait(self.done)
+        return self.updated
 
     def finish(self) -> None:
+        """After backward: hand over the sub-groups left and wait for the step to end. A
+        Ctrl-C while it runs undoes it: the thread would have committed it after the call
+        raised."""
         opt = self.opt
         self.remove_hooks()
         try:
             opt._check_grads()
-        except ConfigError as exc:
+            with self.lock:
+                for sg in opt.sub_groups:
+                    if sg.index not in self.sent and any(
+                            opt._params[pc.param].grad is not None for pc in sg.pieces):
+                        self.sent.add(sg.index)
+                        self.feed.put(sg)
+            self.feed.put(None)
+            self.done.wait()
+        except BaseException as exc:
             self.abort(exc)
             raise
-        with self.lock:
-            for sg in opt.sub_groups:
-                if sg.index not in self.sent and any(
-                        opt._params[pc.param].grad is not None for pc in sg.pieces):
-                    self.sent.add(sg.index)
-                    self.feed.put(sg)
-        self.feed.put(None)
-        self.thread.join()
         if self.error:
             raise self.error[0]
+
+
+def _wait(done: threading.Event) -> None:
+    """Wait for ``done``, a Ctrl-C meanwhile raised after: the step's thread is undoing the
+    step, which must not go on behind the caller's back."""
+    interrupted: BaseException | None = None
+    while not done.is_set():
+        try:
+            done.wait()
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _drain(pending: list[Pending]) -> None:
