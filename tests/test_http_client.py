@@ -173,7 +173,9 @@ def test_a_request_says_its_host_and_asks_for_no_content_coding() -> None:
     b"HTTP/2 200 OK\r\n\r\n",
     _answer("200 OK", {"Content-Length": "3", "content-length": "4"}, b"abc"),
     b"HTTP/1.1 200 OK\r\n folded: header\r\nContent-Length: 0\r\n\r\n",
-], ids=["redirect", "gzip", "transfer-coding", "1xx", "http2", "two-lengths", "folded"])
+    _answer("200 OK", {"X-Big": "x" * 70_000, "Content-Length": "2"}, b"ok"),
+], ids=["redirect", "gzip", "transfer-coding", "1xx", "http2", "two-lengths", "folded",
+        "head-over-64KiB"])
 def test_what_the_client_does_not_know_is_left_to_a_full_client(answer: bytes) -> None:
     with scripted(lambda m, p, n: (answer, False)) as server, pytest.raises(http_client.NotPlain):
         _get(f"{server.url}/x")

@@ -233,7 +233,7 @@ class _Connection(asyncio.Protocol):
         if self._head is None:
             self._buf += data
             end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
+            if end < 0 or end > MAX_HEAD:  # whether it came in one piece or many
                 if len(self._buf) > MAX_HEAD:
                     raise NotPlain("a response head over 64 KiB")
                 return
