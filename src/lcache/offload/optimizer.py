@@ -845,7 +845,7 @@ _LATER = object()  # _Feed.get: no sub-group is ready yet, but more will come
 class _Feed:
     """The sub-groups a step updates, in the order they are ready: all at once for
     ``step()``; for ``step_with_backward``, each as backward finishes its gradients. Then
-    None (the end), or an exception: the step stops, and its updates are undone."""
+    None (the end). ``cancel`` stops the step wherever it is, its updates undone."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
