@@ -421,7 +421,9 @@ class Store(Space, Reader):
         """Store many records with few large writes (the fast path for bulk loading).
 
         Batches are pipelined: while one is written (the GIL released), the next is checksummed
-        and staged. A record is visible to other processes once its batch is on disk.
+        and staged. A record is visible to other processes once its batch is on disk. Not all
+        or nothing: a bad key or value raises before its own batch (up to 16 MiB of records)
+        is written, and the batches before it stay stored.
 
         Raises:
             ConfigError: as ``put``; or ``keys`` and ``values`` differ in length (an
