@@ -469,3 +469,17 @@ def test_an_index_whose_answer_never_ends_is_not_read_past_a_bound(
             MDSSource(server.url, retries=0, timeout=60)
         assert server.done.wait(30)
         assert server.sent < EndlessServer.CAP // 4
+
+
+def test_an_s3_answer_longer_than_asked_is_not_read_past_the_request() -> None:
+    """The same over S3 (aiobotocore, s3fs): an endpoint whose 206 never ends was read
+    whole, 256 MiB for a 10-byte range, then refused."""
+    head = _answer("206 Partial Content", {"Content-Range": "bytes 0-9/10240", "ETag": '"e"'})
+    with EndlessServer(head, _MIB) as server:
+        src = RangeSource("s3://bucket", "f.bin", [0], [10], retries=0, timeout=60,
+                          storage_options={"endpoint_url": server.url, "anon": True})
+        with pytest.raises(SourceError, match=r"s3://bucket/f.bin answered more than 10 bytes "
+                           r"for bytes 0-10 \(an endpoint that ignores Range requests\?\)"):
+            src.fetch_many([0])
+        assert server.done.wait(30)
+        assert server.sent < EndlessServer.CAP // 4

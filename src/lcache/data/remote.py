@@ -389,18 +389,30 @@ async def _http_answer(fs: Any, url: str, headers: dict[str, str], kw: dict[str,
 
 
 async def _s3_get(fs: Any, path: str, start: int | None, end: int | None,
-                  listed: Listed) -> bytes:
-    """``path[start:end]`` (or all of it) from S3, with the object's size and ETag checked
-    against ``listed`` (s3fs's ``_cat_file`` returns the body alone)."""
+                  listed: Listed, most: int | None = None) -> bytes:
+    """``path[start:end]`` (or all of it, up to ``most`` bytes) from S3, with the object's
+    size and ETag checked against ``listed`` (s3fs's ``_cat_file`` returns the body alone).
+    A body longer than the range is refused as soon as it is: read whole, an endpoint that
+    ignored the range or never ended filled the memory, as over HTTP."""
     bucket, key, version_id = fs.split_path(path)
     kw: dict[str, Any] = {"VersionId": version_id} if version_id else {}
     if start is not None:
         kw["Range"] = f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
+    limit = end - start if start is not None and end is not None else most
     r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+    parts: list[bytes] = []
+    got = 0
     try:
-        data: bytes = await r["Body"].read()
+        while chunk := await r["Body"].read(1 << 20 if limit is None else limit + 1 - got):
+            parts.append(chunk)
+            got += len(chunk)
+            if limit is not None and got > limit:
+                raise SourceError(f"s3://{bucket}/{key} answered more than {limit} bytes for "
+                                  f"bytes {start}-{end} (an endpoint that ignores Range "
+                                  "requests?)")
     finally:
         r["Body"].close()
+    data = b"".join(parts)
     listed.check(_range_total(r.get("ContentRange")) if start is not None else len(data),
                  {"ETag": r.get("ETag")})
     return data
@@ -637,7 +649,7 @@ class Remote:
                 return await self.attempt(
                     lambda: _http_get(fs, path, start, end, listed, most), what, traced)
             if listed is not None and "s3" in protocols:
-                return await self.attempt(lambda: _s3_get(fs, path, start, end, listed),
+                return await self.attempt(lambda: _s3_get(fs, path, start, end, listed, most),
                                           what, traced)
             kw = self._whole_kw if start is None else {}
             return await self.attempt(
