@@ -483,3 +483,37 @@ def test_an_s3_answer_longer_than_asked_is_not_read_past_the_request() -> None:
             src.fetch_many([0])
         assert server.done.wait(30)
         assert server.sent < EndlessServer.CAP // 4
+
+
+def test_an_answer_aiohttp_cannot_parse_is_named_as_such_not_as_a_400() -> None:
+    """aiohttp refuses a malformed head (here a signed Content-Length) with a
+    ClientResponseError of status 400, which read as the server's own 400 (helper 107)."""
+    bad = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/10240\r\n" \
+          b"Content-Length: +10\r\n\r\n0123456789"
+    with scripted(lambda m, p, n: (bad, False)) as server, \
+            pytest.raises(SourceError, match=r"f.bin sent an answer that is not valid HTTP "
+                          r"\(Invalid character in Content-Length\)") as refused:
+        RangeSource(server.url, "f.bin", [0], [10], backoff=0.001).fetch_many([0])
+    assert "400" not in str(refused.value)
+
+
+def test_every_idle_connection_the_server_closed_is_replaced_without_a_retry() -> None:
+    """A server that restarted closed all the kept-alive connections: the request is sent
+    again on each idle one in turn, then on a new one. It was sent twice only, and then
+    raised AssertionError("unreachable") (seen once in the faulty-remote test)."""
+    ok = _answer("200 OK", {"Content-Length": "2"}, b"ok")
+
+    def script(method: str, path: str, nth: int) -> tuple[bytes | None, bool]:
+        if nth > 1:
+            return None, False  # closed as the next request came: the restart
+        time.sleep(0.1)  # the first three overlap: three connections
+        return ok, False
+
+    with scripted(script) as server:
+        async def go() -> list[bytes]:
+            first = await asyncio.gather(*[http_client.get(yarl.URL(f"{server.url}/{i}"), {})
+                                           for i in range(3)])
+            again = await http_client.get(yarl.URL(f"{server.url}/again"), {})
+            return [r.body for r in (*first, again)]
+        assert asyncio.run(go()) == [b"ok"] * 4
+        assert server.connections == 4

@@ -407,15 +407,17 @@ async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Re
     pool = _POOLS.get(loop)
     if pool is None:
         pool = _POOLS[loop] = _Pool()
-    for _ in range(2):
+    while True:
         conn = await pool.take(key)
         reused = conn.used
         try:
             response = await conn.send(request, limit)
         except BrokenResponse:
             pool.drop(key, conn)
-            # A kept-alive connection the server closed as we wrote: asked again at once on
-            # a new one, as browsers and aiohttp do; not a failure of the server.
+            # A kept-alive connection the server closed as we wrote: asked again at once,
+            # as browsers and aiohttp do; not a failure of the server. On the next idle
+            # one too (a server that restarted closed them all), until a new connection:
+            # each try drops one, so this ends. (Twice only, it raised "unreachable".)
             if reused and not conn._got_any:
                 continue
             raise
@@ -424,4 +426,3 @@ async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Re
             raise
         pool.give(key, conn)
         return response
-    raise AssertionError("unreachable")  # pragma: no cover

@@ -373,19 +373,29 @@ async def _http_answer(fs: Any, url: str, headers: dict[str, str], kw: dict[str,
             return await http_client.get(target, headers, limit)
         except http_client.NotPlain:
             pass
+    import aiohttp
+
     session = await fs.set_session()
-    async with session.get(target, headers=headers, **kw) as r:
-        room = http_client.MAX_ERROR_BODY if r.status >= 400 else limit
-        body = bytearray()
-        async for piece in r.content.iter_any():  # decoded: a gzip bomb is bounded too
-            body += piece
-            if room is not None and len(body) > room:
-                answer = http_client.Response(r.status, r.reason or "", r.headers,
-                                              bytes(body[:room]))
-                if r.status >= 400:
-                    return answer
-                raise http_client.TooLong(f"answered more than {room} bytes", answer)
-        return http_client.Response(r.status, r.reason or "", r.headers, bytes(body))
+    try:
+        async with session.get(target, headers=headers, **kw) as r:
+            room = http_client.MAX_ERROR_BODY if r.status >= 400 else limit
+            body = bytearray()
+            async for piece in r.content.iter_any():  # decoded: a gzip bomb is bounded too
+                body += piece
+                if room is not None and len(body) > room:
+                    answer = http_client.Response(r.status, r.reason or "", r.headers,
+                                                  bytes(body[:room]))
+                    if r.status >= 400:
+                        return answer
+                    raise http_client.TooLong(f"answered more than {room} bytes", answer)
+            return http_client.Response(r.status, r.reason or "", r.headers, bytes(body))
+    except aiohttp.ClientResponseError as exc:
+        if type(exc) is not aiohttp.ClientResponseError or exc.status != 400:
+            raise
+        # aiohttp's own refusal of the answer's head, said as a 400 the server never sent
+        # (a real 400 comes back as an answer: the caller makes its StatusError)
+        what = str(exc.message).split("\n")[0].rstrip(":")
+        raise SourceError(f"{url} sent an answer that is not valid HTTP ({what})") from None
 
 
 async def _s3_get(fs: Any, path: str, start: int | None, end: int | None,
