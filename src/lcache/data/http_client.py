@@ -407,7 +407,7 @@ async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Re
     pool = _POOLS.get(loop)
     if pool is None:
         pool = _POOLS[loop] = _Pool()
-    while True:
+    for _ in range(MAX_CONNECTIONS + 1):
         conn = await pool.take(key)
         reused = conn.used
         try:
@@ -416,8 +416,8 @@ async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Re
             pool.drop(key, conn)
             # A kept-alive connection the server closed as we wrote: asked again at once,
             # as browsers and aiohttp do; not a failure of the server. On the next idle
-            # one too (a server that restarted closed them all), until a new connection:
-            # each try drops one, so this ends. (Twice only, it raised "unreachable".)
+            # one too (a server that restarted closed them all), until a new connection.
+            # (Twice only, it raised "unreachable".)
             if reused and not conn._got_any:
                 continue
             raise
@@ -426,3 +426,5 @@ async def get(url: Any, headers: dict[str, str], limit: int | None = None) -> Re
             raise
         pool.give(key, conn)
         return response
+    raise BrokenResponse(f"every connection kept alive to {key[1]} was closed as a request "
+                         "went out")
