@@ -22,13 +22,10 @@ weights at the next step or checkpoint, as they would for a torch optimizer.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-import itertools
 import logging
 import math
 import mmap
-import queue
 import threading
 import weakref
 from collections import deque
@@ -41,87 +38,13 @@ from lcache.checkpoint.dist import rank_and_world
 from lcache.checks import flag, path_argument
 from lcache.errors import ConfigError
 from lcache.io import Pending, aligned_buffer
+from lcache.offload.overlap import LATER, Feed, Overlap
+from lcache.offload.params import check_layout, named_groups
 from lcache.offload.plan import ALIGN, CUT, F32, SubGroup, buffer_bytes, choose_numel, plan
 from lcache.offload.swap import SwapFile, wait_all
 from lcache.store.layout import parse_size
 
 log = logging.getLogger("lcache")
-
-
-def _named_groups(params: Iterable[Any]) -> tuple[list[str], list[Any], list[dict[str, Any]]]:
-    """(names, tensors, groups) from tensors, ``(name, tensor)`` pairs or param-group dicts;
-    each group dict keeps its options and gets ``"params"``: the indices of its tensors."""
-    if isinstance(params, torch.Tensor):
-        raise ConfigError("params must be an iterable of tensors, (name, tensor) pairs or "
-                          "param-group dicts, not one tensor")
-    try:
-        items = list(params)
-    except TypeError:  # None, a number: nothing to iterate
-        raise ConfigError(f"params={params!r:.100}: give an iterable of tensors, (name, "
-                          "tensor) pairs or param-group dicts, e.g. model.parameters()") from None
-    if not items:
-        raise ConfigError("OffloadedOptimizer got an empty parameter list")
-    raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
-    names: list[str] = []
-    tensors: list[Any] = []
-    groups: list[dict[str, Any]] = []
-    for g, raw in enumerate(raw_groups):
-        if not isinstance(raw, dict) or "params" not in raw:
-            raise ConfigError("parameters must be all tensors, all (name, tensor) pairs, or "
-                              "all param-group dicts with a 'params' key")
-        # a bare tensor is one parameter, as torch takes it (list() split it into rows)
-        members = [raw["params"]] if isinstance(raw["params"], torch.Tensor) else \
-            list(raw["params"])
-        group = {k: v for k, v in raw.items() if k != "params"}
-        group["params"] = []
-        for i, item in enumerate(members):
-            name, tensor = item if isinstance(item, tuple) else (f"{g}.{i}", item)
-            if not getattr(tensor, "is_floating_point", lambda: False)():
-                raise ConfigError(f"parameter {name!r} is not a floating-point tensor")
-            if tensor.dtype == torch.float64:  # the masters are fp32: it would lose bits
-                raise ConfigError(f"parameter {name!r} is float64; the swap keeps fp32 master "
-                                  "weights: train it as float32, bfloat16 or float16")
-            _check_layout(str(name), tensor)
-            group["params"].append(len(tensors))
-            names.append(str(name))
-            tensors.append(tensor)
-        groups.append(group)
-    if len(set(names)) != len(names):
-        raise ConfigError("parameter names must be unique (they name the state in the swap "
-                          "file and in checkpoints)")
-    if len({id(t) for t in tensors}) != len(tensors):
-        raise ConfigError("a parameter appears twice in the parameter list")
-    if not tensors:  # groups all empty: nothing to swap (a checkpoint's pin never let go)
-        raise ConfigError("OffloadedOptimizer got param groups with no parameters")
-    _refuse_overlap(names, tensors)
-    return names, tensors, groups
-
-
-def _refuse_overlap(names: list[str], tensors: list[Any]) -> None:
-    """Two parameters over one memory (a view made a Parameter) are updated one after the
-    other from one swap each: the second overwrote the first's update in another order than
-    torch's, and training drifted from step 1."""
-    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(),
-                    n) for n, t in zip(names, tensors, strict=True) if t.numel())
-    for (dev, _, end, first), (dev2, start, _, second) in itertools.pairwise(spans):
-        if dev == dev2 and start < end:
-            raise ConfigError(f"parameters {first!r} and {second!r} share memory; give the "
-                              "optimizer each storage once (tie them as one Parameter)")
-
-
-def _check_layout(name: str, tensor: Any, numel: int | None = None) -> None:
-    """A parameter the swap can hold and the steps can write: dense, contiguous, with
-    storage (of ``numel`` elements, once laid out)."""
-    if tensor.is_meta or tensor.layout != torch.strided:
-        raise ConfigError(f"parameter {name!r} has no dense storage ({tensor.device.type} "
-                          f"device, {tensor.layout} layout); materialize the model (dense, "
-                          "on the CPU or a GPU) before making its optimizer")
-    if not tensor.is_contiguous():
-        raise ConfigError(f"parameter {name!r} is not contiguous; make it so before making "
-                          "its optimizer (p.data = p.data.contiguous())")
-    if numel is not None and tensor.numel() != numel:
-        raise ConfigError(f"parameter {name!r} now has {tensor.numel()} elements, not the "
-                          f"{numel} the swap file was laid out for")
 
 
 class _Pins:
@@ -202,7 +125,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                               "optimizer class, e.g. torch.optim.AdamW")
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
             raise ConfigError(f"buffers={buffers!r}: the pipeline needs at least 2 buffers")
-        self.names, self._params, groups = _named_groups(params)
+        self.names, self._params, groups = named_groups(params)
         accepted = inspect.signature(self.optimizer_class).parameters
         chosen = {"fused", "foreach"} & {k for d in (options, *groups) for k in d}
         if "fused" in accepted and not chosen:  # a group's own choice is kept too
@@ -433,7 +356,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not changed:
             return
         for i in changed:  # replaced by ``p.data = other``: still one the swap holds?
-            _check_layout(self.names[i], self._params[i], self._numels[i])
+            check_layout(self.names[i], self._params[i], self._numels[i])
         self._resident = {}  # buffers[0] is overwritten, and the committed slots change
         buf = self._buffers[0]
         for sg in self.sub_groups:
@@ -527,7 +450,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _step_with_backward(self, loss: Any) -> None:
         self._adopt_changed_params()  # before the thread reads any parameter
-        overlap = _Overlap(self)
+        overlap = Overlap(self)
         try:
             with torch.enable_grad():
                 loss.backward()
@@ -560,7 +483,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                           if sg.index in self._resident}
         work = [sg for sg in work if sg.index in self._resident] + \
             [sg for sg in work if sg.index not in self._resident]
-        feed = _Feed()
+        feed = Feed()
         for sg in work:
             feed.put(sg)
         feed.put(None)
@@ -574,7 +497,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                   f"{self.optimizer_class.__name__} does not take (as in "
                                   "torch): use dense gradients, or torch.optim.SparseAdam")
 
-    def _run_step(self, feed: _Feed, overlap: _Overlap | None = None) -> None:
+    def _run_step(self, feed: Feed, overlap: Overlap | None = None) -> None:
         """Update the sub-groups ``feed`` gives, in its order, through the buffers: read the
         next while one is updated and the last ones are written; then commit them all. On
         any error, the parameters of those updated are set back from their committed slots
@@ -630,7 +553,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 writes.append((buf, self._swap.write(self._offset(sg, target), view),
                                sg.nbytes))
                 written.append((sg, buf))
-                if following is _LATER:  # the next one is not ready yet: wait for it
+                if following is LATER:  # the next one is not ready yet: wait for it
                     following = feed.get(block=True)
                     if following is not None:
                         start_read(following)
@@ -837,143 +760,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return (f"OffloadedOptimizer({self.optimizer_class.__name__}, {len(self._params)} "
                 f"params, {len(self.sub_groups)} sub-groups of up to "
                 f"{max(sg.numel for sg in self.sub_groups):,} elements, swap {self._swap.path})")
-
-
-_LATER = object()  # _Feed.get: no sub-group is ready yet, but more will come
-
-
-class _Feed:
-    """The sub-groups a step updates, in the order they are ready: all at once for
-    ``step()``; for ``step_with_backward``, each as backward finishes its gradients. Then
-    None (the end). ``cancel`` stops the step wherever it is, its updates undone."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.cancelled: BaseException | None = None
-
-    def put(self, item: SubGroup | None) -> None:
-        self._queue.put(item)
-
-    def cancel(self, why: BaseException) -> None:
-        """Stop the step and undo it, even once its last sub-group was given."""
-        self.cancelled = why
-        self._queue.put(None)  # wakes a get() that waits
-
-    def check(self) -> None:
-        if self.cancelled is not None:
-            raise self.cancelled
-
-    def get(self, block: bool) -> Any:
-        self.check()
-        try:
-            item = self._queue.get(block)
-        except queue.Empty:
-            return _LATER
-        self.check()
-        return item
-
-
-class _BackwardFailed(Exception):
-    """Stops a step that ran under a backward pass which failed (or was interrupted)."""
-
-
-class _Overlap:
-    """A step run while backward computes: a hook on each parameter counts the gradients
-    each sub-group still waits for, and hands it to a thread that updates it once none is
-    left; ``finish()`` adds those whose parameters got no hook call (a gradient set by hand,
-    a parameter unused this pass) and waits for the step to end."""
-
-    def __init__(self, opt: OffloadedOptimizer) -> None:
-        self.opt = opt
-        self.feed = _Feed()
-        self.updated = 0  # sub-groups updated so far, by the thread
-        self.sent: set[int] = set()
-        self.fired: set[int] = set()
-        self.waiting = [{pc.param for pc in sg.pieces if opt._params[pc.param].requires_grad}
-                        for sg in opt.sub_groups]
-        self.error: list[BaseException] = []
-        # waited on, not the thread: on Python 3.11 a join cut by Ctrl-C marks a thread that
-        # still runs as stopped (its later joins return at once)
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
-                      for i, p in enumerate(opt._params) if p.requires_grad]
-        self.thread = threading.Thread(target=self._run, name="lcache-offload-step",
-                                       daemon=True)
-        self.thread.start()
-
-    def _ready(self, param: int, _tensor: Any) -> None:
-        self.opt._check_grads([param])  # raised in backward, which then fails
-        with self.lock:
-            if param in self.fired:  # updated already, from part of its gradient
-                raise ConfigError(
-                    f"parameter {self.opt.names[param]!r} got its gradient twice in one "
-                    "backward pass (reentrant activation checkpointing?), after it was "
-                    "updated: step_with_backward cannot run this model; use backward() "
-                    "and step() (this step was undone)")
-            self.fired.add(param)
-            for sg, _ in self.opt._pieces_of[param]:
-                left = self.waiting[sg.index]
-                left.discard(param)
-                if not left and sg.index not in self.sent:
-                    self.sent.add(sg.index)
-                    self.feed.put(sg)
-
-    def _run(self) -> None:
-        try:
-            with torch.no_grad():
-                self.opt._run_step(self.feed, self)
-        except BaseException as exc:
-            self.error.append(exc)
-        finally:
-            self.done.set()
-
-    def remove_hooks(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-
-    def abort(self, why: BaseException) -> int:
-        """Backward failed, or the caller was interrupted: stop the step, its updates undone,
-        before ``why`` is raised; returns how many sub-groups had been updated."""
-        self.remove_hooks()
-        self.feed.cancel(_BackwardFailed(str(why)))
-        _wait(self.done)
-        return self.updated
-
-    def finish(self) -> None:
-        """After backward: hand over the sub-groups left and wait for the step to end. A
-        Ctrl-C while it runs undoes it: the thread would have committed it after the call
-        raised."""
-        opt = self.opt
-        self.remove_hooks()
-        try:
-            opt._check_grads()
-            with self.lock:
-                for sg in opt.sub_groups:
-                    if sg.index not in self.sent and any(
-                            opt._params[pc.param].grad is not None for pc in sg.pieces):
-                        self.sent.add(sg.index)
-                        self.feed.put(sg)
-            self.feed.put(None)
-            self.done.wait()
-        except BaseException as exc:
-            self.abort(exc)
-            raise
-        if self.error:
-            raise self.error[0]
-
-
-def _wait(done: threading.Event) -> None:
-    """Wait for ``done``, a Ctrl-C meanwhile raised after: the step's thread is undoing the
-    step, which must not go on behind the caller's back."""
-    interrupted: BaseException | None = None
-    while not done.is_set():
-        try:
-            done.wait()
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-    if interrupted is not None:
-        raise interrupted
 
 
 def _drain(pending: list[Pending]) -> None:
