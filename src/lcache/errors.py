@@ -17,6 +17,12 @@ class ConfigError(LCacheError, ValueError):
     """A setting or argument is invalid; the message says what to change."""
 
 
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument is of the wrong type (the store's API: a key that is neither an int nor
+    bytes, a value that is not a plain buffer, a batch that is not a sequence); also the
+    ``TypeError`` such a call raised before."""
+
+
 class StoreNotFoundError(LCacheError, FileNotFoundError):
     """The directory holds no store and creation was not requested."""
 

@@ -1,6 +1,6 @@
 """The log-structured segment store (knows nothing of PyTorch)."""
 
-from lcache.store.arguments import ArgumentTypeError
+from lcache.errors import ArgumentTypeError
 from lcache.store.counters import Counters
 from lcache.store.fsck import FsckReport, fsck
 from lcache.store.layout import StoreConfig, format_size, parse_size

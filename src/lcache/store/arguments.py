@@ -13,13 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lcache.errors import ConfigError
-
-
-class ArgumentTypeError(ConfigError, TypeError):
-    """An argument of the store's API is of the wrong type: a key that is neither an int
-    nor bytes, a value that is not a plain buffer, a batch that is not a sequence."""
-
+from lcache.errors import ArgumentTypeError, ConfigError
 
 # What a batch is not, though len() takes it: one key (b"key" would be read as the int
 # keys 107, 101, 121) or text.

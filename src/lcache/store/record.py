@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from lcache.errors import ConfigError
-from lcache.store.arguments import ArgumentTypeError
+from lcache.errors import ArgumentTypeError, ConfigError
 
 MAGIC = 0x3152434C  # b"LCR1" read as little-endian u32
 VERSION = 1
