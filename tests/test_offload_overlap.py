@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,33 +96,42 @@ class _Waits(torch.autograd.Function):
         return grad, None, None
 
 
-def test_updates_run_while_backward_still_computes(tmp_path: Path) -> None:
-    """The first layers' gradients wait in backward until the output layer's parameters
-    have changed: only an update made during backward lets it go on in time."""
-    model = make_model()
-    head = model.head.weight
-    before = head.detach().clone()
+@contextmanager
+def _when_changed(tensor: torch.Tensor) -> Iterator[threading.Event]:
+    """An event set once ``tensor`` no longer holds the values it holds now (a thread
+    watches it until the block ends)."""
+    before = tensor.detach().clone()
     changed = threading.Event()
     watching = True
 
     def watch() -> None:
         while watching and not changed.is_set():
-            if not torch.equal(head.detach(), before):
+            if not torch.equal(tensor.detach(), before):
                 changed.set()
             changed.wait(0.001)
 
-    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt:
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield changed
+    finally:
+        watching = False
+        watcher.join()
+
+
+def test_updates_run_while_backward_still_computes(tmp_path: Path) -> None:
+    """The first layers' gradients wait in backward until the output layer's parameters
+    have changed: only an update made during backward lets it go on in time."""
+    model = make_model()
+    with OffloadedOptimizer(model.parameters(), lr=1e-2, dir=tmp_path, **SMALL) as opt, \
+            _when_changed(model.head.weight) as changed:
         idx = batch(0)
-        watcher = threading.Thread(target=watch)
-        watcher.start()
         seen: list[bool] = []
         x = _Waits.apply(model.tok(idx[:, :-1]), changed, seen)
         h = model.head(model.ln(model.blocks(x + model.pos[: idx.shape[1] - 1])))
         loss = torch.nn.functional.cross_entropy(h.reshape(-1, h.shape[-1]),
                                                  idx[:, 1:].reshape(-1))
         opt.step_with_backward(loss)
-        watching = False
-        watcher.join()
         assert seen == [True]
 
 
@@ -219,16 +230,19 @@ def test_a_weight_backward_still_needs_is_refused_not_used_updated(tmp_path: Pat
     layers = torch.nn.ModuleList(torch.nn.Linear(40, 40) for _ in range(4))
     x = torch.randn(8, 40)
     with OffloadedOptimizer(layers.parameters(), lr=1e-2, dir=tmp_path, host_budget="1MB",
-                            sub_group_size=1640, direct=False) as opt:
+                            sub_group_size=1640, direct=False) as opt, \
+            _when_changed(layers[3].weight) as changed:
         h = torch.tanh(layers[0](x))
         h = h + torch.tanh(h @ layers[3].weight.detach().T)
-        h = _Waits.apply(h, threading.Event(), [])  # the input's backward comes later
+        seen: list[bool] = []
+        h = _Waits.apply(h, changed, seen)  # the input's backward: once the weight changed
         for layer in layers[1:]:
             h = torch.tanh(layer(h))
         before = [p.detach().clone() for p in layers.parameters()]
         with pytest.raises(ConfigError, match="backward needed the value of a parameter that "
                            "step_with_backward had already updated"):
             opt.step_with_backward(h.square().mean())
+        assert seen == [True]
         assert all(torch.equal(p, b) for p, b in zip(layers.parameters(), before, strict=True))
 
 
